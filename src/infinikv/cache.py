@@ -1,0 +1,163 @@
+"""The transformers ``Cache`` that hands every attention layer to an infinikv policy.
+
+Three pieces join a transformers model to a policy, all installed once per model by :func:`install`:
+
+1. a forward pre-hook on each attention module: it gives the policy the layer's normalised input
+   (``policy.before_attention``) and passes the cache on to the attention function;
+2. ``InfinikvCache.update`` (called by the attention module after q/k/v and RoPE): prefill chunks go to
+   ``policy.prefill``, decode tokens to ``policy.decode``, which returns the K/V the layer attends to;
+3. the attention function registered as ``"infinikv"``: it fits the model's mask to the policy's selection
+   and calls ``policy.attend``. With any other cache it is plain SDPA, so the model still works without us.
+
+A forward pass is a prefill when it carries more than one token or the cache is empty; a decode step
+feeds exactly one token per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .models import model_spec
+from .policies import Policy, PolicyConfig, make_policy
+
+Tensor = torch.Tensor
+ATTN_IMPLEMENTATION = "infinikv"
+
+
+class _PolicyLayer(CacheLayerMixin):
+    """One layer's view of the policy, in the shape transformers' ``Cache`` expects."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: InfinikvCache, layer: int, sliding: bool):
+        super().__init__()
+        self.cache = cache
+        self.layer = layer
+        self.is_sliding = sliding
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return self.cache.store_and_select(self.layer, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.cache.policy.seq_length(self.layer)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Masks always span every position seen; the attention function picks the selected columns.
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class InfinikvCache(Cache):
+    """A transformers ``Cache`` whose storage and selection belong to an infinikv policy.
+
+    Works with infinikv's engine and as a drop-in for ``model.generate(past_key_values=cache)``.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        policy: Policy | PolicyConfig | str = "dense",
+        device: torch.device | str | None = None,
+        **knobs,
+    ):
+        install(model)
+        spec = model_spec(model)
+        device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.policy = policy if isinstance(policy, Policy) else make_policy(policy, spec, device, **knobs)
+        self._positions: dict[int, Tensor | None] = {}
+        layers = [_PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)]
+        super().__init__(layers=layers)
+
+    # -- called by the pre-attention hook ------------------------------------------------------------------
+    def before_attention(self, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor) -> None:
+        policy = self.policy
+        if not policy.spec.is_sliding(layer):
+            # Last query row of a full-attention mask = which cached positions are real tokens.
+            policy.key_valid = None if mask is None else mask[:, 0, -1, :]
+        if self._is_decode(layer, x.shape[1]):
+            policy.before_attention(layer, x, position_ids)
+
+    # -- called from the attention module via Cache.update -------------------------------------------------
+    def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self._is_decode(layer, k.shape[2]):
+            selection = self.policy.decode(layer, k, v)
+            self._positions[layer] = selection.positions
+            return selection.keys, selection.values
+        self._positions[layer] = None
+        return self.policy.prefill(layer, k, v)
+
+    def _is_decode(self, layer: int, q_len: int) -> bool:
+        return q_len == 1 and self.policy.seq_length(layer) > 0
+
+    # -- called by the registered attention function -------------------------------------------------------
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
+    ) -> Tensor:
+        positions = self._positions.pop(layer, None)
+        if mask is not None and q.shape[2] == 1:
+            mask = mask[:, :, -1:, :]
+            if positions is not None:
+                # Pick the mask entries of the selected positions, per KV head: [batch, kv_heads, 1, n].
+                columns = mask.expand(-1, positions.shape[1], -1, -1)
+                mask = torch.gather(columns, 3, positions[:, :, None, :])
+        return self.policy.attend(layer, q, k, v, mask, scaling)
+
+    def stats(self) -> dict:
+        return self.policy.stats()
+
+    def close(self) -> None:
+        self.policy.close()
+
+
+def _infinikv_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    infinikv_cache: InfinikvCache | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    if infinikv_cache is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
+        )
+    if softcap is not None:
+        raise NotImplementedError("attention logit soft-capping is not supported by infinikv policies")
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return infinikv_cache.attend(module.layer_idx, query, key, value, attention_mask, scaling), None
+
+
+def _pre_attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, InfinikvCache):
+        return None
+    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    cache.before_attention(module.layer_idx, hidden, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+    kwargs["infinikv_cache"] = cache
+    return args, kwargs
+
+
+def install(model: PreTrainedModel) -> None:
+    """Route ``model``'s attention through infinikv (idempotent). Other caches keep plain SDPA."""
+    if getattr(model, "_infinikv_installed", False):
+        return
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _infinikv_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for attention in model_spec(model).attention:
+        attention.register_forward_pre_hook(_pre_attention_hook, with_kwargs=True)
+    model._infinikv_installed = True

@@ -1,0 +1,228 @@
+"""Generation: batching with left padding, chunked prefill, sampling, stopping, streaming, statistics.
+
+Read top to bottom, one request batch goes like this:
+
+1. ``_encode`` tokenises the prompts, left-pads them, and checks they fit the model's context.
+2. ``_prefill`` feeds the prompts in chunks through the model; the ``InfinikvCache`` hands each layer's K/V
+   to the policy, which stores it (host pool, device, side structures).
+3. ``generate``'s loop samples a token per sequence, streams its text, and feeds it back as a decode step;
+   in each step every layer asks the policy which K/V to attend to.
+4. Each finished sequence becomes a :class:`RequestResult` with its text, token ids and statistics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from .cache import InfinikvCache
+from .errors import InputError
+from .models import LoadedModel
+from .policies import PolicyConfig, make_config
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first one
+    prefill_chunk: int = 2048  # prompt tokens per prefill forward pass
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.prefill_chunk < 2:
+            raise InputError(f"prefill_chunk must be at least 2, got {self.prefill_chunk}")
+
+
+@dataclass
+class RequestResult:
+    prompt: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos", "stop" or "length"
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Generator:
+    """Runs a loaded model with its KV cache owned by an infinikv policy."""
+
+    def __init__(self, loaded: LoadedModel, policy: PolicyConfig | str = "dense", **knobs: Any):
+        self.loaded = loaded
+        self.policy_config = make_config(policy, **knobs) if isinstance(policy, str) else policy
+        eos = loaded.model.generation_config.eos_token_id
+        if eos is None:
+            eos = loaded.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        config: GenerationConfig = GenerationConfig(),
+        on_text: Callable[[int, str], None] | None = None,
+        progress: bool = False,
+    ) -> list[RequestResult]:
+        """Generate for each prompt; ``on_text(row, piece)`` receives text as it is produced."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        model, tokenizer = self.loaded.model, self.loaded.tokenizer
+        input_ids, attention_mask, prompt_lengths = self._encode(prompts, config.max_new_tokens)
+        batch = input_ids.shape[0]
+        cache = InfinikvCache(model, self.policy_config, device=self.loaded.device)
+        generator = torch.Generator(device="cpu")
+        if config.seed is not None:
+            generator.manual_seed(config.seed)
+
+        try:
+            start = self._now()
+            logits = self._prefill(cache, input_ids, attention_mask, config.prefill_chunk, progress)
+            prefill_s = self._now() - start
+
+            positions = attention_mask.sum(dim=1, keepdim=True) - 1  # last prompt position per row
+            generated: list[list[int]] = [[] for _ in range(batch)]
+            texts = [""] * batch
+            finish: list[str | None] = [None] * batch
+            decode_forwards = 0
+            start = self._now()
+            for step in range(config.max_new_tokens):
+                next_tokens = self._sample(logits[:, -1], config, generator)
+                for row, token in enumerate(next_tokens.tolist()):
+                    if finish[row] is None:
+                        finish[row] = self._advance(row, token, generated, texts, config, on_text)
+                if all(reason is not None for reason in finish) or step == config.max_new_tokens - 1:
+                    break
+                positions = positions + 1
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+                logits = model(
+                    input_ids=next_tokens[:, None].to(self.loaded.device),
+                    attention_mask=attention_mask,
+                    position_ids=positions,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits
+                decode_forwards += 1
+            decode_s = self._now() - start
+            policy_stats = cache.stats()
+        finally:
+            cache.close()
+
+        results = []
+        per_s = decode_forwards / decode_s if decode_s > 0 else 0.0
+        for row, prompt in enumerate(prompts):
+            stats = {
+                "prompt_tokens": prompt_lengths[row],
+                "new_tokens": len(generated[row]),
+                "batch_size": batch,
+                "prefill_s": round(prefill_s, 4),
+                "decode_s": round(decode_s, 4),
+                "decode_steps": decode_forwards,
+                "decode_tokens_per_s": round(per_s, 3),
+                "batch_decode_tokens_per_s": round(batch * per_s, 3),
+                **policy_stats,
+            }
+            results.append(RequestResult(prompt, texts[row], generated[row], finish[row] or "length", stats))
+        return results
+
+    # -- the steps --------------------------------------------------------------------------------------------
+    def _encode(self, prompts: list[str], max_new_tokens: int) -> tuple[Tensor, Tensor, list[int]]:
+        tokenizer = self.loaded.tokenizer
+        if not prompts:
+            raise InputError("no prompts given")
+        lengths = []
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise InputError(f"prompt {i + 1} is empty")
+            lengths.append(len(tokenizer(prompt)["input_ids"]))
+        limit = self.loaded.max_context
+        for i, n in enumerate(lengths):
+            if n + max_new_tokens > limit:
+                raise InputError(
+                    f"prompt {i + 1} has {n} tokens; with {max_new_tokens} new tokens it exceeds "
+                    f"the model's context of {limit} tokens"
+                )
+        encoded = tokenizer(prompts, return_tensors="pt", padding=True)
+        device = self.loaded.device
+        return encoded["input_ids"].to(device), encoded["attention_mask"].to(device), lengths
+
+    def _prefill(
+        self, cache: InfinikvCache, input_ids: Tensor, attention_mask: Tensor, chunk: int, progress: bool
+    ) -> Tensor:
+        """Feed the prompt in chunks; returns the logits of the last position. Positions follow the padding
+        mask, as transformers' own generate does."""
+        total = input_ids.shape[1]
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        bounds = list(range(0, total, chunk)) + [total]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
+            bounds.pop(-2)  # a one-token last chunk would look like a decode step
+        logits = None
+        bar = tqdm(total=total, desc="prefill", unit="tok", disable=not progress or total < 2 * chunk, leave=False)
+        for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
+            logits = self.loaded.model(
+                input_ids=input_ids[:, begin:end],
+                attention_mask=attention_mask[:, :end],
+                position_ids=position_ids[:, begin:end],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
+            bar.update(end - begin)
+        bar.close()
+        return logits
+
+    def _sample(self, logits: Tensor, config: GenerationConfig, generator: torch.Generator) -> Tensor:
+        if config.temperature == 0:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits.float() / config.temperature, dim=-1).cpu()
+        if config.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+            outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= config.top_p
+            sorted_probs[outside] = 0
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+
+    def _advance(
+        self,
+        row: int,
+        token: int,
+        generated: list[list[int]],
+        texts: list[str],
+        config: GenerationConfig,
+        on_text: Callable[[int, str], None] | None,
+    ) -> str | None:
+        """Record one token for ``row``, stream its text; return a finish reason or None."""
+        if token in self.eos_ids:
+            return "eos"
+        generated[row].append(token)
+        text = self.loaded.tokenizer.decode(generated[row], skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return None  # an incomplete UTF-8 sequence: wait for the next token
+        reason = None
+        for stop in config.stop:
+            cut = text.find(stop)
+            if cut != -1:
+                text, reason = text[:cut], "stop"
+        piece = text[len(texts[row]) :] if text.startswith(texts[row]) else ""
+        texts[row] = text
+        if piece and on_text is not None:
+            on_text(row, piece)
+        return reason
+
+    def _now(self) -> float:
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
+        return time.perf_counter()

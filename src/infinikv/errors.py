@@ -1,0 +1,23 @@
+"""Errors a user can cause. The CLI prints their one-line message and exits non-zero."""
+
+
+class InfinikvError(Exception):
+    """Base class: a problem with the user's input or environment, explained in one line."""
+
+    exit_code = 2
+
+
+class ModelError(InfinikvError):
+    """Unknown model, missing file, failed download, checksum mismatch."""
+
+
+class InputError(InfinikvError):
+    """Bad prompt, bad numbers, prompt longer than the context."""
+
+
+class PolicyError(InfinikvError):
+    """Unknown policy or knob, or a knob value out of range."""
+
+
+class DataError(InfinikvError):
+    """A corpus could not be fetched or failed its checksum."""

@@ -1,0 +1,171 @@
+"""The host KV pool and the copies from it to the compute device.
+
+The pool holds, per layer, the keys and values of a batch in host memory (pinned when the compute device is
+CUDA), shaped [batch, kv_heads, tokens, head_dim]. Policies read from it in one of two ways:
+
+* ``fetch(layer)`` copies the whole layer (full offload),
+* ``fetch(layer, index)`` gathers the rows named by ``index`` ([batch, kv_heads, n] token slots) and copies
+  only those (selective policies).
+
+Both return a :class:`Transfer` at once; ``Transfer.wait()`` hands back the device tensors. On CUDA the copy
+runs on a side stream and ``wait`` makes the compute stream wait on its event; on CPU the copy is done on a
+worker thread (``overlap="thread"``) or right away (``overlap="none"``). Every byte that crosses is counted.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class TransferCounters:
+    bytes_h2d: int = 0  # pool -> compute device
+    bytes_d2h: int = 0  # new tokens' KV written into the pool
+    wait_s: float = 0.0  # time the compute stream spent blocked on a copy
+    copies: int = 0
+
+
+class Transfer:
+    """A copy from the pool in flight. ``wait()`` returns (keys, values) on the compute device."""
+
+    def __init__(
+        self,
+        result: tuple[Tensor, Tensor] | Future,
+        counters: TransferCounters,
+        event: torch.cuda.Event | None = None,
+    ):
+        self._result = result
+        self._event = event
+        self._counters = counters
+
+    def wait(self) -> tuple[Tensor, Tensor]:
+        start = time.perf_counter()
+        if isinstance(self._result, Future):
+            self._result = self._result.result()
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        self._counters.wait_s += time.perf_counter() - start
+        return self._result
+
+
+class KVPool:
+    """Per-layer K/V of one batch in host memory, with counted copies to the compute device.
+
+    Storage grows by doubling, so appending one token per step is amortised O(1). Slots are token
+    positions unless a policy rewrites slots in place (eviction), in which case it keeps its own map.
+    """
+
+    def __init__(
+        self, num_layers: int, compute_device: torch.device, host: bool = True, overlap: str = "thread"
+    ):
+        self.num_layers = num_layers
+        self.compute_device = torch.device(compute_device)
+        self.on_cuda = self.compute_device.type == "cuda"
+        # host=False keeps the store on the compute device (dense): nothing crosses, nothing is counted.
+        self.host = host
+        self.storage = torch.device("cpu") if host else self.compute_device
+        self._keys: list[Tensor | None] = [None] * num_layers
+        self._values: list[Tensor | None] = [None] * num_layers
+        self._length = [0] * num_layers
+        self.counters = TransferCounters()
+        self._stream = torch.cuda.Stream(self.compute_device) if self.on_cuda else None
+        self._executor = ThreadPoolExecutor(1) if (not self.on_cuda and overlap == "thread") else None
+
+    # -- storage ------------------------------------------------------------------------------------------
+    def length(self, layer: int) -> int:
+        return self._length[layer]
+
+    def keys(self, layer: int) -> Tensor:
+        return self._keys[layer][:, :, : self._length[layer]]
+
+    def values(self, layer: int) -> Tensor:
+        return self._values[layer][:, :, : self._length[layer]]
+
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        pin = self.host and self.on_cuda
+        return torch.empty(shape, dtype=dtype, device=self.storage, pin_memory=pin)
+
+    def _reserve(self, layer: int, like: Tensor, needed: int) -> None:
+        stored = self._keys[layer]
+        if stored is not None and stored.shape[2] >= needed:
+            return
+        capacity = max(needed, 2 * (stored.shape[2] if stored is not None else 0), 256)
+        batch, heads, _, dim = like.shape
+        new_k = self._alloc((batch, heads, capacity, dim), like.dtype)
+        new_v = self._alloc((batch, heads, capacity, dim), like.dtype)
+        if stored is not None:
+            n = self._length[layer]
+            new_k[:, :, :n].copy_(self._keys[layer][:, :, :n])
+            new_v[:, :, :n].copy_(self._values[layer][:, :, :n])
+        self._keys[layer], self._values[layer] = new_k, new_v
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Write new tokens' K/V ([batch, kv_heads, q, head_dim], on the compute device) into the pool."""
+        n, q = self._length[layer], k.shape[2]
+        self._reserve(layer, k, n + q)
+        self._keys[layer][:, :, n : n + q].copy_(k)
+        self._values[layer][:, :, n : n + q].copy_(v)
+        self._length[layer] = n + q
+        if self.host:
+            self.counters.bytes_d2h += 2 * k.numel() * k.element_size()
+
+    def write_slots(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Overwrite one slot per (batch, head) with a new token's K/V (eviction). ``slots``: [batch, heads]."""
+        index = slots.to("cpu")[:, :, None, None].expand(-1, -1, 1, k.shape[-1])
+        self._keys[layer].scatter_(2, index, k.to("cpu"))
+        self._values[layer].scatter_(2, index, v.to("cpu"))
+        self.counters.bytes_d2h += 2 * k.numel() * k.element_size()
+
+    def nbytes(self) -> int:
+        """Bytes of K/V held (live tokens only, not spare capacity)."""
+        total = 0
+        for layer in range(self.num_layers):
+            if self._keys[layer] is not None:
+                k = self.keys(layer)
+                total += 2 * k.numel() * k.element_size()
+        return total
+
+    # -- copies to the compute device ----------------------------------------------------------------------
+    def fetch(self, layer: int, index: Tensor | None = None) -> Transfer:
+        """Start copying a layer's K/V (all of it, or the slots in ``index`` [batch, heads, n]) to the device."""
+        keys, values = self.keys(layer), self.values(layer)
+        if index is not None:
+            index = index.to("cpu")
+        if self._executor is not None:
+            return Transfer(self._executor.submit(self._copy, keys, values, index), self.counters)
+        if self._stream is None:
+            return Transfer(self._copy(keys, values, index), self.counters)
+        self._stream.wait_stream(torch.cuda.current_stream(self.compute_device))
+        with torch.cuda.stream(self._stream):
+            result = self._copy(keys, values, index)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return Transfer(result, self.counters, event)
+
+    def _copy(self, keys: Tensor, values: Tensor, index: Tensor | None) -> tuple[Tensor, Tensor]:
+        if index is not None:
+            expanded = index[..., None].expand(-1, -1, -1, keys.shape[-1])
+            keys, values = torch.gather(keys, 2, expanded), torch.gather(values, 2, expanded)
+            if self.on_cuda:
+                keys, values = keys.pin_memory(), values.pin_memory()
+        if self.on_cuda:
+            out_k = keys.to(self.compute_device, non_blocking=True)
+            out_v = values.to(self.compute_device, non_blocking=True)
+        elif index is not None:
+            out_k, out_v = keys, values  # the gather already wrote a fresh copy
+        else:
+            out_k, out_v = keys.clone(), values.clone()
+        self.counters.bytes_h2d += 2 * keys.numel() * keys.element_size()
+        self.counters.copies += 1
+        return out_k, out_v
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
