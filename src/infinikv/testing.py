@@ -1,0 +1,69 @@
+"""Tiny randomly initialised models for fast tests: a byte-level tokenizer and a Llama or Gemma-3 config
+small enough to run hundreds of decode steps in a second on a CPU."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+)
+
+from .models import LoadedModel, model_spec
+
+SPECIAL = ["<pad>", "<s>", "</s>"]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per byte (ids 3..258) plus <pad>=0, <s>=1, </s>=2."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    for byte_char in pre_tokenizers.ByteLevel.alphabet():
+        vocab.setdefault(byte_char, len(vocab))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
+    )
+    return tokenizer
+
+
+def tiny_model(kind: str = "llama", seed: int = 0, max_context: int = 4096) -> LoadedModel:
+    """A tiny random model: ``llama`` (4 layers, 4 q / 2 kv heads) or ``gemma3`` (sliding + global layers)."""
+    tokenizer = byte_tokenizer()
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max_context,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if kind == "llama":
+        config = LlamaConfig(**common, rope_theta=10000.0)
+    elif kind == "gemma3":
+        config = Gemma3TextConfig(
+            **common,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+        )
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger logits than the default init, so greedy choices are not near-ties
+        model.lm_head.weight.mul_(8.0)
+    model.eval()
+    weights_id = hashlib.sha256(f"tiny-{kind}-{seed}".encode()).hexdigest()
+    return LoadedModel(f"tiny-{kind}", model, tokenizer, weights_id, torch.device("cpu"), model_spec(model))
