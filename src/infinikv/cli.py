@@ -222,7 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     """Subcommands that live beside their feature (calibrate, data, eval, bench)."""
-    return []
+    from . import data
+
+    return [data.register_cli]
 
 
 def main(argv: list[str] | None = None) -> int:
