@@ -11,8 +11,9 @@ from ..errors import PolicyError
 from .base import ModelSpec, Policy, PolicyConfig
 from .dense import DensePolicy
 from .offload import OffloadPolicy
+from .streaming import StreamingPolicy
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (DensePolicy, OffloadPolicy)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (DensePolicy, OffloadPolicy, StreamingPolicy)}
 
 
 def policy_class(name: str) -> type[Policy]:

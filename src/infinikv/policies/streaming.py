@@ -1,0 +1,81 @@
+"""``streaming``: StreamingLLM (Xiao et al., 2023, https://arxiv.org/abs/2309.17453).
+
+Each decode step a layer attends to ``n_sink`` attention sinks (the first real tokens of the sequence) and
+a recent ``window`` of tokens that ends with the new token; everything in between is skipped. The K/V stay
+in the host pool and only the sinks and the window are copied to the compute device, so the selection for
+layer i+1 is prefetched while layer i runs.
+
+Positions, as the paper does for RoPE models: tokens take their place in the cache as position, so the
+sinks sit right before the window instead of far back at their original positions. RoPE scores depend only
+on the query-key offset, and the window is contiguous with the query, so this is exactly achieved by
+re-rotating the sink keys (stored post-RoPE) by R(delta), delta = number of skipped tokens, while the window
+and the query keep their own positions. The mask still uses original positions, so left padding and
+sliding windows stay correct.
+
+Prefill is dense over the whole prompt (the shared seam); the window applies from the first decode step on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import ModelSpec, PolicyConfig
+from .selective import SelectivePolicy
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class StreamingConfig(PolicyConfig):
+    """n_sink: initial tokens always kept (the paper uses 4). window: recent tokens kept, the new token
+    included (the paper's 1,024-token cache = 4 sinks + 1,020 recent)."""
+
+    n_sink: int = 4
+    window: int = 1020
+
+    def __post_init__(self):
+        if self.n_sink < 0:
+            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+
+class StreamingPolicy(SelectivePolicy):
+    name = "streaming"
+    config_class = StreamingConfig
+    prefetch = True
+
+    def __init__(self, config: StreamingConfig, spec: ModelSpec, device: torch.device):
+        super().__init__(config, spec, device)
+        self._skipped: dict[int, Tensor] = {}  # per layer: tokens skipped between sinks and window, [batch]
+
+    def select(self, layer: int, n_past: int, batch: int) -> Tensor:
+        sinks, window = self.config.n_sink, self.config.window
+        valid = self.past_valid(n_past, batch)
+        kept = min(n_past, sinks + window - 1)  # past tokens; the new token completes the window
+        first_real = (~valid).sum(dim=1)  # left padding: the first real token's slot
+        real = n_past - first_real
+        slot = torch.arange(kept, device=self.device)
+        tail = n_past - kept + slot  # the last `kept` slots
+        # Rows with more real tokens than fit: sinks at the first real tokens, then the window.
+        split = (real > kept)[:, None]
+        index = torch.where(split & (slot < sinks), first_real[:, None] + slot, tail)
+        self._skipped[layer] = torch.where(split[:, 0], real - kept, 0)
+        return index[:, None, :].expand(batch, self.spec.num_kv_heads, kept)
+
+    def adjust_keys(self, layer: int, index: Tensor, keys: Tensor) -> Tensor:
+        skipped = self._skipped.pop(layer, None)
+        sinks = min(self.config.n_sink, keys.shape[2])
+        if skipped is None or sinks == 0 or not bool(skipped.any()):
+            return keys
+        # R(delta) on post-RoPE keys: the same rotation RoPE applies at position delta (scaling divided out).
+        rope = self.spec.rope
+        cos, sin = rope(layer, keys, skipped[:, None].to(keys.device))
+        scale, _ = rope(layer, keys, torch.zeros_like(skipped[:, None]).to(keys.device))
+        cos, sin = (cos / scale[..., :1]).unsqueeze(1), (sin / scale[..., :1]).unsqueeze(1)
+        head = keys[:, :, :sinks]
+        half = head.shape[-1] // 2
+        rotated = torch.cat((-head[..., half:], head[..., :half]), dim=-1)
+        return torch.cat([head * cos + rotated * sin, keys[:, :, sinks:]], dim=2)
