@@ -94,15 +94,23 @@ class Generator:
             positions = attention_mask.sum(dim=1, keepdim=True) - 1  # last prompt position per row
             generated: list[list[int]] = [[] for _ in range(batch)]
             texts = [""] * batch
+            emitted = [0] * batch  # characters of each text already streamed
             finish: list[str | None] = [None] * batch
             decode_forwards = 0
             start = self._now()
             for step in range(config.max_new_tokens):
                 next_tokens = self._sample(logits[:, -1], config, generator)
+                last_step = step == config.max_new_tokens - 1
                 for row, token in enumerate(next_tokens.tolist()):
-                    if finish[row] is None:
-                        finish[row] = self._advance(row, token, generated, texts, config, on_text)
-                if all(reason is not None for reason in finish) or step == config.max_new_tokens - 1:
+                    if finish[row] is not None:
+                        continue
+                    finish[row] = self._advance(row, token, generated, texts, config)
+                    if on_text is not None:
+                        end = self._stream(texts[row], emitted[row], finish[row] is not None or last_step, config)
+                        if end > emitted[row]:
+                            on_text(row, texts[row][emitted[row] : end])
+                            emitted[row] = end
+                if all(reason is not None for reason in finish) or last_step:
                     break
                 positions = positions + 1
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
@@ -202,25 +210,30 @@ class Generator:
         generated: list[list[int]],
         texts: list[str],
         config: GenerationConfig,
-        on_text: Callable[[int, str], None] | None,
     ) -> str | None:
-        """Record one token for ``row``, stream its text; return a finish reason or None."""
+        """Record one token for ``row`` and its text so far; return a finish reason or None."""
         if token in self.eos_ids:
             return "eos"
         generated[row].append(token)
         text = self.loaded.tokenizer.decode(generated[row], skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return None  # an incomplete UTF-8 sequence: wait for the next token
-        reason = None
         for stop in config.stop:
             cut = text.find(stop)
             if cut != -1:
-                text, reason = text[:cut], "stop"
-        piece = text[len(texts[row]) :] if text.startswith(texts[row]) else ""
+                texts[row] = text[:cut]
+                return "stop"
         texts[row] = text
-        if piece and on_text is not None:
-            on_text(row, piece)
-        return reason
+        return None
+
+    @staticmethod
+    def _stream(text: str, emitted: int, finished: bool, config: GenerationConfig) -> int:
+        """How far ``text`` can be shown: hold back an incomplete character, and while running, any tail
+        that could still become a stop string."""
+        if finished:
+            return len(text)
+        end = len(text) - (max(map(len, config.stop)) - 1 if config.stop else 0)
+        while end > emitted and text[end - 1] == "\ufffd":
+            end -= 1
+        return max(end, emitted)
 
     def _now(self) -> float:
         if self.loaded.device.type == "cuda":

