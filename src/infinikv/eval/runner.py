@@ -1,0 +1,120 @@
+"""Drive a model through the decode path token by token, with an infinikv policy owning the KV cache.
+
+The engine prefills a whole prompt and then samples. Evaluation needs more control: teacher forcing (feed a
+known token at every decode step, so the policy's selection decides every scored prediction) and feeding a
+question through the decode path before the answer is generated. :class:`DecodeRun` does exactly that with
+the same pieces the engine uses: an :class:`~infinikv.cache.InfinikvCache` and plain model forward calls.
+
+It also measures what the policy moved: the bytes it copied from the host pool during decode, compared with
+what full offload would move for the same steps (every layer's whole cache, every step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..cache import InfinikvCache
+from ..models import LoadedModel
+from ..policies import POLICIES, PolicyConfig
+
+Tensor = torch.Tensor
+
+
+def policy_name(config: PolicyConfig) -> str:
+    """The registered name of the policy that ``config`` configures."""
+    return next(name for name, cls in POLICIES.items() if cls.config_class is type(config))
+
+
+class DecodeRun:
+    """One batch of equal-length sequences: ``prefill`` once, then ``step`` one token per row at a time.
+
+    Not thread-safe; call :meth:`close` (or use it as a context manager) to release the policy's pool.
+    """
+
+    def __init__(self, loaded: LoadedModel, policy: PolicyConfig, prefill_chunk: int = 2048):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.cache = InfinikvCache(loaded.model, policy, device=loaded.device)
+        self.prefill_chunk = prefill_chunk
+        self.length = 0  # tokens fed so far
+        self.batch = 0
+        self._h2d_after_prefill = 0
+        self._offload_bytes = 0  # what full offload would copy over the decode steps so far
+        self._context_sum = 0  # tokens attendable (cached + new), summed over decode steps
+        self._steps = 0
+        spec = loaded.spec
+        dtype_bytes = next(loaded.model.parameters()).element_size()
+        self._bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes
+
+    def __enter__(self) -> DecodeRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.cache.close()
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: Tensor) -> Tensor:
+        """Feed ``input_ids`` [batch, tokens] densely (in chunks); return the last position's logits."""
+        self.batch, total = input_ids.shape
+        input_ids = input_ids.to(self.loaded.device)
+        bounds = list(range(0, total, self.prefill_chunk)) + [total]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
+            bounds.pop(-2)  # a one-token last chunk would look like a decode step
+        logits = None
+        for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
+            logits = self._forward(input_ids[:, begin:end], begin)
+        self.length = total
+        self._h2d_after_prefill = self.cache.stats()["bytes_h2d"]
+        return logits[:, -1].float()
+
+    @torch.inference_mode()
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed one token per row ([batch]) through the decode path; return next-token logits [batch, V]."""
+        self._offload_bytes += self._bytes_per_token * self.batch * self.length
+        self._context_sum += self.length + 1
+        self._steps += 1
+        logits = self._forward(tokens.reshape(self.batch, 1).to(self.loaded.device), self.length)
+        self.length += 1
+        return logits[:, -1].float()
+
+    def _forward(self, input_ids: Tensor, start: int) -> Tensor:
+        end = start + input_ids.shape[1]
+        positions = torch.arange(start, end, device=input_ids.device).expand(self.batch, -1)
+        mask = torch.ones(self.batch, end, dtype=torch.long, device=input_ids.device)
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
+
+    def stats(self) -> dict[str, Any]:
+        """The policy's statistics plus the fractions of the KV cache it moved and attended during decode.
+
+        ``kv_fetched_fraction``: bytes copied from the host pool during decode / bytes full offload would
+        copy for the same steps (None when the policy keeps its cache on the compute device and moves
+        nothing). ``kv_attended_fraction``: tokens attended per layer and step / tokens cached.
+        ``kv_fraction``: the first when defined, else the second (dense: 1.0) — the x axis of the plots.
+        """
+        stats = dict(self.cache.stats())
+        moved = stats["bytes_h2d"] - self._h2d_after_prefill
+        host = stats.get("kv_bytes_host", 0) > 0
+        fetched = moved / self._offload_bytes if host and self._offload_bytes else None
+        mean_context = self._context_sum / self._steps if self._steps else 0.0
+        attended = stats.get("mean_tokens_attended", 0.0) / mean_context if mean_context else None
+        stats.update(
+            decode_steps=self._steps,
+            decode_bytes_h2d=moved,
+            offload_equivalent_bytes=self._offload_bytes,
+            kv_fetched_fraction=fetched,
+            kv_attended_fraction=attended,
+            kv_fraction=fetched if fetched is not None else attended,
+        )
+        return stats
