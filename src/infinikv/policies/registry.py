@@ -10,12 +10,19 @@ import torch
 from ..errors import PolicyError
 from .base import ModelSpec, Policy, PolicyConfig
 from .dense import DensePolicy
-from .infinigen import InfiniGenPolicy
 from .offload import OffloadPolicy
 from .quest import QuestPolicy
 from .streaming import StreamingPolicy
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (DensePolicy, OffloadPolicy, StreamingPolicy, QuestPolicy, InfiniGenPolicy)}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (
+        DensePolicy,
+        OffloadPolicy,
+        StreamingPolicy,
+        QuestPolicy,
+    )
+}
 
 
 def policy_class(name: str) -> type[Policy]:
