@@ -222,9 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     """Subcommands that live beside their feature (calibrate, data, eval, bench)."""
-    from . import data
+    from . import data, skew
 
-    return [data.register_cli]
+    return [data.register_cli, skew.register_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

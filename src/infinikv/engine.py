@@ -63,6 +63,7 @@ class Generator:
     def __init__(self, loaded: LoadedModel, policy: PolicyConfig | str = "dense", **knobs: Any):
         self.loaded = loaded
         self.policy_config = make_config(policy, **knobs) if isinstance(policy, str) else policy
+        self.policy_config.prepare(loaded)  # e.g. InfiniGen calibrates once per model
         eos = loaded.model.generation_config.eos_token_id
         if eos is None:
             eos = loaded.tokenizer.eos_token_id

@@ -165,6 +165,11 @@ class LoadedModel:
     device: torch.device
     spec: ModelSpec = field(repr=False, default=None)
 
+    def __post_init__(self):
+        # Policies reach per-model files (InfiniGen's skew) through the spec, so it carries the weights id.
+        self.model._infinikv_weights_id = self.weights_id
+        self.spec = model_spec(self.model)
+
     @property
     def max_context(self) -> int:
         return int(self.model.config.get_text_config().max_position_embeddings)
@@ -226,8 +231,9 @@ def _hash_weight_files(directory: Path) -> str:
 
 def model_spec(model: PreTrainedModel) -> ModelSpec:
     """Describe ``model``'s attention for the policies (cached on the model)."""
+    weights_id = getattr(model, "_infinikv_weights_id", "")
     spec = getattr(model, "_infinikv_spec", None)
-    if spec is not None:
+    if spec is not None and spec.weights_id == weights_id:
         return spec
     config = model.config.get_text_config()
     decoder = model.get_decoder()
@@ -250,6 +256,7 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         attention=attention,
         rope=rope,
         name=getattr(config, "_name_or_path", "model") or "model",
+        weights_id=weights_id,
     )
     model._infinikv_spec = spec
     return spec

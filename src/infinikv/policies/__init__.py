@@ -2,6 +2,7 @@
 
 from .base import ModelSpec, Policy, PolicyConfig, Selection, resolve_budget
 from .dense import DenseConfig, DensePolicy
+from .infinigen import InfiniGenConfig, InfiniGenPolicy
 from .offload import OffloadConfig, OffloadPolicy
 from .registry import POLICIES, make_config, make_policy, policy_class
 
@@ -9,6 +10,8 @@ __all__ = [
     "POLICIES",
     "DenseConfig",
     "DensePolicy",
+    "InfiniGenConfig",
+    "InfiniGenPolicy",
     "ModelSpec",
     "OffloadConfig",
     "OffloadPolicy",

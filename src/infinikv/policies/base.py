@@ -44,6 +44,7 @@ class ModelSpec:
     # rope(layer, x, position_ids) -> (cos, sin) for that layer's rotary embedding
     rope: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = field(repr=False, default=None)
     name: str = "model"
+    weights_id: str = ""  # LoadedModel.weights_id; keys per-model files such as InfiniGen's skew
 
     @property
     def group_size(self) -> int:
@@ -87,12 +88,17 @@ class PolicyConfig:
     def knobs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    def prepare(self, loaded: Any) -> None:
+        """Model-level work before a policy first runs on ``loaded`` (a LoadedModel), e.g. InfiniGen's
+        calibration. The Generator calls it; most policies need nothing."""
+
 
 def resolve_budget(budget: float, context: int) -> int:
-    """``budget`` < 1 is a fraction of ``context``; otherwise a token count. At least one token."""
+    """``budget`` <= 1 is a fraction of ``context`` (1 = all of it); otherwise a token count. At least one
+    token."""
     if budget <= 0:
         raise PolicyError(f"budget must be positive, got {budget}")
-    tokens = math.ceil(budget * context) if budget < 1 else int(budget)
+    tokens = math.ceil(budget * context) if budget <= 1 else int(budget)
     return max(1, min(tokens, context))
 
 
