@@ -10,6 +10,7 @@ import torch
 from ..errors import PolicyError
 from .base import ModelSpec, Policy, PolicyConfig
 from .dense import DensePolicy
+from .infinigen import InfiniGenPolicy
 from .offload import OffloadPolicy
 from .quest import QuestPolicy
 from .streaming import StreamingPolicy
@@ -21,6 +22,7 @@ POLICIES: dict[str, type[Policy]] = {
         OffloadPolicy,
         StreamingPolicy,
         QuestPolicy,
+        InfiniGenPolicy,
     )
 }
 
