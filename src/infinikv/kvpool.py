@@ -122,6 +122,18 @@ class KVPool:
         self._values[layer].scatter_(2, index, v.to("cpu"))
         self.counters.bytes_d2h += 2 * k.numel() * k.element_size()
 
+    def keep(self, layer: int, index: Tensor) -> None:
+        """Evict every slot of a layer but those in ``index`` ([batch, heads, m]), which become slots 0..m-1.
+        Done in host memory: nothing crosses to the compute device."""
+        keys, values = self.keys(layer), self.values(layer)
+        expanded = index.to(self.storage)[..., None].expand(-1, -1, -1, keys.shape[-1])
+        kept = index.shape[2]
+        new_k = self._alloc((*keys.shape[:2], max(kept, 1), keys.shape[-1]), keys.dtype)
+        new_v = self._alloc((*keys.shape[:2], max(kept, 1), keys.shape[-1]), values.dtype)
+        torch.gather(keys, 2, expanded, out=new_k[:, :, :kept])
+        torch.gather(values, 2, expanded, out=new_v[:, :, :kept])
+        self._keys[layer], self._values[layer], self._length[layer] = new_k, new_v, kept
+
     def nbytes(self) -> int:
         """Bytes of K/V held (live tokens only, not spare capacity)."""
         total = 0

@@ -10,7 +10,7 @@ import torch
 from ..errors import PolicyError
 from .base import ModelSpec, Policy, PolicyConfig
 from .dense import DensePolicy
-from .infinigen import InfiniGenPolicy
+from .h2o import H2OPolicy
 from .offload import OffloadPolicy
 from .quest import QuestPolicy
 from .streaming import StreamingPolicy
@@ -22,7 +22,7 @@ POLICIES: dict[str, type[Policy]] = {
         OffloadPolicy,
         StreamingPolicy,
         QuestPolicy,
-        InfiniGenPolicy,
+        H2OPolicy,
     )
 }
 

@@ -1,0 +1,202 @@
+"""``h2o``: Heavy-Hitter Oracle (Zhang et al., 2023, https://arxiv.org/abs/2306.14048).
+
+Each layer keeps, per KV head, a bounded set of tokens: the "heavy hitters" with the largest accumulated
+attention, plus a window of the most recent tokens. Everything else is evicted for real: dropped from the
+host pool, never to return. Each decode step copies the kept set to the compute device, attends to it and
+the new token with explicit softmax weights, adds those weights to the tokens' accumulated scores, and then
+evicts the lowest-scoring token outside the recent window to make room for the new one.
+
+* Budget: ``budget`` tokens are attended per layer and step, the new token included (so the pool keeps
+  ``budget - 1`` between steps); ``budget`` < 1 is a fraction of the prompt length at the end of prefill
+  (the padded length). ``heavy_ratio`` of it goes to heavy hitters, the rest (at least the new token) to the
+  recent window.
+* Prefill scores: prefill attention stays SDPA, and the policy also computes the softmax weights of the
+  prompt's queries over its keys, in blocks of query rows, and accumulates them (the sum of attention each
+  key receives). The prompt is cut down to the kept set at the first decode step.
+* GQA: one kept set per KV head; its score sums the weights of the query heads of its group.
+* Left padding has score -inf and is evicted first; Gemma-3 sliding-window layers keep just their window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kvpool import KVPool, Transfer
+from .base import ModelSpec, Policy, PolicyConfig, Selection, attention, attention_weights
+from .selective import budget_tokens
+
+Tensor = torch.Tensor
+SCORE_ROWS = 256  # prefill query rows scored at once (bounds the [rows, tokens] weight block)
+
+
+@dataclass(frozen=True)
+class H2OConfig(PolicyConfig):
+    """budget: tokens attended per layer and step (< 1: fraction of the prompt). heavy_ratio: share of the
+    budget held by heavy hitters; the rest is the recent window."""
+
+    budget: float = 0.2
+    heavy_ratio: float = 0.5
+
+    def __post_init__(self):
+        if self.budget <= 0:
+            raise ValueError(f"budget must be positive, got {self.budget}")
+        if not 0 <= self.heavy_ratio <= 1:
+            raise ValueError(f"heavy_ratio must be in [0, 1], got {self.heavy_ratio}")
+
+
+class H2OPolicy(Policy):
+    name = "h2o"
+    config_class = H2OConfig
+
+    def __init__(self, config: H2OConfig, spec: ModelSpec, device: torch.device):
+        super().__init__(config, spec, device)
+        layers = spec.num_layers
+        self.host_pool = KVPool(layers, device, host=True, overlap="thread")
+        self.seen = [0] * layers  # tokens seen per layer (kept or evicted)
+        self.score: list[Tensor | None] = [
+            None
+        ] * layers  # accumulated attention per slot [batch, kv_heads, m]
+        self.slot_pos: list[Tensor | None] = [None] * layers  # token position of each slot, after the prompt
+        self.limits: list[tuple[int, int] | None] = [None] * layers  # (budget, recent) in tokens
+        self._new: dict[int, tuple[Tensor, Tensor]] = {}
+        self._in_flight: dict[int, Transfer] = {}
+
+    def seq_length(self, layer: int) -> int:
+        return self.seen[layer]
+
+    # -- prefill -------------------------------------------------------------------------------------------
+    def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.seen[layer] += k.shape[2]
+        if self.host_pool.length(layer) == 0:
+            self.host_pool.append(layer, k, v)
+            return k, v
+        past_k, past_v = self.host_pool.fetch(layer).wait()
+        self.host_pool.append(layer, k, v)
+        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
+    ) -> Tensor:
+        if q.shape[2] == 1:
+            return self._attend_decode(layer, q, k, v, mask, scaling)
+        if not self.spec.is_sliding(layer):
+            self._score_prompt(layer, q, k, mask, scaling)
+        return attention(q, k, v, mask, scaling)
+
+    def _score_prompt(self, layer: int, q: Tensor, k: Tensor, mask: Tensor | None, scaling: float) -> None:
+        batch, _, q_len, _ = q.shape
+        n = k.shape[2]
+        received = torch.zeros(batch, q.shape[1], n, dtype=torch.float32, device=q.device)
+        for begin in range(0, q_len, SCORE_ROWS):
+            end = min(begin + SCORE_ROWS, q_len)
+            if mask is None:  # plain causal: query row r sits at position n - q_len + r
+                rows = torch.arange(n - q_len + begin, n - q_len + end, device=q.device)
+                block_mask = rows[:, None] >= torch.arange(n, device=q.device)
+            else:
+                block_mask = mask[:, :, begin:end]
+            received += attention_weights(q[:, :, begin:end], k, block_mask, scaling).sum(dim=2)
+        received = received.view(batch, self.spec.num_kv_heads, -1, n).sum(dim=2)
+        old = self.score[layer]
+        if old is not None:
+            received[..., : old.shape[-1]] += old
+        self.score[layer] = received
+
+    # -- decode --------------------------------------------------------------------------------------------
+    def _compact(self, layer: int, batch: int) -> None:
+        """End of prefill for this layer: set its limits and evict the prompt down to the kept set."""
+        n = self.host_pool.length(layer)
+        window = self.spec.sliding_window[layer]
+        if window is not None:
+            budget, recent = window, window  # sliding layers: exactly their window, no heavy hitters
+        else:
+            budget = budget_tokens(self.config.budget, n)
+            recent = budget - min(round(self.config.heavy_ratio * budget), budget - 1)
+        self.limits[layer] = (budget, recent)
+        heads = self.spec.num_kv_heads
+        positions = torch.arange(n, device=self.device).expand(batch, heads, n)
+        score = self.score[layer]
+        if score is None:
+            score = torch.zeros(batch, heads, n, device=self.device)
+        if n > budget - 1:
+            valid = None if window is not None else self._valid(positions)
+            keep = self._priority(layer, score, positions, n, valid).topk(budget - 1, dim=-1).indices
+            keep = keep.sort(dim=-1).values
+            self.host_pool.keep(layer, keep)
+            positions, score = keep, score.gather(2, keep)
+        self.slot_pos[layer], self.score[layer] = positions, score
+
+    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        for target in (layer, layer + 1) if layer == 0 else (layer + 1,):
+            if target < self.spec.num_layers and self.slot_pos[target] is not None:
+                self._in_flight[target] = self.host_pool.fetch(target)
+
+    def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
+        if self.slot_pos[layer] is None:
+            self._compact(layer, k_new.shape[0])
+        transfer = self._in_flight.pop(layer, None) or self.host_pool.fetch(layer)
+        past_k, past_v = transfer.wait()
+        self._new[layer] = (k_new, v_new)
+        slots = self.slot_pos[layer]
+        positions = torch.cat([slots, slots.new_full((*slots.shape[:2], 1), self.seen[layer])], dim=2)
+        self.seen[layer] += 1
+        self.record_attended(layer, positions.shape[2])
+        return Selection(torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2), positions)
+
+    def _attend_decode(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
+    ) -> Tensor:
+        weights = attention_weights(q, k, mask, scaling)  # [batch, heads, 1, m + 1]
+        group = q.shape[1] // k.shape[1]
+        out = torch.matmul(weights.to(v.dtype), v.repeat_interleave(group, dim=1)).transpose(1, 2)
+        batch, kv_heads = k.shape[:2]
+        received = weights[:, :, 0].view(batch, kv_heads, group, -1).sum(dim=2)
+        score = torch.cat([self.score[layer], received.new_zeros(batch, kv_heads, 1)], dim=2) + received
+        self._store_new(layer, score, k, v)
+        return out
+
+    def _store_new(self, layer: int, score: Tensor, k: Tensor, v: Tensor) -> None:
+        """Keep the new token: append it while the pool has room, else evict one slot per KV head for it."""
+        k_new, v_new = self._new.pop(layer)
+        budget, _ = self.limits[layer]
+        slots = self.slot_pos[layer]
+        candidates = torch.cat([slots, slots.new_full((*slots.shape[:2], 1), self.seen[layer] - 1)], dim=2)
+        if candidates.shape[2] <= budget - 1:
+            self.host_pool.append(layer, k_new, v_new)
+            self.slot_pos[layer], self.score[layer] = candidates, score
+            return
+        sliding = self.spec.is_sliding(layer)
+        valid = None if sliding else self._valid(candidates)
+        victim = self._priority(layer, score, candidates, self.seen[layer], valid).argmin(dim=-1)
+        newest = candidates.shape[2] - 1
+        # A victim that is the new token itself: rewrite slot 0 with its own content (a no-op).
+        evict_new = victim == newest
+        slot = torch.where(evict_new, 0, victim)[..., None]
+        source = torch.where(evict_new, 0, newest)[..., None]
+        pick = source[..., None].expand(-1, -1, 1, k.shape[-1])
+        self.host_pool.write_slots(layer, slot[..., 0], k.gather(2, pick), v.gather(2, pick))
+        self.slot_pos[layer] = slots.scatter(2, slot, candidates.gather(2, source))
+        self.score[layer] = score[..., :newest].scatter(2, slot, score.gather(2, source))
+
+    def _priority(
+        self, layer: int, score: Tensor, positions: Tensor, seen: int, valid: Tensor | None
+    ) -> Tensor:
+        """Eviction order: the recent window (+inf) last, padding (-inf) first, the rest by score."""
+        _, recent = self.limits[layer]
+        # Between steps the window holds recent - 1 tokens: the next step's token completes it.
+        priority = torch.where(positions >= seen - (recent - 1), float("inf"), score)
+        return priority if valid is None else torch.where(valid, priority, float("-inf"))
+
+    def _valid(self, positions: Tensor) -> Tensor | None:
+        if self.key_valid is None:
+            return None
+        batch = positions.shape[0]
+        valid = self.key_valid.to(positions.device)
+        return valid.gather(1, positions.reshape(batch, -1)).view_as(positions)
+
+    def kv_bytes(self) -> dict[str, int]:
+        return {"host": self.host_pool.nbytes(), "device": 0}
+
+    def pool(self) -> KVPool:
+        return self.host_pool
