@@ -11,6 +11,7 @@ from ..errors import PolicyError
 from .base import ModelSpec, Policy, PolicyConfig
 from .dense import DensePolicy
 from .h2o import H2OPolicy
+from .infinigen import InfiniGenPolicy
 from .offload import OffloadPolicy
 from .quest import QuestPolicy
 from .streaming import StreamingPolicy
@@ -23,6 +24,7 @@ POLICIES: dict[str, type[Policy]] = {
         StreamingPolicy,
         QuestPolicy,
         H2OPolicy,
+        InfiniGenPolicy,
     )
 }
 
