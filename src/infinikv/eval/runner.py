@@ -36,6 +36,7 @@ class DecodeRun:
     def __init__(self, loaded: LoadedModel, policy: PolicyConfig, prefill_chunk: int = 2048):
         self.loaded = loaded
         self.model = loaded.model
+        policy.prepare(loaded)  # e.g. InfiniGen's calibration, once per model
         self.cache = InfinikvCache(loaded.model, policy, device=loaded.device)
         self.prefill_chunk = prefill_chunk
         self.length = 0  # tokens fed so far

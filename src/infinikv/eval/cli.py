@@ -1,0 +1,149 @@
+"""``infinikv eval ppl | retrieval | sweep | report``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import InputError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+
+
+def cmd_ppl(args: argparse.Namespace) -> int:
+    from ..cli import policy_knobs
+    from ..models import load
+    from ..policies import make_config
+    from .ppl import PerplexityConfig, perplexity
+
+    config = PerplexityConfig(args.text, args.context, args.prefill, args.windows)
+    policy = make_config(args.policy, **policy_knobs(args))
+    result = perplexity(load(args.model, device=args.device), policy, config, progress=True)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"{result['policy']} on {result['text']} ({result['windows']} x {result['context']} tokens, "
+        f"prefill {result['prefill']}): ppl {result['ppl']:.3f}, dense {result['dense']['ppl']:.3f}, "
+        f"KV fetched {_pct(result['kv_fraction'])}"
+    )
+    print("block        ppl    dense")
+    for mine, dense in zip(result["blocks"], result["dense"]["blocks"], strict=True):
+        print(f"{mine['start']:>5}-{mine['end']:<5} {mine['ppl']:8.3f} {dense['ppl']:8.3f}")
+    return 0
+
+
+def cmd_retrieval(args: argparse.Namespace) -> int:
+    from ..cli import policy_knobs
+    from ..models import load
+    from ..policies import make_config
+    from .retrieval import evaluate
+    from .tasks import TASKS
+
+    tasks = list(TASKS) if args.task == "all" else [t.strip() for t in args.task.split(",") if t.strip()]
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise InputError(f"unknown task {', '.join(unknown)}; available: {', '.join(TASKS)} (or all)")
+    policy = make_config(args.policy, **policy_knobs(args))
+    loaded = load(args.model, device=args.device)
+    results = [
+        evaluate(loaded, policy, task, ctx, args.samples, args.depths, args.seed, args.chat, progress=True)
+        for task in tasks
+        for ctx in args.context
+    ]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    print(f"{'task':<18} {'context':>7} {'score':>6} {'KV fetched':>10}   ({results[0]['policy']})")
+    for r in results:
+        print(f"{r['task']:<18} {r['context']:>7} {r['score']:6.1f} {_pct(r['kv_fraction']):>10}")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep import read_config, run_sweep
+
+    config = read_config(args.config)
+    summary = run_sweep(config)
+    print(
+        f"{summary['measured']} cells measured, {len(summary['missing'])} missing; outputs in {config.out}",
+        file=sys.stderr,
+    )
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print((config.out / "tables.md").read_text(encoding="utf-8"))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+    from .sweep import read_config, run_sweep
+
+    config = read_config(args.config)
+    if config.report is None:
+        raise InputError(f"sweep config {args.config} names no report path (add: report = 'docs/results.md')")
+    summary = run_sweep(config)
+    notes = config.raw.get("notes", "")
+    path = write_report(config, summary, f"infinikv eval report --config {args.config}", notes)
+    print(path)
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def register_cli(subparsers) -> None:
+    from ..cli import add_policy_arguments
+    from ..models import DEFAULT_MODEL
+    from .retrieval import DEFAULT_DEPTHS
+
+    parser = subparsers.add_parser("eval", help="perplexity, retrieval accuracy, sweeps and reports")
+    sub = parser.add_subparsers(dest="eval_command", required=True, parser_class=type(parser))
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=DEFAULT_MODEL)
+        p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+        p.add_argument("--json", action="store_true")
+        add_policy_arguments(p)
+
+    ppl = sub.add_parser("ppl", help="perplexity through the decode path, with the dense reference")
+    ppl.add_argument("--text", default="austen", help="austen, essays, or a UTF-8 text file")
+    ppl.add_argument("--context", type=int, default=4096, help="tokens per window")
+    ppl.add_argument("--prefill", type=int, default=512, help="leading tokens fed densely")
+    ppl.add_argument("--windows", type=int, default=1, help="windows, run as one batch")
+    common(ppl)
+    ppl.set_defaults(func=cmd_ppl)
+
+    ret = sub.add_parser("retrieval", help="passkey and RULER-style retrieval tasks")
+    ret.add_argument("--task", default="passkey", help="comma-separated task names, or all")
+    ret.add_argument("--context", type=_ints, default=[2048], help="comma-separated context lengths")
+    ret.add_argument("--samples", type=int, default=3, help="samples per task and context")
+    ret.add_argument("--depths", type=_floats, default=list(DEFAULT_DEPTHS), help="needle depths, cycled")
+    ret.add_argument("--seed", type=int, default=0)
+    ret.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="use the chat template")
+    common(ret)
+    ret.set_defaults(func=cmd_retrieval)
+
+    sweep = sub.add_parser("sweep", help="run a sweep config (TOML or JSON); resumable")
+    sweep.add_argument("--config", required=True)
+    sweep.add_argument("--json", action="store_true")
+    sweep.set_defaults(func=cmd_sweep)
+
+    report = sub.add_parser("report", help="run a sweep config (resuming) and write its results document")
+    report.add_argument("--config", required=True)
+    report.set_defaults(func=cmd_report)

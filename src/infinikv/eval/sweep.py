@@ -1,0 +1,240 @@
+"""Sweeps: models x contexts x (perplexity texts, retrieval tasks) x policies x knob values, resumable.
+
+A sweep is described by one TOML or JSON file (see ``configs/``)::
+
+    name = "reduced"
+    out = "docs/results/reduced"          # cells.jsonl, summary.json, tables.md, plots
+    report = "docs/results.md"            # written by `infinikv eval report`
+    [[models]]
+    name = "smollm2-135m"
+    contexts = [2048, 4096]
+    [policies]                            # knob lists expand to every combination
+    dense = {}
+    quest = { budget = [0.05, 0.1, 0.2, 0.4] }
+    streaming = { window = ["0.1*context"] }   # a fraction of each cell's context, in tokens
+    [retrieval]
+    tasks = ["passkey", "niah_single_1"]
+    samples = 3
+    depths = [0.1, 0.5, 0.9]
+    [ppl]
+    texts = ["austen"]
+    prefill = 512
+    windows = 1
+    contexts = [2048]                     # optional: fewer contexts than the models'
+
+Every finished cell is appended to ``cells.jsonl`` at once, so an interrupted sweep restarts where it
+stopped: cells already in the file are skipped. Policies not registered in this build are reported as
+unavailable and skipped. Perplexity cells of a policy reuse the dense cell of the same model, text and
+context (same windows) as their reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import tomllib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ..errors import InfinikvError, InputError
+from ..models import LoadedModel, load
+from ..policies import POLICIES, make_config
+from . import ppl, retrieval
+from .tasks import TASKS
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measurement: a policy with fixed knobs on one model, context and target (task or text)."""
+
+    model: str
+    context: int
+    kind: str  # "ppl" or "retrieval"
+    target: str  # task name or text name
+    policy: str
+    knobs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def key(self) -> str:
+        return json.dumps([self.model, self.context, self.kind, self.target, self.policy, list(self.knobs)])
+
+    @property
+    def label(self) -> str:
+        return policy_label(self.policy, dict(self.knobs))
+
+
+def policy_label(policy: str, knobs: dict[str, Any]) -> str:
+    return policy + "".join(f" {k}={v}" for k, v in sorted(knobs.items()))
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """A parsed sweep file. ``policies`` maps a policy name to its knob grid (lists expand)."""
+
+    name: str
+    out: Path
+    models: tuple[tuple[str, tuple[int, ...]], ...]
+    policies: dict[str, dict[str, Any]]
+    tasks: tuple[str, ...] = ()
+    samples: int = 3
+    depths: tuple[float, ...] = retrieval.DEFAULT_DEPTHS
+    chat: str = "auto"
+    texts: tuple[str, ...] = ()
+    prefill: int = 512
+    windows: int = 1
+    ppl_contexts: tuple[int, ...] | None = None
+    seed: int = 0
+    report: Path | None = None
+    source: Path | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+def read_config(path: str | Path) -> SweepConfig:
+    """Parse a TOML or JSON sweep file (paths inside it are relative to the current directory)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except FileNotFoundError:
+        raise InputError(f"sweep config not found: {path}") from None
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read sweep config {path}: {exc}") from None
+    try:
+        models = tuple((m["name"], tuple(int(c) for c in m["contexts"])) for m in raw["models"])
+        retrieval_part = raw.get("retrieval", {})
+        ppl_part = raw.get("ppl", {})
+        config = SweepConfig(
+            name=raw.get("name", path.stem),
+            out=Path(raw.get("out", f"runs/sweep-{path.stem}")),
+            models=models,
+            policies={name: dict(knobs) for name, knobs in raw["policies"].items()},
+            tasks=tuple(retrieval_part.get("tasks", ())),
+            samples=int(retrieval_part.get("samples", 3)),
+            depths=tuple(float(d) for d in retrieval_part.get("depths", retrieval.DEFAULT_DEPTHS)),
+            chat=retrieval_part.get("chat", "auto"),
+            texts=tuple(ppl_part.get("texts", ())),
+            prefill=int(ppl_part.get("prefill", 512)),
+            windows=int(ppl_part.get("windows", 1)),
+            ppl_contexts=tuple(int(c) for c in ppl_part["contexts"]) if "contexts" in ppl_part else None,
+            seed=int(raw.get("seed", 0)),
+            report=Path(raw["report"]) if "report" in raw else None,
+            source=path,
+            raw=raw,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InputError(f"sweep config {path}: missing or bad field {exc}") from None
+    unknown = sorted(set(config.tasks) - set(TASKS))
+    if unknown:
+        known = ", ".join(TASKS)
+        raise InputError(f"sweep config {path}: unknown tasks {', '.join(unknown)}; available: {known}")
+    return config
+
+
+def policy_variants(config: SweepConfig) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """(policy, knobs) for every combination of knob values, dense first; and the unavailable policies."""
+    variants: list[tuple[str, dict[str, Any]]] = []
+    unavailable = []
+    for name, grid in sorted(config.policies.items(), key=lambda item: item[0] != "dense"):
+        if name not in POLICIES:
+            unavailable.append(name)
+            continue
+        names = sorted(grid)
+        values = [grid[k] if isinstance(grid[k], list) else [grid[k]] for k in names]
+        for combo in itertools.product(*values):
+            knobs = dict(zip(names, combo, strict=True))
+            make_config(name, **resolve_knobs(knobs, 4096))  # fail early on a bad knob
+            variants.append((name, knobs))
+    return variants, unavailable
+
+
+def resolve_knobs(knobs: dict[str, Any], context: int) -> dict[str, Any]:
+    """Turn ``"<fraction>*context"`` knob values into token counts for ``context``."""
+    out = {}
+    for name, value in knobs.items():
+        if isinstance(value, str) and value.endswith("*context"):
+            try:
+                value = max(1, round(float(value.removesuffix("*context")) * context))
+            except ValueError:
+                raise InputError(f"knob {name}: expected '<fraction>*context', got '{value}'") from None
+        out[name] = value
+    return out
+
+
+def cells(config: SweepConfig) -> Iterator[Cell]:
+    """Every cell of the sweep, grouped by model (loaded once), dense first within each group."""
+    variants, _ = policy_variants(config)
+    for model, contexts in config.models:
+        for context in contexts:
+            for text in config.texts if config.ppl_contexts is None or context in config.ppl_contexts else ():
+                for policy, knobs in variants:
+                    yield Cell(model, context, "ppl", text, policy, _frozen(knobs, context))
+            for task in config.tasks:
+                for policy, knobs in variants:
+                    yield Cell(model, context, "retrieval", task, policy, _frozen(knobs, context))
+
+
+def _frozen(knobs: dict[str, Any], context: int) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(resolve_knobs(knobs, context).items()))
+
+
+def finished(out: Path) -> dict[str, dict[str, Any]]:
+    """Cells already measured (by key), from ``cells.jsonl``; a torn last line is ignored."""
+    path = out / "cells.jsonl"
+    done = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[record["key"]] = record
+    return done
+
+
+def run_cell(cell: Cell, loaded: LoadedModel, config: SweepConfig, done: dict[str, dict]) -> dict[str, Any]:
+    policy = make_config(cell.policy, **dict(cell.knobs))
+    if cell.kind == "ppl":
+        ppl_config = ppl.PerplexityConfig(cell.target, cell.context, config.prefill, config.windows)
+        dense_key = Cell(cell.model, cell.context, "ppl", cell.target, "dense").key
+        reference = done.get(dense_key, {}).get("result")
+        return ppl.perplexity(loaded, policy, ppl_config, reference=reference, progress=True)
+    return retrieval.evaluate(
+        loaded, policy, cell.target, cell.context, config.samples, config.depths, config.seed, config.chat,
+        progress=True,
+    )  # fmt: skip
+
+
+def run_sweep(
+    config: SweepConfig,
+    loader: Callable[[str], LoadedModel] = load,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Measure every cell not yet in ``cells.jsonl``; then write summary.json, tables.md and the plots."""
+    config.out.mkdir(parents=True, exist_ok=True)
+    done = finished(config.out)
+    _, unavailable = policy_variants(config)
+    for name in unavailable:
+        print(f"sweep: policy '{name}' is not in this build; its cells are skipped", file=sys.stderr)
+    todo = [c for c in cells(config) if c.key not in done]
+    loaded: LoadedModel | None = None
+    with open(config.out / "cells.jsonl", "a", encoding="utf-8") as log:
+        for cell in tqdm(todo, desc=f"sweep {config.name}", unit="cell", disable=not progress):
+            if loaded is None or loaded.name != cell.model:
+                loaded = loader(cell.model)
+            try:
+                result = run_cell(cell, loaded, config, done)
+            except InfinikvError as exc:
+                print(f"sweep: {cell.label} on {cell.target}@{cell.context} failed: {exc}", file=sys.stderr)
+                continue
+            record = {"key": cell.key, "cell": cell.__dict__ | {"knobs": dict(cell.knobs)}, "result": result}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            done[cell.key] = record
+    from .report import write_outputs  # matplotlib only when there is something to draw
+
+    return write_outputs(config, done, unavailable)
