@@ -49,7 +49,11 @@ class Transfer:
         if isinstance(self._result, Future):
             self._result = self._result.result()
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            stream = torch.cuda.current_stream()
+            stream.wait_event(self._event)
+            for tensor in self._result:  # made on the copy stream, used on this one
+                tensor.record_stream(stream)
+            self._event = None
         self._counters.wait_s += time.perf_counter() - start
         return self._result
 
