@@ -7,9 +7,10 @@ the new token with explicit softmax weights, adds those weights to the tokens' a
 evicts the lowest-scoring token outside the recent window to make room for the new one.
 
 * Budget: ``budget`` tokens are attended per layer and step, the new token included (so the pool keeps
-  ``budget - 1`` between steps); ``budget`` < 1 is a fraction of the prompt length at the end of prefill
-  (the padded length). ``heavy_ratio`` of it goes to heavy hitters, the rest (at least the new token) to the
-  recent window.
+  ``budget - 1`` between steps); ``budget`` <= 1 is a fraction of the prompt length at the end of prefill
+  (the padded length, i.e. the longest prompt of the batch), so the kept set never grows while generating
+  (budget 1 holds the cache at the prompt's size; a token count above the final length is dense).
+  ``heavy_ratio`` of it goes to heavy hitters, the rest (at least the new token) to the recent window.
 * Prefill scores: prefill attention stays SDPA, and the policy also computes the softmax weights of the
   prompt's queries over its keys, in blocks of query rows, and accumulates them (the sum of attention each
   key receives). The prompt is cut down to the kept set at the first decode step.
@@ -33,7 +34,7 @@ SCORE_ROWS = 256  # prefill query rows scored at once (bounds the [rows, tokens]
 
 @dataclass(frozen=True)
 class H2OConfig(PolicyConfig):
-    """budget: tokens attended per layer and step (< 1: fraction of the prompt). heavy_ratio: share of the
+    """budget: tokens attended per layer and step (<= 1: fraction of the prompt). heavy_ratio: share of the
     budget held by heavy hitters; the rest is the recent window."""
 
     budget: float = 0.2

@@ -6,11 +6,11 @@ layer's real query q, each page gets the upper bound of any of its tokens' logit
 sum_c max(q_c * max_c, q_c * min_c); the pages with the highest bounds are gathered from the host pool,
 and the newest (partial) page is always attended.
 
-GQA: pages are chosen per KV head, which serves a group of query heads; a page's bound for the KV head is
-the max of its query heads' bounds (a page goes in if any head of the group might need it). ``budget``
-counts tokens (the partial page and the new token included; fractions refer to the prompt length at the end
-of prefill). As in the paper, the first ``dense_layers`` layers attend to everything. Pages that hold only
-left padding are never chosen; padding inside a chosen page is masked by the model's mask.
+GQA: pages are chosen per KV head, which serves a group of query heads; a page's bound for the KV head is the
+max of its query heads' bounds (a page goes in if any head of the group might need it). ``budget`` counts
+tokens (the partial page and the new token included); a fraction (<= 1) refers to the current context, so 1
+attends to everything. As in the paper, the first ``dense_layers`` layers attend to everything. Pages that
+hold only left padding are never chosen; padding inside a chosen page is masked by the model's mask.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from .base import ModelSpec, PolicyConfig
-from .selective import SelectivePolicy
+from .selective import SelectivePolicy, budget_tokens
 
 Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
 class QuestConfig(PolicyConfig):
-    """budget: tokens attended per layer and step (< 1: fraction of the prompt). page_size: tokens per page.
+    """budget: tokens attended per layer and step (<= 1: fraction of the context). page_size: tokens per page.
     dense_layers: leading layers that attend to everything (the paper keeps the first two dense)."""
 
     budget: float = 0.2
@@ -105,7 +105,7 @@ class QuestPolicy(SelectivePolicy):
         n_pages = n_past // size
         partial = torch.arange(n_pages * size, n_past, device=self.device)
         query = self._query.pop(layer, None)
-        budget = self.budget(layer, self.config.budget)
+        budget = budget_tokens(self.config.budget, n_past + 1)
         take = min(n_pages, max(0, (budget - partial.numel() - 1) // size))
         if query is None or take == n_pages:  # a dense layer, or every page fits
             return torch.arange(n_past, device=self.device).expand(batch, self.spec.num_kv_heads, -1)

@@ -5,11 +5,10 @@ attends to everything stored so far. In a decode step a subclass names, per (bat
 token slots the layer attends to (``select``); only those rows are gathered and copied to the compute
 device, and the new token's K/V is appended to the pool and attended on the device.
 
-Budgets: ``budget`` < 1 is a fraction of the prompt length at the end of prefill (the padded length, i.e.
-the longest prompt of the batch), otherwise a token count; it is fixed for the whole generation and counts
-every token a layer attends to in a step, the new one included. Gemma-3 sliding-window layers attend to
-their window only, so that is all they fetch. Left padding is never chosen over a real token; a row with
-fewer real tokens than the budget may carry padding slots, which the model's mask removes.
+Budgets (:func:`budget_tokens`) count every token a layer attends to in a step, the new one included. Gemma-3
+sliding-window layers attend to their window only, so that is all they fetch. Left padding is never chosen
+over a real token; a row with fewer real tokens than the budget may carry padding slots, which the model's
+mask removes.
 """
 
 from __future__ import annotations
@@ -22,9 +21,10 @@ from .base import ModelSpec, Policy, PolicyConfig, Selection, resolve_budget
 Tensor = torch.Tensor
 
 
-def budget_tokens(budget: float, prompt_length: int) -> int:
-    """``budget`` < 1: that fraction of the prompt length (at least one token); otherwise a token count."""
-    return resolve_budget(budget, prompt_length) if budget < 1 else int(budget)
+def budget_tokens(budget: float, context: int) -> int:
+    """``budget`` <= 1: that fraction of ``context`` (at least one token); otherwise a token count, which is
+    not capped by the context (it keeps its meaning while the context grows)."""
+    return resolve_budget(budget, context) if budget <= 1 else int(budget)
 
 
 class SelectivePolicy(Policy):
@@ -37,7 +37,6 @@ class SelectivePolicy(Policy):
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
         self.host_pool = KVPool(spec.num_layers, device, host=True, overlap="thread")
-        self.prompt_length: list[int | None] = [None] * spec.num_layers
         self._in_flight: dict[int, tuple[Tensor, Transfer]] = {}
 
     # -- to be provided by subclasses ----------------------------------------------------------------------
@@ -92,18 +91,12 @@ class SelectivePolicy(Policy):
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _index(self, layer: int, n_past: int, batch: int) -> Tensor:
-        if self.prompt_length[layer] is None:
-            self.prompt_length[layer] = n_past  # the first decode step ends the prompt
         window = self.spec.sliding_window[layer]
         if window is not None:
             # The new token's window holds it and the window - 1 tokens before it.
             index = torch.arange(max(0, n_past - window + 1), n_past, device=self.device)
             return index.expand(batch, self.spec.num_kv_heads, -1)
         return self.select(layer, n_past, batch)
-
-    def budget(self, layer: int, budget: float) -> int:
-        """This layer's budget in tokens (fractions refer to the prompt length at the end of prefill)."""
-        return budget_tokens(budget, self.prompt_length[layer] or 1)
 
     def past_valid(self, n_past: int, batch: int) -> Tensor:
         """bool [batch, n_past]: which past slots hold real tokens (False = left padding)."""
