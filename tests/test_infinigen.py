@@ -1,0 +1,243 @@
+"""The infinigen policy: equivalence with dense at full budget, selection rules, eviction."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from infinikv import skew
+from infinikv.engine import GenerationConfig, Generator
+from infinikv.errors import PolicyError
+from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, resolve_budget
+from infinikv.testing import tiny_model
+
+TEXT = "She had a lively, playful disposition, which delighted in anything ridiculous. " * 12
+PROMPTS = [
+    "The weather in the valley had been dry for weeks, and the farmers spoke of little else. " * 2,
+    "A short one.",
+]
+
+
+@pytest.fixture(scope="module")
+def skews(tiny, tiny_gemma):
+    return {m.weights_id: skew.calibrate(m, text=TEXT, tokens=256, save=False) for m in (tiny, tiny_gemma)}
+
+
+@pytest.fixture
+def calibrated(skews, monkeypatch):
+    """The policy finds the in-memory calibration instead of a cached file."""
+    monkeypatch.setattr(skew, "cached", lambda spec: skews.get(spec.weights_id))
+    return skews
+
+
+class _Spy:
+    """Records the policy's decisions by wrapping InfiniGenPolicy methods."""
+
+    def __init__(self, monkeypatch):
+        self.choices, self.selections, self.policies, self.pool_lengths = [], [], [], []
+        choose, decode, init = InfiniGenPolicy.choose, InfiniGenPolicy.decode, InfiniGenPolicy.__init__
+
+        def spy_init(policy, *args, **kwargs):
+            init(policy, *args, **kwargs)
+            self.policies.append(policy)
+
+        def spy_choose(policy, scores, real_tokens):
+            index, per_row = choose(policy, scores, real_tokens)
+            self.choices.append((scores.clone(), list(real_tokens), index.clone(), per_row.clone()))
+            return index, per_row
+
+        def spy_decode(policy, layer, k_new, v_new):
+            selection = decode(policy, layer, k_new, v_new)
+            self.selections.append((layer, selection.positions.clone(), policy.key_valid))
+            self.pool_lengths.append((layer, policy.host_pool.length(layer), policy.seq_length(layer)))
+            return selection
+
+        monkeypatch.setattr(InfiniGenPolicy, "__init__", spy_init)
+        monkeypatch.setattr(InfiniGenPolicy, "choose", spy_choose)
+        monkeypatch.setattr(InfiniGenPolicy, "decode", spy_decode)
+
+
+def _tokens(loaded, policy, prompts=PROMPTS, new=24, **knobs):
+    results = Generator(loaded, policy, **knobs).generate(prompts, GenerationConfig(max_new_tokens=new))
+    return [r.token_ids for r in results], results[0].stats
+
+
+def test_config_validation():
+    assert make_config("infinigen") == InfiniGenConfig()
+    assert make_config("infinigen", alpha=math.inf).alpha == math.inf
+    for bad in (
+        dict(alpha=0),
+        dict(alpha=math.nan),
+        dict(partial_ratio=0),
+        dict(partial_ratio=1.5),
+        dict(budget=-1),
+        dict(capacity=0),
+        dict(eviction="random"),
+        dict(dense_layers=-1),
+        dict(dense_layers=1.5),
+        dict(skew="yes"),
+    ):
+        with pytest.raises(PolicyError):
+            make_config("infinigen", **bad)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("dense_layers", [0, 2])
+def test_full_budget_equals_dense(kind, dense_layers, tiny, tiny_gemma, calibrated):
+    loaded = tiny if kind == "llama" else tiny_gemma
+    dense, _ = _tokens(loaded, "dense")
+    full, stats = _tokens(loaded, "infinigen", alpha=math.inf, budget=1.0, dense_layers=dense_layers)
+    assert full == dense
+    assert stats["selected_tokens_mean"] > 0  # layers really were rehearsed and selected
+    # The comparison is sensitive: a 3-token budget changes the output.
+    starved, _ = _tokens(loaded, "infinigen", alpha=math.inf, budget=3, dense_layers=dense_layers)
+    assert starved != dense
+
+
+@pytest.mark.parametrize("skewed", [True, False])
+def test_selection_respects_budget_padding_and_top_token(tiny, calibrated, monkeypatch, skewed):
+    spy = _Spy(monkeypatch)
+    _tokens(tiny, "infinigen", new=16, alpha=3.0, budget=0.25, skew=skewed)
+    assert spy.choices
+    for scores, real_tokens, index, per_row in spy.choices:
+        counts = (scores > scores.amax(-1, keepdim=True) - 3.0).sum(-1).float().mean(-1).ceil().long()
+        for row in range(scores.shape[0]):
+            cap = resolve_budget(0.25, real_tokens[row])
+            assert per_row[row] == min(int(counts[row]), cap)  # mean threshold count, capped by the budget
+            assert per_row[row] <= cap
+        assert index.shape[-1] == int(per_row.max())
+        chosen = torch.gather(scores, 2, index)
+        real = (scores > -math.inf).sum(-1)  # [batch, kv_heads] real (non-padding) slots
+        for row in range(scores.shape[0]):
+            # A row's own n' entries are never padding; a row with fewer real tokens than the batch's widest
+            # selection is filled up with (masked) padding slots only after all its real tokens.
+            assert bool((chosen[row, :, : per_row[row]] > -math.inf).all())
+            finite = (chosen[row] > -math.inf).sum(-1)
+            assert torch.equal(finite, torch.clamp(real[row], max=index.shape[-1]))
+        best = scores.argmax(dim=-1, keepdim=True)
+        assert bool((index == best).any(dim=-1).all())  # every head's top token is selected
+    policy = spy.policies[-1]
+    padded = ~policy._real  # [batch, prompt]: the short prompt's left padding
+    assert bool(padded[1].any())
+    for layer, positions, _ in spy.selections:
+        if policy.managed(layer):
+            width, prompt = positions.shape[-1] - 1, padded.shape[1]
+            for row in range(positions.shape[0]):
+                chosen = positions[row, :, :-1]  # [kv_heads, width]; the last entry is the new token
+                past_real = int(positions[row, 0, -1]) - int(padded[row].sum())
+                is_padding = (chosen < prompt) & padded[row][chosen.clamp(max=prompt - 1)]
+                assert ((~is_padding).sum(-1) == min(past_real, width)).all()
+
+
+def test_dense_and_sliding_layers(tiny_gemma, calibrated, monkeypatch):
+    spy = _Spy(monkeypatch)
+    _tokens(tiny_gemma, "infinigen", prompts=[PROMPTS[0]], new=8, dense_layers=1)
+    window = tiny_gemma.spec.sliding_window[0]
+    for layer, positions, _ in spy.selections:
+        seen = spy.policies[-1].seq_length(layer)
+        newest = int(positions[0, 0, -1])
+        if layer == 0:  # sliding: its window only, the newest window - 1 tokens plus the new one
+            expected = torch.arange(newest - window + 1, newest + 1)
+            assert torch.equal(positions[0, 0].sort().values, expected)
+        elif layer == 2:  # sliding too (also not dense, since dense_layers=1 covers layer 0 only)
+            assert positions.shape[-1] == window
+        else:  # global layers 1, 3: rehearsed, a subset of all positions
+            assert positions.shape[-1] <= seen
+    assert not spy.policies[-1].managed(0) and spy.policies[-1].managed(1)
+
+
+def test_counter_eviction_keeps_pool_within_capacity(tiny, calibrated, monkeypatch):
+    spy = _Spy(monkeypatch)
+    prompt = ["Call me Ishmael. Some years ago, never mind how long precisely, having little money. " * 2]
+    _, stats = _tokens(tiny, "infinigen", prompts=prompt, new=120, capacity=0.5, budget=0.3)
+    policy = spy.policies[-1]
+    assert stats["evicted_tokens"] > 0
+    for layer, length, seen in spy.pool_lengths:
+        assert length <= math.ceil(0.5 * seen)
+    for layer in range(tiny.spec.num_layers):
+        slots = policy._slots[layer]
+        pos = slots.view("pos")
+        assert slots.n == policy.host_pool.length(layer)
+        # The newest tokens are never evicted, and each position is held at most once.
+        seen = policy.seq_length(layer)
+        newest = torch.arange(seen - slots.n // 2, seen)
+        assert bool(torch.isin(newest, pos[0, 0]).all()) and bool(torch.isin(newest, pos[0, 1]).all())
+        assert pos[0, 0].unique().numel() == slots.n
+        if policy.managed(layer):  # evicted tokens left the partial key cache with the pool
+            keys = policy.host_pool.keys(layer)
+            expected = torch.einsum("bhtd,hdk->bhtk", keys, policy._proj[layer])
+            assert torch.allclose(slots.view("partial"), expected, atol=1e-5)
+
+
+def test_absolute_capacity(tiny, calibrated, monkeypatch):
+    spy = _Spy(monkeypatch)
+    _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=40, capacity=64, eviction="lru")
+    assert max(length for _, length, _ in spy.pool_lengths) == 64
+    assert stats["kv_bytes_host"] == 64 * 2 * 2 * 16 * 4 * tiny.spec.num_layers
+
+
+def _constructed(tiny, calibrated, eviction: str) -> InfiniGenPolicy:
+    """A policy whose layer 2 holds 8 tokens (positions 0..7), position 0 being left padding."""
+    policy = InfiniGenPolicy(InfiniGenConfig(eviction=eviction), tiny.spec, torch.device("cpu"))
+    k = torch.randn(1, 2, 8, 16)
+    policy.key_valid = torch.tensor([[False] + [True] * 7])
+    policy.prefill(2, k, k.clone())
+    return policy
+
+
+@pytest.mark.parametrize(
+    "eviction, fetches, last, victim",
+    [
+        # slots 0..3 are the older half (the candidates), 4..7 the newest half (never evicted)
+        ("fifo", [9, 0, 0, 0, 0, 0, 0, 0], [9, 0, 0, 0, 0, 0, 0, 0], 0),
+        ("lru", [0] * 8, [3, 5, 2, 4, 1, 1, 1, 1], 2),
+        ("counter", [3, 3, 1, 2, 0, 0, 0, 0], [0] * 8, 2),
+        ("counter", [3, 1, 1, 2, 0, 0, 0, 0], [0] * 8, 1),  # ties go to the older token
+    ],
+)
+def test_eviction_rules(tiny, calibrated, eviction, fetches, last, victim):
+    policy = _constructed(tiny, calibrated, eviction)
+    slots = policy._slots[2]
+    slots.view("fetches")[:] = torch.tensor(fetches)
+    slots.view("last")[:] = torch.tensor(last)
+    with_padding = policy._eviction_keys(2)
+    policy._real = torch.tensor([[True] * 8])  # without padding the rule decides
+    assert policy._eviction_keys(2)[0].argmin(dim=-1).tolist() == [victim, victim]
+    assert with_padding[0].argmin(dim=-1).tolist() == [0, 0]  # a padding slot always goes first
+
+
+def test_missing_calibration_is_a_clear_error(tiny, tmp_path, monkeypatch):
+    from infinikv.cache import InfinikvCache
+
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+    cache = InfinikvCache(tiny.model, "infinigen")
+    ids = tiny.tokenizer(["hello there"], return_tensors="pt")["input_ids"]
+    with pytest.raises(PolicyError, match="no InfiniGen calibration"), torch.inference_mode():
+        tiny.model(input_ids=ids, cache=cache, use_cache=True)
+
+
+def test_stats(tiny, calibrated):
+    _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=12, alpha=2.0)
+    assert 0 < stats["kv_fetch_fraction"] < 1
+    assert stats["decode_bytes_h2d"] <= stats["bytes_h2d"]
+    per_layer = stats["selected_tokens_per_layer"]
+    assert per_layer[0] is None and per_layer[1] is None and per_layer[2]["max"] >= per_layer[2]["mean"] > 0
+    assert stats["rehearsal_s"] > 0 and stats["kv_bytes_device"] > 0 and stats["evicted_tokens"] == 0
+
+
+@pytest.mark.real_model
+def test_smollm2_full_budget_equals_dense(smollm2, long_prompt, monkeypatch):
+    calibration = skew.calibrate(smollm2, text=long_prompt, tokens=512, save=False)
+    monkeypatch.setattr(skew, "cached", lambda spec: calibration)
+    dense, _ = _tokens(smollm2, "dense", prompts=[long_prompt], new=32)
+    full, stats = _tokens(smollm2, "infinigen", prompts=[long_prompt], new=32, alpha=math.inf, budget=1.0)
+    assert full == dense
+    assert stats["kv_fetch_fraction"] == pytest.approx(1.0)
+
+
+def test_other_model_calibration_is_rejected_by_the_policy(calibrated, tiny):
+    other = tiny_model("llama", seed=2)
+    with pytest.raises(skew.SkewError):
+        InfiniGenPolicy(InfiniGenConfig(), other.spec, torch.device("cpu"), skew=calibrated[tiny.weights_id])

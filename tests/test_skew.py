@@ -1,0 +1,162 @@
+"""InfiniGen calibration: skewing matrices, partial columns, skew files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from infinikv import skew
+from infinikv.cache import InfinikvCache
+from infinikv.policies import InfiniGenConfig, InfiniGenPolicy
+from infinikv.policies.dense import DenseConfig, DensePolicy
+from infinikv.testing import tiny_model
+
+TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 12
+
+
+class _Record(DensePolicy):
+    """Dense attention that keeps each layer's post-RoPE q and k of the prompt."""
+
+    name = "record"
+
+    def __init__(self, spec, device):
+        super().__init__(DenseConfig(), spec, device)
+        self.q, self.k = {}, {}
+
+    def attend(self, layer, q, k, v, mask, scaling):
+        self.q[layer], self.k[layer] = q[0].clone(), k[0].clone()
+        return super().attend(layer, q, k, v, mask, scaling)
+
+
+def _record(loaded, tokens: int = 256):
+    ids, _ = skew.calibration_ids(loaded, TEXT, tokens)
+    policy = _Record(loaded.spec, loaded.device)
+    with torch.inference_mode():
+        loaded.model(input_ids=ids, cache=InfinikvCache(loaded.model, policy), use_cache=True)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def tiny_skew(tiny):
+    return skew.calibrate(tiny, text=TEXT, tokens=256, save=False)
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny):
+    return _record(tiny)
+
+
+def test_matrices_are_orthogonal(tiny, tiny_skew):
+    spec = tiny.spec
+    assert tiny_skew.matrices.shape == (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.head_dim)
+    eye = torch.eye(spec.head_dim)
+    assert torch.allclose(tiny_skew.matrices.mT @ tiny_skew.matrices, eye, atol=1e-5)
+
+
+def test_skewing_preserves_qk(tiny, tiny_skew, recorded):
+    group = tiny.spec.group_size
+    for layer in range(tiny.spec.num_layers):
+        for head in range(tiny.spec.num_heads):
+            q, k = recorded.q[layer][head], recorded.k[layer][head // group]
+            a = tiny_skew.matrices[layer, head // group]
+            exact = q @ k.T
+            assert torch.allclose((q @ a) @ (k @ a).T, exact, atol=1e-4 * exact.abs().max())
+
+
+def test_one_matrix_per_kv_head_diagonalises_its_group(tiny, tiny_skew, recorded):
+    """A of KV head h comes from the SVD of the stacked queries of all its query heads: AᵀQᵀQA is diagonal
+    for that group, and not for the other group."""
+    group, layer = tiny.spec.group_size, 1
+    assert tiny.spec.num_kv_heads < tiny.spec.num_heads  # the tiny model really is GQA
+
+    def off_diagonal(head: int, matrix: torch.Tensor) -> float:
+        q = recorded.q[layer][head * group : (head + 1) * group].reshape(-1, tiny.spec.head_dim)
+        gram = matrix.T @ q.T @ q @ matrix
+        return float((gram - torch.diag(gram.diagonal())).abs().max() / gram.diagonal().max())
+
+    for head in range(tiny.spec.num_kv_heads):
+        assert off_diagonal(head, tiny_skew.matrices[layer, head]) < 1e-4
+        assert off_diagonal(head, tiny_skew.matrices[layer, 1 - head]) > 1e-2
+
+
+def test_partial_columns_follow_the_papers_rule(tiny, tiny_skew, recorded):
+    """Top-k columns of Σ|Q̃| + Σ|K̃| (Q̃ over the whole group), k = ⌈ratio·d⌉; identity basis for skew=False."""
+    group, d = tiny.spec.group_size, tiny.spec.head_dim
+    for layer in (0, 3):
+        for head in range(tiny.spec.num_kv_heads):
+            q = recorded.q[layer][head * group : (head + 1) * group].reshape(-1, d)
+            k = recorded.k[layer][head]
+            a = tiny_skew.matrices[layer, head]
+            expected = (q @ a).abs().sum(0) + (k @ a).abs().sum(0)
+            assert torch.allclose(tiny_skew.scores[layer, head], expected, rtol=1e-4)
+            assert torch.allclose(tiny_skew.identity_scores[layer, head], q.abs().sum(0) + k.abs().sum(0), rtol=1e-4)
+        cols = tiny_skew.columns(layer, 0.3)
+        assert cols.shape == (tiny.spec.num_kv_heads, math.ceil(0.3 * d))
+        for head in range(tiny.spec.num_kv_heads):
+            top = set(tiny_skew.scores[layer, head].topk(cols.shape[1]).indices.tolist())
+            assert set(cols[head].tolist()) == top
+    projection = tiny_skew.projection(2, 0.25)
+    assert torch.equal(projection[1], tiny_skew.matrices[2, 1][:, tiny_skew.columns(2, 0.25)[1]])
+    identity = tiny_skew.projection(2, 0.25, skewed=False)
+    assert torch.equal(identity[0], torch.eye(d)[:, tiny_skew.columns(2, 0.25, skewed=False)[0]])
+
+
+def test_skewing_concentrates_the_columns():
+    """On a trained model the partial columns hold more of Σ|Q|+Σ|K| after skewing; on the random tiny model
+    this still holds because the SVD basis is the best rank-k basis for Q."""
+    loaded = tiny_model("llama", seed=3)
+    result = skew.calibrate(loaded, text=TEXT, tokens=256, save=False)
+    assert skew.concentration(result, 0.25) > skew.concentration(result, 0.25, skewed=False)
+
+
+def test_file_is_cached_and_reused(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+    assert skew.cached(tiny.spec) is None
+    made = skew.calibrate(tiny, text=TEXT, tokens=128)
+    files = list((tmp_path / "skew").glob("*.safetensors"))
+    assert [f.name for f in files] == [skew.skew_path(tiny.weights_id, made.source, 128).name]
+    stamp = files[0].stat().st_mtime_ns
+    again = skew.ensure(tiny)  # found, not recalibrated
+    assert files[0].stat().st_mtime_ns == stamp
+    assert again.weights_id == tiny.weights_id and again.tokens == 128
+    assert torch.equal(again.matrices, made.matrices) and torch.equal(again.scores, made.scores)
+
+
+def test_file_from_another_model_is_rejected(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+    skew.calibrate(tiny, text=TEXT, tokens=64)
+    path = next((tmp_path / "skew").glob("*.safetensors"))
+    other = tiny_model("llama", seed=1)  # same shapes, other weights
+    with pytest.raises(skew.SkewError, match="other weights"):
+        skew.load(path, other.spec)
+    with pytest.raises(skew.SkewError, match="other weights"):
+        InfiniGenPolicy(InfiniGenConfig(), other.spec, torch.device("cpu"), skew=skew.load(path))
+    assert skew.cached(other.spec) is None  # another model's file is never picked up
+    gemma = tiny_model("gemma3")
+    bare = type(gemma.spec)(**{**gemma.spec.__dict__, "weights_id": "", "num_layers": 3})
+    with pytest.raises(skew.SkewError, match="shape"):
+        skew.load(path, bare)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a skew file")
+    with pytest.raises(skew.SkewError, match="cannot read"):
+        skew.load(tmp_path / "junk.safetensors")
+
+
+def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
+    from infinikv.cli import main
+
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path / "cache"))
+    model_dir = tmp_path / "tiny"
+    tiny.model.save_pretrained(model_dir)
+    tiny.tokenizer.save_pretrained(model_dir)
+    text = tmp_path / "calib.txt"
+    text.write_text(TEXT)
+    assert main(["calibrate", "--model", str(model_dir), "--text", str(text), "--tokens", "96", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tokens"] == 96 and report["layers"] == 4 and report["kv_heads"] == 2
+    assert (tmp_path / "cache" / "skew").is_dir() and report["path"].endswith(".safetensors")
+    assert main(["calibrate", "--model", str(model_dir), "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot read calibration text" in capsys.readouterr().err
+    assert main(["calibrate", "--model", str(model_dir), "--text", str(text), "--tokens", "1"]) == 2
