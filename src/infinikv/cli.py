@@ -222,10 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     """Subcommands that live beside their feature (calibrate, data, eval, bench)."""
-    from . import data, skew
+    from . import bench, data, skew
     from .eval import cli as eval_cli
 
-    return [data.register_cli, skew.register_cli, eval_cli.register_cli]
+    return [data.register_cli, skew.register_cli, bench.register_cli, eval_cli.register_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,106 @@
+"""``infinikv bench``: the command line of the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import InputError
+from ..models import DEFAULT_MODEL
+from .peers import PEERS
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one value")
+    return values
+
+
+def _names(text: str, allowed: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    if text.strip() in ("", "none"):
+        return ()
+    if text.strip() == "all":
+        return tuple(allowed)
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..cli import policy_knobs
+    from ..models import load
+    from ..policies import POLICIES
+    from .report import environment, write_plots, write_report
+    from .runner import BenchConfig, run_bench
+
+    config = BenchConfig(
+        policies=_names(args.policies, list(POLICIES)),
+        peers=_names(args.peers, PEERS),
+        batches=args.batch,
+        contexts=args.context,
+        gen=args.gen,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        prefill=args.prefill,
+        prefill_chunk=args.prefill_chunk,
+        knobs=tuple(sorted(policy_knobs(args).items())),
+        corpus=None if args.corpus == "none" else args.corpus,
+    )
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InputError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    loaded = load(args.model, device=args.device)
+    command = "infinikv " + shlex.join(sys.argv[1:])
+    result = run_bench(loaded, config, progress=not args.quiet)
+    result["environment"] = environment(loaded, command)
+    if args.plot:
+        result["plots"] = write_plots(result, Path(args.plot))
+    if args.report:
+        write_report(result, Path(args.report))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        from .report import summary_table
+
+        print(summary_table(result))
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    from ..cli import add_policy_arguments
+
+    bench = subparsers.add_parser(
+        "bench", help="throughput / latency / bytes-moved benchmark of the policies"
+    )
+    bench.add_argument("--model", default=DEFAULT_MODEL)
+    bench.add_argument("--peers", default="all", help=f"transformers caches: {', '.join(PEERS)}, all or none")
+    bench.add_argument("--batch", type=_ints, default=(1,), help="comma-separated batch sizes")
+    bench.add_argument(
+        "--context", type=_ints, default=(1024,), help="comma-separated prompt lengths (tokens)"
+    )
+    bench.add_argument("--gen", type=int, default=128, help="tokens generated per sequence")
+    bench.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per policy and cell (medians reported)"
+    )
+    bench.add_argument("--warmup", type=int, default=4, help="decode steps of the untimed warm-up run")
+    bench.add_argument("--prefill", default="shared", help="shared (prefill once per context) or per-run")
+    bench.add_argument("--prefill-chunk", type=int, default=2048)
+    bench.add_argument("--corpus", default="austen", help="prompt text: a registered corpus, a file, or none")
+    bench.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
+    )
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    bench.add_argument("--json", action="store_true", help="print the full result as JSON")
+    bench.add_argument("--plot", default=None, help="directory for the PNG plots")
+    bench.add_argument("--report", default=None, help="Markdown report to write (e.g. docs/benchmarks.md)")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_policy_arguments(bench, multiple=True)
+    bench.set_defaults(func=cmd_bench, policies="all")

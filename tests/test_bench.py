@@ -1,0 +1,187 @@
+"""The benchmark harness on the tiny model: fields, ratios, link-model arithmetic. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infinikv.bench import BenchConfig, StepTraffic, run_bench
+from infinikv.bench.linkmodel import Device, Link, crossover_bandwidth, project
+from infinikv.bench.runner import add_ratios
+from infinikv.cli import main
+from infinikv.errors import InputError
+
+ROW_FIELDS = {
+    "decode_tokens_per_s",
+    "ttft_s",
+    "tpot_p50_s",
+    "tpot_p99_s",
+    "bytes_h2d_per_token",
+    "kv_fraction_moved",
+    "kv_fraction_attended",
+    "peak_host_rss_bytes",
+    "peak_device_bytes",
+    "kv_host_bytes",
+    "kv_device_bytes",
+    "rehearsal_s_per_step",
+    "rehearsal_fraction",
+    "prefetch_wait_s_per_step",
+    "projected_step_s",
+    "speedup_vs_dense",
+    "speedup_vs_offload",
+    "bytes_vs_offload",
+}
+
+
+@pytest.fixture(scope="module")
+def one_cell(tiny):
+    config = BenchConfig(
+        policies=("dense", "offload"),
+        peers=("hf-dynamic", "hf-offloaded"),
+        batches=(2,),
+        contexts=(24,),
+        gen=4,
+        repeats=2,
+        warmup=1,
+        prefill_chunk=16,
+        corpus=None,
+    )
+    return run_bench(tiny, config, progress=False)
+
+
+def test_one_cell_has_every_field(one_cell):
+    (cell,) = one_cell["cells"]
+    assert (cell["batch"], cell["context"]) == (2, 24)
+    rows = {r["name"]: r for r in cell["rows"]}
+    assert set(rows) == {"dense", "offload", "hf-dynamic"}
+    for row in rows.values():
+        assert set(row) >= ROW_FIELDS, ROW_FIELDS - set(row)
+        assert row["decode_steps"] == 3 and row["repeats"] == 2
+        assert row["decode_tokens_per_s"] > 0 and row["tpot_p99_s"] >= row["tpot_p50_s"] > 0
+    # On CPU the offloading peer cannot run: it is reported as skipped, with the reason.
+    assert [s["name"] for s in cell["skipped"]] == ["hf-offloaded"]
+    assert "CUDA" in cell["skipped"][0]["reason"]
+
+
+def test_bytes_moved_match_the_offload_arithmetic(one_cell, tiny):
+    rows = {r["name"]: r for r in one_cell["cells"][0]["rows"]}
+    spec = tiny.spec
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # fp32 K and V, all layers
+    # Decode steps see 24, 25, 26 cached tokens; offload copies all of them, for 2 rows.
+    assert rows["offload"]["bytes_h2d_per_step"] == pytest.approx(per_token * 2 * (24 + 25 + 26) / 3)
+    assert rows["offload"]["kv_fraction_moved"] == pytest.approx(1.0)
+    assert rows["dense"]["bytes_h2d_per_step"] == 0
+    assert rows["dense"]["kv_fraction_attended"] == pytest.approx(1.0)
+
+
+def test_ratios_are_taken_within_the_run(one_cell):
+    rows = {r["name"]: r for r in one_cell["cells"][0]["rows"]}
+    dense, offload = rows["dense"], rows["offload"]
+    assert dense["speedup_vs_dense"] == pytest.approx(1.0)
+    assert offload["speedup_vs_dense"] == pytest.approx(
+        offload["decode_tokens_per_s"] / dense["decode_tokens_per_s"]
+    )
+    assert offload["bytes_vs_offload"] == pytest.approx(1.0) and dense["bytes_vs_offload"] == 0
+
+
+def test_add_ratios_on_hand_made_rows():
+    rows = [
+        {"name": "dense", "decode_tokens_per_s": 10.0, "bytes_h2d_per_step": 0.0},
+        {"name": "offload", "decode_tokens_per_s": 4.0, "bytes_h2d_per_step": 1000.0},
+        {"name": "infinigen", "decode_tokens_per_s": 16.0, "bytes_h2d_per_step": 100.0},
+    ]
+    add_ratios(rows)
+    infinigen = rows[2]
+    assert infinigen["speedup_vs_dense"] == pytest.approx(1.6)
+    assert infinigen["speedup_vs_offload"] == pytest.approx(4.0)
+    assert infinigen["bytes_vs_offload"] == pytest.approx(0.1)
+    alone = [{"name": "infinigen", "decode_tokens_per_s": 1.0, "bytes_h2d_per_step": 5.0}]
+    add_ratios(alone)
+    assert alone[0]["speedup_vs_offload"] is None and alone[0]["bytes_vs_offload"] is None
+
+
+def test_link_model_arithmetic():
+    link = Link("test", bandwidth=10e9, latency=10e-6, source="hand-made")
+    device = Device("test", bandwidth=1e12, memory=1e10, source="hand-made")
+    traffic = StepTraffic(bytes_h2d=1e9, copies=60, device_read_bytes=1e9, overlapped=True, layers=30)
+    p = project(traffic, link, device)
+    assert p.link_s == pytest.approx(0.1 + 60 * 10e-6)  # 1 GB at 10 GB/s + 60 copy latencies
+    assert p.device_s == pytest.approx(1e-3)  # 1 GB at 1 TB/s
+    assert p.step_s == pytest.approx(0.1006 + 1e-3 / 30)  # overlapped: max + one layer of the smaller
+    serial = StepTraffic(bytes_h2d=1e9, copies=60, device_read_bytes=1e9, overlapped=False, layers=30)
+    assert project(serial, link, device).step_s == pytest.approx(0.1006 + 1e-3)
+
+
+def test_crossover_bandwidth():
+    device = Device("test", bandwidth=1e12, memory=1e10, source="hand-made")
+    # Offload: 1 GB per step, 1 ms of device work. Selective: 0.1 GB, 2 ms of device work (the rehearsal).
+    slow = StepTraffic(bytes_h2d=1e9, copies=0, device_read_bytes=1e9, overlapped=True, layers=1_000_000)
+    fast = StepTraffic(bytes_h2d=1e8, copies=0, device_read_bytes=2e9, overlapped=True, layers=1_000_000)
+    # With a (nearly) perfect overlap, offload takes max(1e9/bw, 1 ms) and selective max(1e8/bw, 2 ms):
+    # they are equal at 1e9/bw = 2 ms, i.e. 500 GB/s.
+    assert crossover_bandwidth(fast, slow, device, latency=0.0) == pytest.approx(5e11, rel=1e-3)
+    cheaper = StepTraffic(bytes_h2d=1e8, copies=0, device_read_bytes=5e8, overlapped=True, layers=1_000_000)
+    assert crossover_bandwidth(cheaper, slow, device, latency=0.0) is None  # never stops paying off
+
+
+def test_config_rejects_bad_grids():
+    with pytest.raises(InputError):
+        BenchConfig(gen=1)
+    with pytest.raises(InputError):
+        BenchConfig(peers=("nope",))
+    with pytest.raises(InputError):
+        BenchConfig(batches=())
+
+
+def test_cli_bench_json_report_and_plots(tmp_path, capsys, monkeypatch):
+    from infinikv.bench.report import KEEP_MARKER
+    from infinikv.testing import tiny_model
+
+    monkeypatch.setattr("infinikv.models.load", lambda name, device=None: tiny_model())
+    report = tmp_path / "bench.md"
+    report.write_text(f"an old report\n{KEEP_MARKER}\nmy notes\n")
+    code = main(
+        [
+            "bench",
+            "--policies",
+            "dense,offload",
+            "--peers",
+            "none",
+            "--batch",
+            "1",
+            "--context",
+            "16",
+            "--gen",
+            "3",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--corpus",
+            "none",
+            "--quiet",
+            "--json",
+            "--report",
+            str(report),
+            "--plot",
+            str(tmp_path / "img"),
+        ]
+    )
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in result["cells"][0]["rows"]] == ["dense", "offload"]
+    assert {"command", "cpu", "torch", "transformers", "infinikv_commit"} <= set(result["environment"])
+    text = report.read_text()
+    assert "| 1 | 16 | offload |" in text and text.rstrip().endswith("my notes")
+    assert sorted(p.name for p in (tmp_path / "img").iterdir()) == [
+        "bytes_per_token.png",
+        "crossover.png",
+        "throughput_vs_batch.png",
+        "throughput_vs_context.png",
+    ]
+
+
+def test_cli_rejects_unknown_policy(capsys):
+    assert main(["bench", "--policies", "nope", "--quiet"]) != 0
+    assert "nope" in capsys.readouterr().err
