@@ -2,11 +2,23 @@
 
 from .base import ModelSpec, Policy, PolicyConfig, Selection, resolve_budget
 from .dense import DenseConfig, DensePolicy
+from .h2o import H2OConfig, H2OPolicy
 from .infinigen import InfiniGenConfig, InfiniGenPolicy
 from .offload import OffloadConfig, OffloadPolicy
+from .quant import QuantConfig, QuantPolicy
+from .quest import QuestConfig, QuestPolicy
 from .registry import POLICIES, make_config, make_policy, policy_class
+from .streaming import StreamingConfig, StreamingPolicy
 
 __all__ = [
+    "StreamingPolicy",
+    "StreamingConfig",
+    "QuestPolicy",
+    "QuestConfig",
+    "QuantPolicy",
+    "QuantConfig",
+    "H2OPolicy",
+    "H2OConfig",
     "POLICIES",
     "DenseConfig",
     "DensePolicy",

@@ -13,6 +13,7 @@ from .dense import DensePolicy
 from .h2o import H2OPolicy
 from .infinigen import InfiniGenPolicy
 from .offload import OffloadPolicy
+from .quant import QuantPolicy
 from .quest import QuestPolicy
 from .streaming import StreamingPolicy
 
@@ -24,6 +25,7 @@ POLICIES: dict[str, type[Policy]] = {
         StreamingPolicy,
         QuestPolicy,
         H2OPolicy,
+        QuantPolicy,
         InfiniGenPolicy,
     )
 }

@@ -1,0 +1,236 @@
+"""``quant``: quantized KV in the host pool, the INT-n baseline of InfiniGen and FlexGen.
+
+Sheng et al., 2023 (FlexGen, https://arxiv.org/abs/2303.06865): group-wise asymmetric min-max quantization,
+groups of ``group_size`` along head_dim, ``bits`` 8/4/2 (16 = stored unquantized). Liu et al., 2024 (KIVI,
+https://arxiv.org/abs/2402.02750), ``scheme="kivi"``: keys quantized per channel in groups of
+``group_size`` tokens, values per token, and the newest ``residual`` tokens (at least, fewer than
+``residual + group_size``) kept in full precision on the compute device.
+
+Each code is round((x - min) / scale), scale = (max - min) / (2^bits - 1), so a value comes back within
+scale / 2. Codes are packed 8 / bits to a byte; scales and minimums are kept in the KV's dtype. Every decode
+step copies a layer's packed codes and scales from the host pool (prefetched while the previous layer
+runs), dequantizes them on the device and attends densely; bytes moved count the compressed size. Groups
+along head_dim are min(group_size, head_dim) wide. KIVI's key groups skip left padding when taking their
+minimum and maximum. Gemma-3 sliding-window layers copy only what their window needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PolicyError
+from ..kvpool import KVPool, Transfer
+from .base import ModelSpec, Policy, PolicyConfig, Selection
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class QuantConfig(PolicyConfig):
+    """bits: 8, 4, 2 (16 = no quantization). group_size: values per scale/minimum. scheme: "group" (per
+    token, groups along head_dim) or "kivi" (keys per channel over token groups, values per token).
+    residual: newest tokens kept in full precision (kivi only)."""
+
+    bits: int = 4
+    group_size: int = 64
+    scheme: str = "group"
+    residual: int = 128
+
+    def __post_init__(self):
+        if self.bits not in (2, 4, 8, 16):
+            raise ValueError(f"bits must be 2, 4, 8 or 16, got {self.bits}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.scheme not in ("group", "kivi"):
+            raise ValueError(f"scheme must be 'group' or 'kivi', got '{self.scheme}'")
+        if self.residual < 0:
+            raise ValueError(f"residual must be >= 0, got {self.residual}")
+
+
+# -- codes ---------------------------------------------------------------------------------------------------
+def pack(codes: Tensor, bits: int) -> Tensor:
+    """uint8 codes [..., d] of ``bits`` bits each -> [..., d * bits / 8] bytes."""
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (codes.view(*codes.shape[:-1], -1, per) << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack(packed: Tensor, bits: int) -> Tensor:
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
+
+
+def quantize(x: Tensor, bits: int, dim: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Asymmetric min-max over axis ``dim`` of grouped x. Returns (uint8 codes like x, scale, minimum) with
+    ``dim`` reduced to 1. ``valid`` (broadcastable to x) excludes entries from the min and max."""
+    top = 2**bits - 1
+    low = x if valid is None else torch.where(valid, x, float("inf"))
+    high = x if valid is None else torch.where(valid, x, float("-inf"))
+    minimum = low.amin(dim=dim, keepdim=True)
+    maximum = high.amax(dim=dim, keepdim=True)
+    empty = ~torch.isfinite(minimum)  # a group of padding only
+    minimum, maximum = minimum.masked_fill(empty, 0), maximum.masked_fill(empty, 0)
+    scale = ((maximum - minimum) / top).clamp(min=torch.finfo(x.dtype).tiny)
+    codes = ((x - minimum) / scale).round().clamp(0, top).to(torch.uint8)
+    return codes, scale, minimum
+
+
+def dequantize(codes: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    return codes.to(scale.dtype) * scale + minimum
+
+
+class QuantPolicy(Policy):
+    name = "quant"
+    config_class = QuantConfig
+
+    def __init__(self, config: QuantConfig, spec: ModelSpec, device: torch.device):
+        super().__init__(config, spec, device)
+        self.raw = config.bits == 16
+        self.kivi = config.scheme == "kivi" and not self.raw
+        self.width = min(config.group_size, spec.head_dim)  # group width along head_dim
+        if spec.head_dim % self.width:
+            raise PolicyError(
+                f"quant: group_size {config.group_size} does not divide head_dim {spec.head_dim}"
+            )
+        layers = spec.num_layers
+        self.codes = KVPool(
+            layers, device, host=True, overlap="thread"
+        )  # packed codes (or raw K/V at 16 bits)
+        self.key_params = KVPool(layers, device, host=True, overlap="thread")  # key scale, key minimum
+        self.value_params = KVPool(layers, device, host=True, overlap="thread")  # value scale, value minimum
+        # One set of counters: bytes moved are the sum over the three pools.
+        self.key_params.counters = self.value_params.counters = self.codes.counters
+        self.tail: list[tuple[Tensor, Tensor] | None] = [None] * layers  # kivi: full-precision newest tokens
+        self._in_flight: dict[int, tuple[int, list[Transfer]]] = {}
+
+    # -- storage -------------------------------------------------------------------------------------------
+    def seq_length(self, layer: int) -> int:
+        tail = self.tail[layer]
+        return self.codes.length(layer) + (tail[0].shape[2] if tail is not None else 0)
+
+    def _store(self, layer: int, k: Tensor, v: Tensor) -> None:
+        if self.raw:
+            self.codes.append(layer, k, v)
+            return
+        if not self.kivi:
+            self._append(layer, self._per_token(k), self._per_token(v))
+            return
+        tail = self.tail[layer]
+        start = self.codes.length(layer)  # position of the first token not yet quantized
+        if tail is not None:
+            k, v = torch.cat([tail[0], k], dim=2), torch.cat([tail[1], v], dim=2)
+        size = self.config.group_size
+        flush = max(0, (k.shape[2] - self.config.residual) // size * size)
+        if flush:
+            block_k = k[:, :, :flush].unflatten(2, (-1, size))  # [batch, heads, blocks, size, d]
+            valid = self._valid(layer, start, flush, k.device)
+            valid = None if valid is None else valid.unflatten(1, (-1, size))[:, None, :, :, None]
+            codes, scale, minimum = quantize(block_k, self.config.bits, 3, valid)
+            keys = pack(codes.flatten(2, 3), self.config.bits), scale[:, :, :, 0], minimum[:, :, :, 0]
+            self._append(layer, keys, self._per_token(v[:, :, :flush]))
+        self.tail[layer] = (k[:, :, flush:], v[:, :, flush:])
+
+    def _per_token(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Groups along head_dim: (packed codes, scale [.., d / width], minimum [.., d / width])."""
+        codes, scale, minimum = quantize(x.unflatten(-1, (-1, self.width)), self.config.bits, -1)
+        return pack(codes.flatten(-2), self.config.bits), scale[..., 0], minimum[..., 0]
+
+    def _append(self, layer: int, keys: tuple[Tensor, ...], values: tuple[Tensor, ...]) -> None:
+        """Write (packed codes, scale, minimum) of keys and values into the three pools."""
+        self.codes.append(layer, keys[0], values[0])
+        self.key_params.append(layer, keys[1], keys[2])
+        self.value_params.append(layer, values[1], values[2])
+
+    def _valid(self, layer: int, start: int, count: int, device: torch.device) -> Tensor | None:
+        """Which of positions start..start+count-1 are real tokens (None: all, or unknown: sliding layer)."""
+        if self.key_valid is None or self.spec.is_sliding(layer):
+            return None
+        return self.key_valid[:, start : start + count].to(device)
+
+    # -- loading -------------------------------------------------------------------------------------------
+    def _start(self, layer: int, whole: bool = False) -> tuple[int, list[Transfer]]:
+        """Begin copying what ``layer``'s next token attends to (``whole``: everything) from the pool:
+        returns (first position copied, transfers)."""
+        n = self.codes.length(layer)
+        window = self.spec.sliding_window[layer]
+        first = 0
+        if window is not None and not whole:  # the next token's window starts at seq_length - window + 1
+            first = max(0, self.seq_length(layer) - window + 1)
+            if self.kivi:
+                first = first // self.config.group_size * self.config.group_size
+            first = min(first, n)
+        if first == 0:
+            pools = [self.codes] if self.raw else [self.codes, self.key_params, self.value_params]
+            return 0, [pool.fetch(layer) for pool in pools]
+        batch_heads = self.codes.keys(layer).shape[:2]
+        rows = torch.arange(first, n).expand(*batch_heads, -1)
+        transfers = [self.codes.fetch(layer, rows)]
+        if not self.raw:
+            blocks = torch.arange(first // self.config.group_size, self.key_params.length(layer))
+            key_rows = blocks.expand(*batch_heads, -1) if self.kivi else rows
+            transfers.append(self.key_params.fetch(layer, key_rows))
+            transfers.append(self.value_params.fetch(layer, rows))
+        return first, transfers
+
+    def _load(self, layer: int, transfers: list[Transfer], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self.raw:
+            return transfers[0].wait()
+        (key_codes, value_codes), (key_scale, key_min), (value_scale, value_min) = (
+            t.wait() for t in transfers
+        )
+        bits = self.config.bits
+        values = self._dequantize_tokens(value_codes, value_scale, value_min)
+        if self.kivi:
+            blocks = unpack(key_codes, bits).unflatten(2, (-1, self.config.group_size))
+            keys = dequantize(blocks, key_scale[:, :, :, None], key_min[:, :, :, None]).flatten(2, 3)
+        else:
+            keys = self._dequantize_tokens(key_codes, key_scale, key_min)
+        tail = self.tail[layer]
+        if tail is not None:
+            keys, values = torch.cat([keys, tail[0]], dim=2), torch.cat([values, tail[1]], dim=2)
+        return keys.to(dtype), values.to(dtype)
+
+    def _dequantize_tokens(self, packed: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+        codes = unpack(packed, self.config.bits).unflatten(-1, (-1, self.width))
+        return dequantize(codes, scale[..., None], minimum[..., None]).flatten(-2)
+
+    # -- the seam ------------------------------------------------------------------------------------------
+    def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.seq_length(layer) == 0:
+            self._store(layer, k, v)
+            return k, v
+        _, transfers = self._start(layer, whole=True)  # the prompt's mask spans every position
+        past_k, past_v = self._load(layer, transfers, k.dtype)
+        self._store(layer, k, v)
+        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
+    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        for target in (layer, layer + 1) if layer == 0 else (layer + 1,):
+            if target < self.spec.num_layers:
+                self._in_flight[target] = self._start(target)
+
+    def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
+        first, transfers = self._in_flight.pop(layer, None) or self._start(layer)
+        past_k, past_v = self._load(layer, transfers, k_new.dtype)
+        n_past = self.seq_length(layer)
+        self._store(layer, k_new, v_new)
+        keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
+        self.record_attended(layer, keys.shape[2])
+        if first == 0:
+            return Selection(keys, values)
+        positions = torch.arange(first, n_past + 1, device=k_new.device).expand(*keys.shape[:2], -1)
+        return Selection(keys, values, positions)
+
+    def kv_bytes(self) -> dict[str, int]:
+        host = self.codes.nbytes() + self.key_params.nbytes() + self.value_params.nbytes()
+        device = sum(2 * t[0].numel() * t[0].element_size() for t in self.tail if t is not None)
+        return {"host": host, "device": device}
+
+    def pool(self) -> KVPool:
+        return self.codes
+
+    def close(self) -> None:
+        for pool in (self.codes, self.key_params, self.value_params):
+            pool.close()
