@@ -1,0 +1,60 @@
+"""Every registered policy through a short batched generation on tiny Llama and tiny Gemma-3."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from infinikv import GenerationConfig, Generator
+from infinikv.policies import POLICIES
+
+PROMPTS = ["A short one.", "A much longer prompt, padded on the left of its shorter batch mate " * 3]
+NEW_TOKENS = 8
+# Knob values that force a selective policy below the full context (applied where the policy has the knob).
+TIGHT = {"budget": 0.3, "window": 8, "page_size": 4, "dense_layers": 1}
+
+
+def _run(loaded, policy: str, knobs: dict):
+    generator = Generator(loaded, policy, **knobs)  # may calibrate (InfiniGen) before the hook goes on
+    finite = []
+    hook = loaded.model.lm_head.register_forward_hook(
+        lambda _module, _inputs, logits: finite.append(bool(logits.isfinite().all()))
+    )
+    try:
+        results = generator.generate(PROMPTS, GenerationConfig(max_new_tokens=NEW_TOKENS))
+    finally:
+        hook.remove()
+    return results, finite
+
+
+@pytest.fixture(scope="module")
+def dense_runs():
+    return {}
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_gemma"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_policy_matrix(policy, model, request, dense_runs):
+    loaded = request.getfixturevalue(model)
+    own = {f.name for f in fields(POLICIES[policy].config_class)}
+    knobs = {k: v for k, v in TIGHT.items() if k in own}
+    results, finite = _run(loaded, policy, knobs)
+    if model not in dense_runs:
+        dense_runs[model] = _run(loaded, "dense", {})[0]
+    dense = dense_runs[model]
+
+    assert len(results) == len(PROMPTS)
+    assert all(finite) and len(finite) == NEW_TOKENS  # prefill + one forward per further token
+    for result, reference in zip(results, dense, strict=True):
+        assert 1 <= len(result.token_ids) <= NEW_TOKENS
+        stats = result.stats
+        for key in ("bytes_h2d", "mean_tokens_attended", "kv_bytes_host", "kv_bytes_device"):
+            assert key in stats and stats[key] >= 0
+        assert stats["policy"] == policy
+        # Never more than the whole context; strictly less when a budget or window applies.
+        assert stats["mean_tokens_attended"] <= reference.stats["mean_tokens_attended"]
+        if knobs.get("budget") or knobs.get("window"):
+            assert stats["mean_tokens_attended"] < reference.stats["mean_tokens_attended"]
+        if policy != "dense":
+            assert stats["kv_bytes_host"] > 0
