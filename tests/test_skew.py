@@ -92,7 +92,9 @@ def test_partial_columns_follow_the_papers_rule(tiny, tiny_skew, recorded):
             a = tiny_skew.matrices[layer, head]
             expected = (q @ a).abs().sum(0) + (k @ a).abs().sum(0)
             assert torch.allclose(tiny_skew.scores[layer, head], expected, rtol=1e-4)
-            assert torch.allclose(tiny_skew.identity_scores[layer, head], q.abs().sum(0) + k.abs().sum(0), rtol=1e-4)
+            assert torch.allclose(
+                tiny_skew.identity_scores[layer, head], q.abs().sum(0) + k.abs().sum(0), rtol=1e-4
+            )
         cols = tiny_skew.columns(layer, 0.3)
         assert cols.shape == (tiny.spec.num_kv_heads, math.ceil(0.3 * d))
         for head in range(tiny.spec.num_kv_heads):
@@ -153,7 +155,9 @@ def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
     tiny.tokenizer.save_pretrained(model_dir)
     text = tmp_path / "calib.txt"
     text.write_text(TEXT)
-    assert main(["calibrate", "--model", str(model_dir), "--text", str(text), "--tokens", "96", "--json"]) == 0
+    assert (
+        main(["calibrate", "--model", str(model_dir), "--text", str(text), "--tokens", "96", "--json"]) == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["tokens"] == 96 and report["layers"] == 4 and report["kv_heads"] == 2
     assert (tmp_path / "cache" / "skew").is_dir() and report["path"].endswith(".safetensors")
