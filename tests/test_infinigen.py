@@ -179,7 +179,7 @@ def test_counter_eviction_keeps_pool_within_capacity(tiny, calibrated, monkeypat
     _, stats = _tokens(tiny, "infinigen", prompts=prompt, new=120, capacity=0.5, budget=0.3)
     policy = spy.policies[-1]
     assert stats["evicted_tokens"] > 0
-    for layer, length, seen in spy.pool_lengths:
+    for _, length, seen in spy.pool_lengths:
         assert length <= math.ceil(0.5 * seen)
     for layer in range(tiny.spec.num_layers):
         slots = policy._slots[layer]

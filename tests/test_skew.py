@@ -155,12 +155,11 @@ def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
     tiny.tokenizer.save_pretrained(model_dir)
     text = tmp_path / "calib.txt"
     text.write_text(TEXT)
-    assert (
-        main(["calibrate", "--model", str(model_dir), "--text", str(text), "--tokens", "96", "--json"]) == 0
-    )
+    args = ["calibrate", "--model", str(model_dir), "--text", str(text)]
+    assert main([*args, "--tokens", "96", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["tokens"] == 96 and report["layers"] == 4 and report["kv_heads"] == 2
     assert (tmp_path / "cache" / "skew").is_dir() and report["path"].endswith(".safetensors")
     assert main(["calibrate", "--model", str(model_dir), "--text", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read calibration text" in capsys.readouterr().err
-    assert main(["calibrate", "--model", str(model_dir), "--text", str(text), "--tokens", "1"]) == 2
+    assert main([*args, "--tokens", "1"]) == 2
