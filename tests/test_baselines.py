@@ -1,0 +1,142 @@
+"""The baselines beside InfiniGen: h2o, streaming, quest, quant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinikv import GenerationConfig, Generator
+from infinikv.policies import make_policy
+from infinikv.policies.quant import dequantize, pack, quantize, unpack
+
+FULL = [
+    ("h2o", {"budget": 100_000}),
+    ("streaming", {"window": 100_000}),
+    ("quest", {"budget": 1.0, "dense_layers": 0, "page_size": 4}),
+    ("quant", {"bits": 16}),
+    ("quant", {"bits": 16, "scheme": "kivi"}),
+]
+IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in knobs.items())}" for name, knobs in FULL]
+PROMPTS = ["Left padding ahead.", "A longer prompt that makes the batch pad its shorter neighbour " * 4]
+
+
+def _tokens(loaded, policy, prompts, new_tokens, **knobs):
+    config = GenerationConfig(max_new_tokens=new_tokens, prefill_chunk=64)
+    return [r.token_ids for r in Generator(loaded, policy, **knobs).generate(prompts, config)]
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_gemma"])
+@pytest.mark.parametrize(("policy", "knobs"), FULL, ids=IDS)
+def test_full_budget_matches_dense_tiny(policy, knobs, model, request):
+    loaded = request.getfixturevalue(model)
+    assert _tokens(loaded, policy, PROMPTS, 24, **knobs) == _tokens(loaded, "dense", PROMPTS, 24)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize(("policy", "knobs"), FULL, ids=IDS)
+def test_full_budget_matches_dense_smollm2(policy, knobs, smollm2, long_prompt):
+    reference = _tokens(smollm2, "dense", [long_prompt], 24)
+    assert _tokens(smollm2, policy, [long_prompt], 24, **knobs) == reference
+
+
+def _policy(tiny, name, **knobs):
+    return make_policy(name, tiny.spec, torch.device("cpu"), **knobs)
+
+
+def _kv(n, spec, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (1, spec.num_kv_heads, n, spec.head_dim)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def test_streaming_keeps_sinks_and_window(tiny):
+    policy = _policy(tiny, "streaming", n_sink=2, window=5)
+    k, v = _kv(21, tiny.spec)
+    policy.prefill(0, k[:, :, :20], v[:, :, :20])
+    policy.key_valid = torch.arange(21)[None] >= 3  # three left-padding slots
+    selection = policy.decode(0, k[:, :, 20:], v[:, :, 20:])
+    expected = [3, 4, 16, 17, 18, 19, 20]  # first two real tokens, then the window ending at the new one
+    assert selection.positions[0, 0].tolist() == expected
+    assert torch.equal(selection.values[:, :, 2:], v[:, :, 16:])
+    policy.close()
+
+
+def test_streaming_rerotation_equals_cache_positions(tiny):
+    """A sink key re-rotated by the skipped count scores as if it sat right before the window."""
+    spec = tiny.spec
+    policy = _policy(tiny, "streaming", n_sink=1, window=3)
+    gen = torch.Generator().manual_seed(1)
+    q0, k0 = (
+        torch.randn(1, 1, 1, spec.head_dim, generator=gen),
+        torch.randn(1, 1, 1, spec.head_dim, generator=gen),
+    )
+
+    def rope(x, position):
+        cos, sin = spec.rope(0, x, torch.tensor([[position]]))
+        half = x.shape[-1] // 2
+        return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
+
+    policy._skipped[0] = torch.tensor([37])  # sink at 0, query at 40, window 38..40
+    moved = policy.adjust_keys(0, torch.zeros(1, 1, 3, dtype=torch.long), rope(k0, 0).expand(1, 1, 3, -1))
+    got = (rope(q0, 40) * moved[:, :, :1]).sum()
+    assert torch.allclose(got, (rope(q0, 40) * rope(k0, 37)).sum(), atol=1e-4)  # sink at place 37
+    assert not torch.allclose(got, (rope(q0, 40) * rope(k0, 0)).sum(), atol=1e-4)
+    policy.close()
+
+
+def test_h2o_keeps_heavy_hitter(tiny):
+    spec = tiny.spec
+    policy = _policy(tiny, "h2o", budget=8, heavy_ratio=0.5)
+    k, v = _kv(41, spec)
+    k = k * 0.1
+    direction = torch.randn(spec.head_dim)
+    k[:, :, 5] = 4 * direction  # token 5 is what every query looks at
+    q = direction.expand(1, spec.num_heads, 40, -1)
+    past_k, past_v = policy.prefill(0, k[:, :, :40], v[:, :, :40])
+    policy.attend(0, q, past_k, past_v, None, 1.0)
+    selection = policy.decode(0, k[:, :, 40:], v[:, :, 40:])
+    kept = selection.positions[0].tolist()
+    assert all(5 in row for row in kept)
+    assert all(row[-4:] == [37, 38, 39, 40] for row in kept)  # the recent window, new token included
+    assert selection.keys.shape[2] == 8
+    policy.attend(0, q[:, :, -1:], selection.keys, selection.values, None, 1.0)
+    assert policy.host_pool.length(0) == 7  # evicted for real: budget - 1 between steps
+    policy.close()
+
+
+def test_quest_picks_page_of_max_logit(tiny):
+    spec = tiny.spec
+    policy = _policy(tiny, "quest", budget=16, page_size=4, dense_layers=0)
+    k, v = _kv(64, spec, seed=3)
+    query = torch.randn(1, spec.num_heads, spec.head_dim)
+    k[:, :, 42] = 3 * query[:, :: spec.group_size]  # one token per KV head aligned with its first query head
+    policy.prefill(0, k, v)
+    pages = policy.top_pages(query, policy.page_max[0], policy.page_min[0], take=1)
+    grouped = query.view(1, spec.num_kv_heads, spec.group_size, -1)
+    best = torch.einsum("bhgd,bhnd->bhgn", grouped, k).amax(dim=2).argmax(dim=-1)
+    assert torch.equal(pages[..., 0], best // 4)
+    assert (best == 42).all()
+    policy.close()
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quant_round_trip_within_half_step(bits):
+    x = torch.randn(2, 3, 50, 8, 16) * torch.linspace(0.1, 5, 16)
+    codes, scale, minimum = quantize(x, bits, dim=-1)
+    assert torch.equal(unpack(pack(codes, bits), bits), codes)
+    assert pack(codes, bits).shape[-1] == 16 * bits // 8
+    error = (dequantize(codes, scale, minimum) - x).abs()
+    assert (error <= scale / 2 * (1 + 1e-4) + 1e-6).all()
+
+
+def test_quant_bytes_shrink_by_expected_factor(tiny):
+    head_dim = tiny.spec.head_dim
+    moved = {}
+    for bits in (16, 4):
+        result = Generator(tiny, "quant", bits=bits, group_size=head_dim).generate(
+            PROMPTS[1], GenerationConfig(max_new_tokens=8)
+        )[0]
+        moved[bits] = result.stats["bytes_h2d"]
+    # fp32 K/V: head_dim * 4 bytes per row; 4-bit: head_dim / 2 bytes of codes + a scale and a minimum.
+    expected = (head_dim // 2 + 2 * 4) / (head_dim * 4)
+    assert moved[4] == pytest.approx(expected * moved[16])
