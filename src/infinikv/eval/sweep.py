@@ -222,7 +222,11 @@ def run_sweep(
         print(f"sweep: policy '{name}' is not in this build; its cells are skipped", file=sys.stderr)
     todo = [c for c in cells(config) if c.key not in done]
     loaded: LoadedModel | None = None
-    with open(config.out / "cells.jsonl", "a", encoding="utf-8") as log:
+    path = config.out / "cells.jsonl"
+    torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+    with open(path, "a", encoding="utf-8") as log:
+        if torn:
+            log.write("\n")  # close an interrupted line so the next record starts on its own
         for cell in tqdm(todo, desc=f"sweep {config.name}", unit="cell", disable=not progress):
             if loaded is None or loaded.name != cell.model:
                 loaded = loader(cell.model)

@@ -1,0 +1,191 @@
+"""Evaluation: task generators, RULER scorers, decode-path perplexity, retrieval and resumable sweeps."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from infinikv.cli import main
+from infinikv.eval import ppl, retrieval, scoring, sweep, tasks
+from infinikv.policies import make_config
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.fixture
+def fake_essays(monkeypatch):
+    sentences = tuple(f"Essay sentence number {i} says something plain." for i in range(3000))
+    vocabulary = tuple(f"word{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}" for i in range(800))
+    monkeypatch.setattr(tasks, "essay_sentences", lambda: sentences)
+    monkeypatch.setattr(tasks, "essay_words", lambda: vocabulary)
+
+
+# -- task generators -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_generators_are_deterministic_and_fit(task, fake_essays):
+    a = tasks.generate(task, 1500, words, depth=0.3, seed=4)
+    b = tasks.generate(task, 1500, words, depth=0.3, seed=4)
+    c = tasks.generate(task, 1500, words, depth=0.3, seed=5)
+    assert a == b
+    assert a.answers != c.answers
+    used = words(a.context + a.question + " " + a.answer_prefix) + a.max_new_tokens
+    assert 1300 < used <= 1500  # fills the context without overflowing it
+    for answer in a.answers:
+        assert answer in a.context
+
+
+@pytest.mark.parametrize("task", sorted(tasks.DEPTH_TASKS))
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9, 1.0])
+def test_needle_sits_at_the_requested_depth(task, depth, fake_essays):
+    sample = tasks.generate(task, 3000, words, depth=depth, seed=1)
+    offset = sample.needle_offsets[0]
+    first_answer = sample.answers[0]
+    assert first_answer in sample.context[offset : offset + 200]
+    assert abs(offset / len(sample.context) - depth) < 0.03
+
+
+def test_multi_needle_tasks_hide_every_answer_once(fake_essays):
+    multi = tasks.generate("niah_multivalue", 2000, words, seed=2)
+    assert len(multi.answers) == 4 and all(multi.context.count(a) == 1 for a in multi.answers)
+    keys = tasks.generate("niah_multikey_1", 2000, words, seed=2)
+    assert keys.context.count("One of the special magic numbers for") == 4
+    haystack = tasks.generate("niah_multikey_3", 2000, words, seed=2)
+    assert re.fullmatch(r"[0-9a-f-]{36}", haystack.answers[0])
+    assert haystack.context.count("special magic uuids for") > 20
+
+
+def test_vt_chain_and_extraction_answers(fake_essays):
+    vt = tasks.generate("vt", 2000, words, depth=0.2, seed=0)
+    value = re.search(r"value (\d+)", vt.question).group(1)
+    assert f"VAR {vt.answers[0]} = {value}." in vt.context
+    for before, after in zip(vt.answers, vt.answers[1:], strict=False):
+        assert f"VAR {after} = VAR {before}." in vt.context
+    cwe = tasks.generate("cwe", 3000, words, seed=0)
+    listed = re.findall(r"\d+\. (\S+)", cwe.context)
+    counts = {w: listed.count(w) for w in set(listed)}
+    assert sorted(cwe.answers) == sorted(sorted(counts, key=counts.get, reverse=True)[:10])
+    fwe = tasks.generate("fwe", 3000, words, seed=0)
+    coded = fwe.context.split("\n", 1)[1].split()
+    top = sorted(set(coded), key=lambda w: (-coded.count(w), w))[:3]
+    assert list(fwe.answers) == top
+
+
+def test_unknown_task_and_bad_depth():
+    with pytest.raises(Exception, match="unknown task"):
+        tasks.generate("nope", 1000, words)
+    with pytest.raises(Exception, match="depth"):
+        tasks.generate("passkey", 1000, words, depth=1.5)
+
+
+# -- scorers -------------------------------------------------------------------------------------------------
+def test_string_match_all_and_part_follow_ruler():
+    predictions = ["The numbers are 123 and 456.", "only 123", "nothing"]
+    references = [["123", "456"], ["123", "456"], ["123"]]
+    assert scoring.score("string_match_all", predictions, references) == pytest.approx(50)  # (1 + .5 + 0) / 3
+    assert scoring.score("string_match_part", predictions, references) == pytest.approx(100 * 2 / 3)
+    assert scoring.score("string_match_all", ["ABC-def"], [["abc-DEF"]]) == 100  # case-insensitive
+
+
+def test_passkey_is_exact_on_the_first_number():
+    refs = [["71432"]] * 4
+    preds = [" 71432.", "71432 is it", "714321", "the key is 1 or 71432"]
+    assert scoring.score("passkey_exact", preds, refs) == 50
+
+
+# -- decode path ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["tiny", "tiny_gemma"])
+def test_decode_path_perplexity_equals_one_forward_pass(kind, request):
+    loaded = request.getfixturevalue(kind)
+    windows = torch.randint(3, 259, (2, 160), generator=torch.Generator().manual_seed(0))
+    nll, stats = ppl.token_nll(loaded, make_config("dense"), windows, prefill=40)
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=windows).logits.float()
+    reference = -torch.log_softmax(logits[:, 39:-1], -1).gather(2, windows[:, 40:, None])[..., 0]
+    torch.testing.assert_close(nll, reference, atol=1e-4, rtol=1e-4)
+    assert stats["decode_steps"] == 119 and stats["kv_fraction"] == pytest.approx(1.0)
+
+
+def test_offload_moves_everything_and_matches_dense(tiny):
+    windows = torch.randint(3, 259, (1, 120), generator=torch.Generator().manual_seed(1))
+    dense, _ = ppl.token_nll(tiny, make_config("dense"), windows, prefill=30)
+    offload, stats = ppl.token_nll(tiny, make_config("offload"), windows, prefill=30)
+    torch.testing.assert_close(offload, dense, atol=1e-5, rtol=1e-5)
+    assert stats["kv_fetched_fraction"] == pytest.approx(1.0)
+
+
+def test_perplexity_blocks_and_dense_reference(tiny, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
+    config = ppl.PerplexityConfig(str(text), context=200, prefill=140, windows=2, block=32)
+    result = ppl.perplexity(tiny, "offload", config)
+    assert [b["start"] for b in result["blocks"]] == [128, 160, 192]
+    assert result["dense"]["ppl"] == pytest.approx(result["ppl"], rel=1e-4)
+    assert result["tokens"] == 2 * 60
+
+
+def test_retrieval_feeds_the_question_through_decode(tiny):
+    result = retrieval.evaluate(tiny, "offload", "passkey", 500, samples=2)
+    assert result["score"] in (0.0, 50.0, 100.0) and not result["chat"]
+    for row in result["rows"]:
+        assert row["prompt_tokens"] <= 500
+    # The question and answer prefix went through the decode path: every step moved the whole cache.
+    assert result["kv_fraction"] == pytest.approx(1.0)
+
+
+# -- sweep ---------------------------------------------------------------------------------------------------
+def test_sweep_resumes_without_recomputing(tiny, tmp_path, monkeypatch):
+    text = tmp_path / "t.txt"
+    text.write_text("Some text to score, again and again. " * 40, encoding="utf-8")
+    path = tmp_path / "sweep.json"
+    path.write_text(
+        json.dumps(
+            {
+                "name": "t",
+                "out": str(tmp_path / "out"),
+                "models": [{"name": "tiny", "contexts": [300]}],
+                "policies": {"dense": {}, "offload": {}, "no_such_policy": {"budget": [0.1]}},
+                "retrieval": {"tasks": ["passkey"], "samples": 1},
+                "ppl": {"texts": [str(text)], "prefill": 270},
+            }
+        )
+    )
+    config = sweep.read_config(path)
+    calls = []
+    real = sweep.run_cell
+
+    def counting(cell, *args):
+        calls.append(cell.key)
+        return real(cell, *args)
+
+    monkeypatch.setattr(sweep, "run_cell", counting)
+    summary = sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    assert len(calls) == 4 and summary["measured"] == 4 and not summary["missing"]
+    assert summary["unavailable_policies"] == ["no_such_policy"]
+    for name in ("cells.jsonl", "summary.json", "tables.md", "accuracy_vs_kv.png", "ppl_vs_kv.png"):
+        assert (config.out / name).exists()
+
+    # Interrupted during the last cell: its line is torn. A restart measures only that cell.
+    log = config.out / "cells.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
+    calls.clear()
+    summary = sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    assert calls == [json.loads(lines[-1])["key"]] and summary["measured"] == 4
+    calls.clear()
+    sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    assert calls == []
+
+
+def test_context_fraction_knobs_resolve_per_cell():
+    assert sweep.resolve_knobs({"window": "0.1*context", "n_sink": 4}, 2048) == {"window": 205, "n_sink": 4}
+
+
+def test_cli_rejects_unknown_task_in_one_line(capsys):
+    assert main(["eval", "retrieval", "--task", "bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("infinikv: error: unknown task bogus") and "\n" not in err
