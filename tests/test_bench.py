@@ -185,3 +185,18 @@ def test_cli_bench_json_report_and_plots(tmp_path, capsys, monkeypatch):
 def test_cli_rejects_unknown_policy(capsys):
     assert main(["bench", "--policies", "nope", "--quiet"]) != 0
     assert "nope" in capsys.readouterr().err
+
+
+def test_fetch_with_a_spare_slot_copies_once_and_counts_only_the_cached_tokens():
+    import torch
+
+    from infinikv.kvpool import KVPool
+
+    pool = KVPool(1, torch.device("cpu"), host=True, overlap="none")
+    k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    pool.append(0, k, v)
+    keys, values = pool.fetch(0, extra=1).wait()
+    assert keys.shape == values.shape == (2, 3, 6, 4)
+    assert torch.equal(keys[:, :, :5], k) and torch.equal(values[:, :, :5], v)
+    assert keys.data_ptr() != pool.keys(0).data_ptr()  # a copy, not a view of the pool
+    assert pool.counters.bytes_h2d == 2 * k.numel() * 4

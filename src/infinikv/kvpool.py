@@ -148,29 +148,37 @@ class KVPool:
         return total
 
     # -- copies to the compute device ----------------------------------------------------------------------
-    def fetch(self, layer: int, index: Tensor | None = None) -> Transfer:
-        """Start copying a layer's K/V (all of it, or the slots in ``index`` [batch, heads, n]) to the device."""
+    def fetch(self, layer: int, index: Tensor | None = None, extra: int = 0) -> Transfer:
+        """Start copying a layer's K/V (all of it, or the slots in ``index`` [batch, heads, n]) to the device.
+
+        ``extra`` > 0 leaves that many uninitialised token slots after the copied ones, for the caller to
+        fill with the new token's K/V: one copy into a buffer of the final size instead of copy + concatenate.
+        """
         keys, values = self.keys(layer), self.values(layer)
         if index is not None:
             index = index.to("cpu")
         if self._executor is not None:
-            return Transfer(self._executor.submit(self._copy, keys, values, index), self.counters)
+            return Transfer(self._executor.submit(self._copy, keys, values, index, extra), self.counters)
         if self._stream is None:
-            return Transfer(self._copy(keys, values, index), self.counters)
+            return Transfer(self._copy(keys, values, index, extra), self.counters)
         self._stream.wait_stream(torch.cuda.current_stream(self.compute_device))
         with torch.cuda.stream(self._stream):
-            result = self._copy(keys, values, index)
+            result = self._copy(keys, values, index, extra)
             event = torch.cuda.Event()
             event.record(self._stream)
         return Transfer(result, self.counters, event)
 
-    def _copy(self, keys: Tensor, values: Tensor, index: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _copy(
+        self, keys: Tensor, values: Tensor, index: Tensor | None, extra: int = 0
+    ) -> tuple[Tensor, Tensor]:
         if index is not None:
             expanded = index[..., None].expand(-1, -1, -1, keys.shape[-1])
             keys, values = torch.gather(keys, 2, expanded), torch.gather(values, 2, expanded)
             if self.on_cuda:
                 keys, values = keys.pin_memory(), values.pin_memory()
-        if self.on_cuda:
+        if extra > 0:
+            out_k, out_v = (self._into(t, extra) for t in (keys, values))
+        elif self.on_cuda:
             out_k = keys.to(self.compute_device, non_blocking=True)
             out_v = values.to(self.compute_device, non_blocking=True)
         elif index is not None:
@@ -180,6 +188,13 @@ class KVPool:
         self.counters.bytes_h2d += 2 * keys.numel() * keys.element_size()
         self.counters.copies += 1
         return out_k, out_v
+
+    def _into(self, source: Tensor, extra: int) -> Tensor:
+        """``source`` copied to the compute device into a buffer with ``extra`` spare token slots."""
+        batch, heads, n, dim = source.shape
+        out = torch.empty((batch, heads, n + extra, dim), dtype=source.dtype, device=self.compute_device)
+        out[:, :, :n].copy_(source, non_blocking=self.on_cuda)
+        return out
 
     def close(self) -> None:
         if self._executor is not None:

@@ -47,17 +47,20 @@ class OffloadPolicy(Policy):
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        # One spare slot per fetch: the new token's K/V goes there, no concatenation on the device.
         if layer == 0:
-            self._in_flight[0] = self.host_pool.fetch(0)
+            self._in_flight[0] = self.host_pool.fetch(0, extra=1)
         if layer + 1 < self.spec.num_layers:
-            self._in_flight[layer + 1] = self.host_pool.fetch(layer + 1)
+            self._in_flight[layer + 1] = self.host_pool.fetch(layer + 1, extra=1)
 
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
-        transfer = self._in_flight.pop(layer, None) or self.host_pool.fetch(layer)
-        past_k, past_v = transfer.wait()
+        transfer = self._in_flight.pop(layer, None) or self.host_pool.fetch(layer, extra=1)
+        keys, values = transfer.wait()
+        keys[:, :, -1:].copy_(k_new)
+        values[:, :, -1:].copy_(v_new)
         self.host_pool.append(layer, k_new, v_new)
-        self.record_attended(layer, past_k.shape[2] + 1)
-        return Selection(torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2))
+        self.record_attended(layer, keys.shape[2])
+        return Selection(keys, values)
 
     def kv_bytes(self) -> dict[str, int]:
         return {"host": self.host_pool.nbytes(), "device": 0}
