@@ -121,6 +121,10 @@ def test_crossover_bandwidth():
     # With a (nearly) perfect overlap, offload takes max(1e9/bw, 1 ms) and selective max(1e8/bw, 2 ms):
     # they are equal at 1e9/bw = 2 ms, i.e. 500 GB/s.
     assert crossover_bandwidth(fast, slow, device, latency=0.0) == pytest.approx(5e11, rel=1e-3)
+    # "Pays off" with a 10 % margin: 1e9/bw = 1.1 x 2 ms, i.e. about 454.5 GB/s.
+    assert crossover_bandwidth(fast, slow, device, latency=0.0, margin=0.1) == pytest.approx(
+        1e9 / 2.2e-3, rel=1e-3
+    )
     cheaper = StepTraffic(bytes_h2d=1e8, copies=0, device_read_bytes=5e8, overlapped=True, layers=1_000_000)
     assert crossover_bandwidth(cheaper, slow, device, latency=0.0) is None  # never stops paying off
 

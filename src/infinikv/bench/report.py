@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,8 @@ def environment(loaded: LoadedModel, command: str) -> dict[str, Any]:
 
 def _footer(env: dict[str, Any]) -> str:
     return (
-        f"{env['command']}\n{env['cpu']} ({env['cpu_cores']} cores, {env['torch_threads']} threads), "
+        f"{textwrap.fill(env['command'], 150)}\n"
+        f"{env['cpu']} ({env['cpu_cores']} cores, {env['torch_threads']} threads), "
         f"device {env['device']}, {env['model']} {env['dtype']}; torch {env['torch']}, "
         f"transformers {env['transformers']}, infinikv {env['infinikv_commit']}"
     )
@@ -112,7 +114,10 @@ def projection_table(result: dict[str, Any]) -> str:
 
 
 def crossover_table(result: dict[str, Any]) -> str:
-    lines = ["| batch | context | policy / device | stops beating offload above |", "|---|---|---|---|"]
+    lines = [
+        "| batch | context | policy / device | no longer ≥10 % faster than offload above |",
+        "|---|---|---|---|",
+    ]
     for cell in result["cells"]:
         for key, bw in cell["crossover"].items():
             where = "never (in 0.1 GB/s – 10 TB/s)" if bw is None else f"{bw / 1e9:.1f} GB/s"
@@ -236,6 +241,7 @@ def _crossover_plot(result: dict[str, Any], directory: Path, plt, finish) -> str
             va="top",
         )
     ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(1.1, color="black", lw=0.6, ls="--")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("host→device link bandwidth (GB/s)")

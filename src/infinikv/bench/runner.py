@@ -41,6 +41,7 @@ from .peers import PEERS, peer_factory, peer_kv_bytes, peer_unavailable
 
 Tensor = torch.Tensor
 PREFILL_MODES = ("shared", "per-run")
+CROSSOVER_MARGIN = 0.1  # "pays off" = projected step at least 10 % faster than offload
 
 
 @dataclass(frozen=True)
@@ -508,7 +509,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def crossovers(rows: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Per device: the link bandwidth (bytes/s) above which each selective policy stops beating offload."""
+    """Per device: the link bandwidth (bytes/s) above which each selective policy's projected step is no
+    longer ``CROSSOVER_MARGIN`` faster than offload's."""
     by_name = {r["name"]: r for r in rows}
     if "offload" not in by_name:
         return {}
@@ -519,5 +521,7 @@ def crossovers(rows: list[dict[str, Any]]) -> dict[str, float | None]:
             continue
         fast = linkmodel.StepTraffic(**row["traffic"])
         for d, device in linkmodel.DEVICES.items():
-            out[f"{row['name']}/{d}"] = linkmodel.crossover_bandwidth(fast, slow, device)
+            out[f"{row['name']}/{d}"] = linkmodel.crossover_bandwidth(
+                fast, slow, device, margin=CROSSOVER_MARGIN
+            )
     return out
