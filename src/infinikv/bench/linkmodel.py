@@ -97,18 +97,20 @@ def crossover_bandwidth(
     slow: StepTraffic,
     device: Device,
     latency: float = 10e-6,
+    margin: float = 0.0,
     low: float = 1e8,
     high: float = 1e13,
 ) -> float | None:
-    """The link bandwidth above which ``fast`` is no longer faster than ``slow`` (None: never, in range).
+    """The link bandwidth above which ``fast`` no longer beats ``slow`` by more than ``margin`` (0.1 = 10 %);
+    None when it always does in [low, high].
 
     ``fast`` is the policy that moves fewer bytes (InfiniGen), ``slow`` the one that moves more (offload):
-    as bandwidth grows the transfer it saves stops mattering and its extra device work decides.
+    as bandwidth grows the transfer it saves stops mattering and the device work decides.
     """
 
     def gain(bw: float) -> float:
         link = Link("swept", bw, latency, "swept")
-        return project(slow, link, device).step_s - project(fast, link, device).step_s
+        return project(slow, link, device).step_s - (1 + margin) * project(fast, link, device).step_s
 
     if gain(low) <= 0:
         return low
