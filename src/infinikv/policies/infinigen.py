@@ -280,7 +280,7 @@ class InfiniGenPolicy(Policy):
         row_bytes = 2 * k.shape[-1] * k.element_size()
         self._decode_h2d += positions.numel() * row_bytes
         self._offload_h2d += k.shape[0] * k.shape[1] * self._seen[layer] * row_bytes
-        self._pending[layer] = (self.host_pool.fetch(layer, index), positions)
+        self._pending[layer] = (self.host_pool.fetch(layer, index, extra=1), positions)
 
     def _select(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
         """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, n'] to fetch."""
@@ -336,21 +336,18 @@ class InfiniGenPolicy(Policy):
         if layer not in self._pending:  # no hook ran for this layer (not expected): fetch everything
             self._plan_full(layer)
         transfer, positions = self._pending.pop(layer)
-        past_k, past_v = transfer.wait()
+        keys, values = transfer.wait()  # the selected rows plus a spare last slot for the new token
+        keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
         position = self._seen[layer]
         self._store(layer, k_new, v_new, position)
         self._seen[layer] = position + 1
         self.record_attended(layer, positions.shape[2] + 1)
         newest = torch.full_like(positions[:, :, :1], position)
-        return Selection(
-            torch.cat([past_k, k_new], dim=2),
-            torch.cat([past_v, v_new], dim=2),
-            torch.cat([positions, newest], dim=2),
-        )
+        return Selection(keys, values, torch.cat([positions, newest], dim=2))
 
     def _plan_full(self, layer: int) -> None:
         slots = self._slots[layer]
-        self._pending[layer] = (self.host_pool.fetch(layer), slots.view("pos").clone())
+        self._pending[layer] = (self.host_pool.fetch(layer, extra=1), slots.view("pos").clone())
 
     def _store(self, layer: int, k: Tensor, v: Tensor, position: int) -> None:
         slots = self._slots[layer]
