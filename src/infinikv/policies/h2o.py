@@ -167,6 +167,8 @@ class H2OPolicy(Policy):
             self.host_pool.append(layer, k_new, v_new)
             self.slot_pos[layer], self.score[layer] = candidates, score
             return
+        if budget == 1:  # nothing is kept between steps: the new token goes at once
+            return
         sliding = self.spec.is_sliding(layer)
         valid = None if sliding else self._valid(candidates)
         victim = self._priority(layer, score, candidates, self.seen[layer], valid).argmin(dim=-1)
