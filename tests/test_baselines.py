@@ -32,11 +32,15 @@ def test_full_budget_matches_dense_tiny(policy, knobs, model, request):
     assert _tokens(loaded, policy, PROMPTS, 24, **knobs) == _tokens(loaded, "dense", PROMPTS, 24)
 
 
+@pytest.fixture(scope="module")
+def smollm2_dense(smollm2, long_prompt):
+    return _tokens(smollm2, "dense", [long_prompt], 24)
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize(("policy", "knobs"), FULL, ids=IDS)
-def test_full_budget_matches_dense_smollm2(policy, knobs, smollm2, long_prompt):
-    reference = _tokens(smollm2, "dense", [long_prompt], 24)
-    assert _tokens(smollm2, policy, [long_prompt], 24, **knobs) == reference
+def test_full_budget_matches_dense_smollm2(policy, knobs, smollm2, long_prompt, smollm2_dense):
+    assert _tokens(smollm2, policy, [long_prompt], 24, **knobs) == smollm2_dense
 
 
 def _policy(tiny, name, **knobs):
