@@ -233,6 +233,26 @@ def test_eviction_rules(tiny, calibrated, eviction, fetches, last, victim):
     assert with_padding[0].argmin(dim=-1).tolist() == [0, 0]  # a padding slot always goes first
 
 
+def test_heads_of_a_group_are_compared_on_their_own_scale(tiny, calibrated, monkeypatch):
+    """A token within alpha of the best score of any query head of a KV group is counted and fetched: one
+    head's strong attention sink must not hide the tokens another head of the group needs."""
+    spec, layer = tiny.spec, 2
+    d, kv, group = spec.head_dim, spec.num_kv_heads, spec.group_size
+    policy = InfiniGenPolicy(InfiniGenConfig(alpha=5.0, budget=1.0), spec, torch.device("cpu"))
+    policy.prefill(layer, torch.randn(1, kv, 8, d), torch.randn(1, kv, 8, d))
+    policy._proj[layer] = torch.eye(d).expand(kv, d, d)
+    policy._slots[layer].partial = torch.eye(d)[:8].expand(1, kv, 8, d)  # key t = e_t, so q·k_t = q[t]
+    sink = [20.0, 0, 0, 0, 0, 0, 0, 0]  # head 0 of each group: everything on slot 0
+    spread = [0.0, 3, 3, 3, -10, -10, -10, -10]  # head 1: slots 1..3, logits far below the other head's
+    logits = torch.zeros(1, kv, group, d)
+    logits[..., :8] = torch.tensor([sink, spread] + [sink] * (group - 2))
+    query = (logits / spec.attention[layer].scaling).reshape(1, spec.num_heads, 1, d)
+    monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
+    index, per_row = policy.choose(policy.speculate(layer, None, None), [8])
+    assert per_row.tolist() == [4]
+    assert index[0].sort(dim=-1).values.tolist() == [[0, 1, 2, 3]] * kv
+
+
 def test_missing_calibration_is_a_clear_error(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
     cache = InfinikvCache(tiny.model, "infinigen")

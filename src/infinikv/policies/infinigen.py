@@ -5,7 +5,8 @@ device, a *partial key cache*: its post-RoPE keys times the skewing matrix A (``
 to a few columns. In a decode step, inside layer i's pre-attention hook, the policy rehearses layer i+1:
 
 1. speculative query q̂ = (RoPE(x W_q,i+1) A)[cols] from layer i's normalised input x;
-2. scores s = q̂ · K̃_i+1[:, cols]ᵀ · scale per query head, combined over the heads of a KV group by max;
+2. scores s = q̂ · K̃_i+1[:, cols]ᵀ · scale per query head, taken relative to that head's best score, then
+   combined over the heads of a KV group by max (a token counts if any head of the group wants it);
 3. per KV head the count of tokens with s > max(s) − alpha, averaged over KV heads: n' (per sequence,
    capped by ``budget``); the rows fetched are each head's top-n' scores;
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
@@ -16,10 +17,13 @@ Layers below ``dense_layers`` load their full KV (nothing rehearses layer 0). Sl
 the hook of the layer before it whatever that layer's type.
 
 Where this differs from the paper's artifact: one skewing matrix per KV head (grouped-query attention);
-scores use the layer's own attention scale (1/√d for Llama); the threshold count is averaged over the KV
-heads of each sequence; when the sequences of a batch get different n', all get the largest and a
-shorter row's extra entries are its next-best tokens (or, past its real tokens, left-padding slots that
-the mask hides).
+scores use the layer's own attention scale (1/√d for Llama); with grouped-query attention each query head's
+scores are taken relative to its own best before the group's heads are combined by max (the KV head is
+fetched once for the whole group, so it needs the union of what its query heads want; combining raw
+logits would let a head with large logits, e.g. on an attention sink, hide what the others need); the
+threshold count is averaged over the KV heads of each sequence; when the sequences of a batch get
+different n', all get the largest and a shorter row's extra entries are its next-best tokens (or, past its
+real tokens, left-padding slots that the mask hides).
 
 Host pool capacity (``capacity``): at most 1 is a fraction, above 1 a token count. After t tokens have been
 seen, a layer's pool holds at most ⌈capacity·t⌉ (or ``capacity``) tokens per sequence and KV head, counted
@@ -292,15 +296,19 @@ class InfiniGenPolicy(Policy):
         return index
 
     def speculate(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
-        """Speculative attention logits [batch, kv_heads, slots] of ``layer`` (max over each group's query
-        heads), -inf on left-padding slots."""
+        """Speculative attention logits [batch, kv_heads, slots] of ``layer``, each query head's relative to
+        its own best (so <= 0), then the max over the query heads of each KV group; -inf on left padding."""
         spec, slots = self.spec, self._slots[layer]
         query = spec.query(layer, x, position_ids)  # [batch, heads, 1, d]
         grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
         partial_q = torch.einsum("bhgd,hdk->bhgk", grouped, self._proj[layer])
-        scores = torch.einsum("bhgk,bhsk->bhgs", partial_q, slots.view("partial")).amax(dim=2)
+        scores = torch.einsum("bhgk,bhsk->bhgs", partial_q, slots.view("partial"))
         scaling = getattr(spec.attention[layer], "scaling", spec.head_dim**-0.5)
-        return (scores * scaling).masked_fill(~self._slot_real(layer), -math.inf)
+        scores = (scores * scaling).masked_fill(~self._slot_real(layer)[:, :, None], -math.inf)
+        # The heads of a group differ in logit scale (one may put everything on a sink token): compare each
+        # with its own best, and keep a token if any head of the group wants it.
+        best = scores.amax(dim=-1, keepdim=True)
+        return (scores - best.masked_fill(best == -math.inf, 0)).amax(dim=2)
 
     def choose(self, scores: Tensor, real_tokens: list[int]) -> tuple[Tensor, Tensor]:
         """Slots to fetch from speculative ``scores`` [batch, kv_heads, slots] (-inf = never): the top-n' per
