@@ -185,10 +185,12 @@ class InfiniGenPolicy(Policy):
         self._proj: list[Tensor | None] = [None] * spec.num_layers  # [kv_heads, d, k] for managed layers
         self._seen = [0] * spec.num_layers  # positions (mask columns) seen per layer
         self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
+        self._padding: list[int] = []  # left-padding tokens per sequence, kept on the host (no sync per step)
         self._pending: dict[int, tuple[Transfer, Tensor]] = {}
         self._step = 0
         # statistics
-        self._selected: list[list[float]] = [[] for _ in layers]  # mean over the batch, per decode step
+        # mean over the batch per decode step, left on the device until stats() (no host sync per step)
+        self._selected: list[list[Tensor]] = [[] for _ in layers]
         self._decode_h2d = 0
         self._offload_h2d = 0  # what full offload would have moved in the same decode steps
         self._rehearsal_s = 0.0
@@ -215,6 +217,7 @@ class InfiniGenPolicy(Policy):
             raise PolicyError("infinigen: a prompt chunk after decoding started is not supported")
         if not self.spec.is_sliding(layer) and self.key_valid is not None:
             self._real = self.key_valid.clone()
+            self._padding = (~self._real).sum(dim=1).tolist()
         start, count = self._seen[layer], k.shape[2]
         past = self.host_pool.fetch(layer).wait() if self.host_pool.length(layer) else None
         self.host_pool.append(layer, k, v)
@@ -291,7 +294,7 @@ class InfiniGenPolicy(Policy):
         start = time.perf_counter()
         scores = self.speculate(layer, x, position_ids)
         index, per_row = self.choose(scores, self._real_tokens(layer))
-        self._selected[layer].append(float(per_row.float().mean()))
+        self._selected[layer].append(per_row.float().mean())
         self._rehearsal_s += time.perf_counter() - start
         return index
 
@@ -337,7 +340,7 @@ class InfiniGenPolicy(Policy):
         seen = self._seen[layer]
         if self._real is None:
             return [seen] * self._slots[layer].pos.shape[0]
-        return (seen - (~self._real).sum(dim=1)).tolist()
+        return [seen - padding for padding in self._padding]
 
     # -- decode: attend and store ----------------------------------------------------------------------------
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
@@ -396,13 +399,14 @@ class InfiniGenPolicy(Policy):
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
-        steps = [n for s in self._selected for n in s]
+        selected = [torch.stack(s).tolist() if s else [] for s in self._selected]
+        steps = [n for s in selected for n in s]
         out.update(
             selected_tokens_mean=sum(steps) / len(steps) if steps else 0.0,
             selected_tokens_max=max(steps) if steps else 0.0,
             # managed layers only (None for layers that load their full KV or their window)
             selected_tokens_per_layer=[
-                {"mean": sum(s) / len(s), "max": max(s)} if s else None for s in self._selected
+                {"mean": sum(s) / len(s), "max": max(s)} if s else None for s in selected
             ],
             decode_bytes_h2d=self._decode_h2d,
             offload_equivalent_bytes_h2d=self._offload_h2d,
