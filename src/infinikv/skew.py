@@ -238,7 +238,11 @@ def calibrate(
 
 
 def concentration(skew: Skew, ratio: float, skewed: bool = True) -> float:
-    """Share of Σ|Q̃|+Σ|K̃| held by the partial columns, averaged over layers and KV heads."""
+    """Share of Σ|Q̃|+Σ|K̃| held by the partial columns, averaged over layers and KV heads.
+
+    This is the paper's column rule, in L1, and skewing need not raise it: the L1 norm is not invariant
+    under rotation, and A (from Q alone) does not diagonalise K. What the SVD guarantees (Ky Fan) is the L2
+    energy of Q in its leading columns, so judge skewing by the partial QKᵀ, not by this share."""
     scores = skew.scores if skewed else skew.identity_scores
     k = max(1, math.ceil(ratio * scores.shape[-1]))
     return float((scores.topk(k, dim=-1).values.sum(-1) / scores.sum(-1)).mean())
