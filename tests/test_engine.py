@@ -97,7 +97,9 @@ def test_stop_string_and_streaming(tiny):
     stop = full.text[5:8]
     pieces: list[str] = []
     config = GenerationConfig(max_new_tokens=20, stop=(stop,))
-    result = Generator(tiny, "dense").generate([PROMPTS[0]], config, on_text=lambda _r, p: pieces.append(p))[0]
+    result = Generator(tiny, "dense").generate([PROMPTS[0]], config, on_text=lambda _r, p: pieces.append(p))[
+        0
+    ]
     assert result.finish_reason == "stop"
     assert result.text == full.text[: full.text.find(stop)]
     assert "".join(pieces) == result.text

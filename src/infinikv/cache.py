@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .errors import ModelError
 from .models import model_spec
 from .policies import Policy, PolicyConfig, make_policy
 
@@ -133,10 +134,18 @@ def _infinikv_attention(
 ) -> tuple[Tensor, None]:
     if infinikv_cache is None:
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            softcap=softcap,
+            **kwargs,
         )
     if softcap is not None:
-        raise NotImplementedError("attention logit soft-capping is not supported by infinikv policies")
+        raise ModelError("attention logit soft-capping is not supported by infinikv policies")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     return infinikv_cache.attend(module.layer_idx, query, key, value, attention_mask, scaling), None
 
@@ -155,6 +164,8 @@ def install(model: PreTrainedModel) -> None:
     """Route ``model``'s attention through infinikv (idempotent). Other caches keep plain SDPA."""
     if getattr(model, "_infinikv_installed", False):
         return
+    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None:
+        raise ModelError("this model soft-caps attention logits, which infinikv policies do not support")
     AttentionInterface.register(ATTN_IMPLEMENTATION, _infinikv_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

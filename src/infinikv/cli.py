@@ -54,7 +54,9 @@ def _parse_number(text: str) -> float:
 def add_policy_arguments(parser: argparse.ArgumentParser, multiple: bool = False) -> None:
     """``--policy`` plus a flag for every knob of every registered policy."""
     if multiple:
-        parser.add_argument("--policies", default="dense", help=f"comma-separated, from: {', '.join(POLICIES)}")
+        parser.add_argument(
+            "--policies", default="dense", help=f"comma-separated, from: {', '.join(POLICIES)}"
+        )
     else:
         parser.add_argument("--policy", default="dense", help=f"one of: {', '.join(POLICIES)}")
     group = parser.add_argument_group("policy knobs (each applies to the policies named in its help)")
@@ -152,7 +154,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     if args.action == "list":
         rows = [
-            {"name": m.name, "pulled": is_pulled(m.name), "description": m.description} for m in REGISTRY.values()
+            {"name": m.name, "pulled": is_pulled(m.name), "description": m.description}
+            for m in REGISTRY.values()
         ]
         if args.json:
             print(json.dumps(rows, indent=2))
@@ -188,7 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text with a KV policy")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="registered name, .gguf file, HF directory or hub id")
+    gen.add_argument(
+        "--model", default=DEFAULT_MODEL, help="registered name, .gguf file, HF directory or hub id"
+    )
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", help="file holding one prompt")

@@ -50,7 +50,8 @@ def main() -> int:
         s = r.stats
         print(
             f"{policy:<10} {s['prompt_tokens']:>6} {s['decode_tokens_per_s']:>6.1f} "
-            f"{s['kv_bytes_host'] * mib:>9.1f} {s['kv_bytes_device'] * mib:>8.1f} {s['bytes_h2d'] * mib:>10.1f} "
+            f"{s['kv_bytes_host'] * mib:>9.1f} {s['kv_bytes_device'] * mib:>8.1f} "
+            f"{s['bytes_h2d'] * mib:>10.1f} "
             f"{s['mean_tokens_attended']:>9.1f}  {r.token_ids == reference}",
             file=sys.stderr,
         )

@@ -79,7 +79,7 @@ class Generator:
     ) -> list[RequestResult]:
         """Generate for each prompt; ``on_text(row, piece)`` receives text as it is produced."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        model, tokenizer = self.loaded.model, self.loaded.tokenizer
+        model = self.loaded.model
         input_ids, attention_mask, prompt_lengths = self._encode(prompts, config.max_new_tokens)
         batch = input_ids.shape[0]
         cache = InfinikvCache(model, self.policy_config, device=self.loaded.device)
@@ -107,7 +107,9 @@ class Generator:
                         continue
                     finish[row] = self._advance(row, token, generated, texts, config)
                     if on_text is not None:
-                        end = self._stream(texts[row], emitted[row], finish[row] is not None or last_step, config)
+                        end = self._stream(
+                            texts[row], emitted[row], finish[row] is not None or last_step, config
+                        )
                         if end > emitted[row]:
                             on_text(row, texts[row][emitted[row] : end])
                             emitted[row] = end
@@ -146,7 +148,7 @@ class Generator:
             results.append(RequestResult(prompt, texts[row], generated[row], finish[row] or "length", stats))
         return results
 
-    # -- the steps --------------------------------------------------------------------------------------------
+    # -- the steps ------------------------------------------------------------------------------------------
     def _encode(self, prompts: list[str], max_new_tokens: int) -> tuple[Tensor, Tensor, list[int]]:
         tokenizer = self.loaded.tokenizer
         if not prompts:
@@ -178,7 +180,9 @@ class Generator:
         if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
             bounds.pop(-2)  # a one-token last chunk would look like a decode step
         logits = None
-        bar = tqdm(total=total, desc="prefill", unit="tok", disable=not progress or total < 2 * chunk, leave=False)
+        bar = tqdm(
+            total=total, desc="prefill", unit="tok", disable=not progress or total < 2 * chunk, leave=False
+        )
         for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
             logits = self.loaded.model(
                 input_ids=input_ids[:, begin:end],

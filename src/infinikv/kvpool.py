@@ -99,7 +99,9 @@ class KVPool:
         stored = self._keys[layer]
         if stored is not None and stored.shape[2] >= needed:
             return
-        capacity = max(needed, 2 * (stored.shape[2] if stored is not None else 0), 256)
+        # Grow by a quarter: amortised O(1) appends without doubling a long prompt's memory.
+        current = stored.shape[2] if stored is not None else 0
+        capacity = max(needed, current + max(current // 4, 256))
         batch, heads, _, dim = like.shape
         new_k = self._alloc((batch, heads, capacity, dim), like.dtype)
         new_v = self._alloc((batch, heads, capacity, dim), like.dtype)
@@ -120,7 +122,7 @@ class KVPool:
             self.counters.bytes_d2h += 2 * k.numel() * k.element_size()
 
     def write_slots(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
-        """Overwrite one slot per (batch, head) with a new token's K/V (eviction). ``slots``: [batch, heads]."""
+        """Overwrite one slot per (batch, head) with a new token's K/V (eviction). slots: [batch, heads]."""
         index = slots.to("cpu")[:, :, None, None].expand(-1, -1, 1, k.shape[-1])
         self._keys[layer].scatter_(2, index, k.to("cpu"))
         self._values[layer].scatter_(2, index, v.to("cpu"))

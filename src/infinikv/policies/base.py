@@ -54,7 +54,7 @@ class ModelSpec:
         return self.sliding_window[layer] is not None
 
     def query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
-        """Layer ``layer``'s post-RoPE query for normalised input x [batch, q, hidden]: [batch, heads, q, d]."""
+        """Post-RoPE query of ``layer`` [batch, heads, q, d] for normalised input x [batch, q, hidden]."""
         attn = self.attention[layer]
         q = attn.q_proj(x).view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):  # Gemma-3 normalises queries per head before RoPE

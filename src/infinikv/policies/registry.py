@@ -45,7 +45,8 @@ def make_config(name: str, **knobs: Any) -> PolicyConfig:
     unknown = sorted(set(given) - allowed)
     if unknown:
         raise PolicyError(
-            f"policy '{name}' has no knob {', '.join(unknown)}; its knobs: {', '.join(sorted(allowed)) or 'none'}"
+            f"policy '{name}' has no knob {', '.join(unknown)}; "
+            f"its knobs: {', '.join(sorted(allowed)) or 'none'}"
         )
     try:
         return config_class(**given)
@@ -53,9 +54,7 @@ def make_config(name: str, **knobs: Any) -> PolicyConfig:
         raise PolicyError(f"policy '{name}': {exc}") from exc
 
 
-def make_policy(
-    policy: PolicyConfig | str, spec: ModelSpec, device: torch.device, **knobs: Any
-) -> Policy:
+def make_policy(policy: PolicyConfig | str, spec: ModelSpec, device: torch.device, **knobs: Any) -> Policy:
     if isinstance(policy, str):
         policy = make_config(policy, **knobs)
     for cls in POLICIES.values():
