@@ -165,8 +165,10 @@ class Policy:
 
     # -- helpers for subclasses ----------------------------------------------------------------------------
     def record_attended(self, layer: int, n_tokens: float) -> None:
-        """Count how many tokens a layer attended to in a decode step (mean over batch and heads)."""
-        self._attended_tokens += float(n_tokens)
+        """Count how many tokens a layer attended to in a decode step (mean over batch and heads). A
+        sliding-window layer sees at most its window, whatever it was handed (the mask hides the rest)."""
+        window = self.spec.sliding_window[layer]
+        self._attended_tokens += float(n_tokens if window is None else min(n_tokens, window))
         self._attended_calls += 1
 
 
