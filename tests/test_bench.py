@@ -139,7 +139,7 @@ def test_config_rejects_bad_grids():
 
 
 def test_cli_bench_json_report_and_plots(tmp_path, capsys, monkeypatch):
-    from infinikv.bench.report import KEEP_MARKER
+    from infinikv.reporting import KEEP_MARKER
     from infinikv.testing import tiny_model
 
     monkeypatch.setattr("infinikv.models.load", lambda name, device=None: tiny_model())

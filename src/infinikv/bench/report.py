@@ -18,9 +18,9 @@ import torch
 import transformers
 
 from ..models import LoadedModel
+from ..reporting import write_keeping_notes
 from . import linkmodel
 
-KEEP_MARKER = "<!-- notes below this line are kept when the report is regenerated -->"
 MIB = 2**20
 
 
@@ -259,11 +259,6 @@ def _crossover_plot(result: dict[str, Any], directory: Path, plt, finish) -> str
 def write_report(result: dict[str, Any], path: Path) -> None:
     env = result["environment"]
     config = result["config"]
-    kept = ""
-    if path.exists():
-        old = path.read_text(encoding="utf-8")
-        if KEEP_MARKER in old:
-            kept = old.split(KEEP_MARKER, 1)[1]
     skipped = {(s["name"], s["reason"]) for c in result["cells"] for s in c["skipped"]}
     plots = result.get("plots", [])
     rel = [os.path.relpath(p, path.parent) for p in plots]
@@ -326,6 +321,4 @@ def write_report(result: dict[str, Any], path: Path) -> None:
     parts += [f"- {d.name}: {d.bandwidth / 1e9:g} GB/s — {d.source}" for d in linkmodel.DEVICES.values()]
     parts += ["", projection_table(result), "", "### Crossover", "", crossover_table(result), ""]
     parts += [f"![{Path(p).stem}]({p})" for p in rel if "crossover" in p] + [""]
-    text = "\n".join(parts) + "\n" + KEEP_MARKER + (kept if kept else "\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    write_keeping_notes(path, "\n".join(parts))
