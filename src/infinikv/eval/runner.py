@@ -43,11 +43,12 @@ class DecodeRun:
         self.batch = 0
         self._h2d_after_prefill = 0
         self._offload_bytes = 0  # what full offload would copy over the decode steps so far
-        self._context_sum = 0  # tokens attendable (cached + new), summed over decode steps
+        self._context_sum = 0.0  # tokens attendable (cached + new; a window at most), summed over steps
         self._steps = 0
         spec = loaded.spec
         dtype_bytes = next(loaded.model.parameters()).element_size()
         self._bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes
+        self._windows = spec.sliding_window
 
     def __enter__(self) -> DecodeRun:
         return self
@@ -77,7 +78,9 @@ class DecodeRun:
     def step(self, tokens: Tensor) -> Tensor:
         """Feed one token per row ([batch]) through the decode path; return next-token logits [batch, V]."""
         self._offload_bytes += self._bytes_per_token * self.batch * self.length
-        self._context_sum += self.length + 1
+        seen = self.length + 1
+        attendable = [seen if window is None else min(seen, window) for window in self._windows]
+        self._context_sum += sum(attendable) / len(attendable)
         self._steps += 1
         logits = self._forward(tokens.reshape(self.batch, 1).to(self.loaded.device), self.length)
         self.length += 1
@@ -101,7 +104,8 @@ class DecodeRun:
 
         ``kv_fetched_fraction``: bytes copied from the host pool during decode / bytes full offload would
         copy for the same steps (None when the policy keeps its cache on the compute device and moves
-        nothing). ``kv_attended_fraction``: tokens attended per layer and step / tokens cached.
+        nothing). ``kv_attended_fraction``: tokens attended per layer and step / tokens the layer could attend
+        (all cached tokens, or its window on a sliding-window layer).
         ``kv_fraction``: the first when defined, else the second (dense: 1.0) — the x axis of the plots.
         """
         stats = dict(self.cache.stats())
