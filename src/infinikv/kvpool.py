@@ -121,6 +121,16 @@ class KVPool:
         if self.host:
             self.counters.bytes_d2h += 2 * k.numel() * k.element_size()
 
+    def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append a prompt chunk and return the layer's whole K/V on the device (prefill attention is dense:
+        the chunk attends to everything stored before it, which is fetched, and to itself)."""
+        if self._length[layer] == 0:
+            self.append(layer, k, v)
+            return k, v
+        past_k, past_v = self.fetch(layer).wait()
+        self.append(layer, k, v)
+        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+
     def write_slots(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Overwrite one slot per (batch, head) with a new token's K/V (eviction). slots: [batch, heads]."""
         index = slots.to("cpu")[:, :, None, None].expand(-1, -1, 1, k.shape[-1])

@@ -70,12 +70,7 @@ class H2OPolicy(Policy):
     # -- prefill -------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self.seen[layer] += k.shape[2]
-        if self.host_pool.length(layer) == 0:
-            self.host_pool.append(layer, k, v)
-            return k, v
-        past_k, past_v = self.host_pool.fetch(layer).wait()
-        self.host_pool.append(layer, k, v)
-        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        return self.host_pool.extend(layer, k, v)
 
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float

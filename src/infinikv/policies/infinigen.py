@@ -219,14 +219,10 @@ class InfiniGenPolicy(Policy):
             self._real = self.key_valid.clone()
             self._padding = (~self._real).sum(dim=1).tolist()
         start, count = self._seen[layer], k.shape[2]
-        past = self.host_pool.fetch(layer).wait() if self.host_pool.length(layer) else None
-        self.host_pool.append(layer, k, v)
         pos = torch.arange(start, start + count, device=k.device).expand(k.shape[0], k.shape[1], -1)
         self._slots[layer].append(pos, self._partial_keys(layer, k), 0)
         self._seen[layer] = start + count
-        if past is None:
-            return k, v
-        return torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        return self.host_pool.extend(layer, k, v)
 
     def _partial_keys(self, layer: int, k: Tensor) -> Tensor | None:
         if not self.managed(layer):

@@ -39,12 +39,7 @@ class OffloadPolicy(Policy):
         return self.host_pool.length(layer)
 
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if self.host_pool.length(layer) == 0:
-            self.host_pool.append(layer, k, v)
-            return k, v
-        past_k, past_v = self.host_pool.fetch(layer).wait()
-        self.host_pool.append(layer, k, v)
-        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        return self.host_pool.extend(layer, k, v)
 
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         # One spare slot per fetch: the new token's K/V goes there, no concatenation on the device.

@@ -53,12 +53,7 @@ class SelectivePolicy(Policy):
         return self.host_pool.length(layer)
 
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if self.host_pool.length(layer) == 0:
-            self.host_pool.append(layer, k, v)
-            return k, v
-        past_k, past_v = self.host_pool.fetch(layer).wait()
-        self.host_pool.append(layer, k, v)
-        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        return self.host_pool.extend(layer, k, v)
 
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if not self.prefetch:
