@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import subprocess
 import sys
 import tarfile
@@ -148,7 +149,15 @@ def _run(cmd: list[str], cwd: Path, what: str) -> None:
 
 
 def _fetch_debian(corpus: Corpus, tmp: Path) -> Path:
-    _run(["apt-get", "download", corpus.package], tmp, f"{corpus.package} with apt-get download")
+    what = f"{corpus.package} with apt-get download"
+    try:
+        _run(["apt-get", "download", corpus.package], tmp, what)
+    except DataError:
+        if os.geteuid() != 0:
+            raise
+        # A machine whose package lists were never fetched knows no package: refresh them once and retry.
+        _run(["apt-get", "update"], tmp, "Debian package lists")
+        _run(["apt-get", "download", corpus.package], tmp, what)
     debs = sorted(tmp.glob("*.deb"))
     if len(debs) != 1:
         raise DataError(f"apt-get download {corpus.package} left {len(debs)} .deb files")
