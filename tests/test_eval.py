@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from infinikv.cli import main
+from infinikv.errors import InputError
 from infinikv.eval import ppl, retrieval, scoring, sweep, tasks
 from infinikv.policies import make_config
 
@@ -189,3 +190,24 @@ def test_cli_rejects_unknown_task_in_one_line(capsys):
     assert main(["eval", "retrieval", "--task", "bogus"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("infinikv: error: unknown task bogus") and "\n" not in err
+
+
+def test_shards_split_whole_groups_and_cover_the_sweep(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text(
+        'models = [{name = "tiny", contexts = [300, 600]}]\n'
+        "[policies]\ndense = {}\nquest = { budget = [0.1, 0.2] }\n"
+        '[retrieval]\ntasks = ["passkey"]\n[ppl]\ntexts = ["austen"]\nscored = 100\n'
+    )
+    config = sweep.read_config(path)
+    every = [cell.key for cell in sweep.cells(config)]
+    first, second = ([c for c in sweep.cells(config, (i, 2))] for i in range(2))
+    assert sorted(c.key for c in first + second) == sorted(every) and len(every) == 12
+    # A group (model, context, target) stays in one shard, so its ppl cells find their dense reference.
+    groups = [{(c.context, c.target) for c in shard} for shard in (first, second)]
+    assert not groups[0] & groups[1]
+    assert [sweep.ppl_prefill(config, n) for n in (300, 600)] == [200, 500]
+    assert sweep.parse_shard("1/2") == (1, 2)
+    for bad in ("2/2", "x", "1"):
+        with pytest.raises(InputError):
+            sweep.parse_shard(bad)

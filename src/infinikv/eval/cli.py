@@ -74,10 +74,10 @@ def cmd_retrieval(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import read_config, run_sweep
+    from .sweep import parse_shard, read_config, run_sweep
 
     config = read_config(args.config)
-    summary = run_sweep(config)
+    summary = run_sweep(config, shard=parse_shard(args.shard))
     print(
         f"{summary['measured']} cells measured, {len(summary['missing'])} missing; outputs in {config.out}",
         file=sys.stderr,
@@ -144,6 +144,7 @@ def register_cli(subparsers) -> None:
 
     sweep = sub.add_parser("sweep", help="run a sweep config (TOML or JSON); resumable")
     sweep.add_argument("--config", required=True)
+    sweep.add_argument("--shard", default="0/1", help="I/N: measure every N-th cell group from the I-th")
     sweep.add_argument("--json", action="store_true")
     sweep.set_defaults(func=cmd_sweep)
 

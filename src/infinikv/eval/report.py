@@ -220,8 +220,9 @@ def _retrieval_setup(config: SweepConfig) -> str:
 
 
 def _ppl_setup(config: SweepConfig) -> str:
+    fed = f"first {config.prefill}" if config.scored is None else f"all but the last {config.scored}"
     return (
-        f"{config.windows} window(s) per text from its start; first {config.prefill} tokens prefilled, every "
+        f"{config.windows} window(s) per text from its start; {fed} tokens prefilled, every "
         "later token fed through the decode path (teacher forcing). 'dense ppl' is measured on the same "
         "windows; 'last-block ppl' is the last 256-position block."
     )

@@ -18,7 +18,8 @@ A sweep is described by one TOML or JSON file (see ``configs/``)::
     depths = [0.1, 0.5, 0.9]
     [ppl]
     texts = ["austen"]
-    prefill = 512
+    prefill = 512                         # leading tokens fed densely; or instead:
+    # scored = 512                        # the last 512 tokens of every window go through decode
     windows = 1
     contexts = [2048]                     # optional: fewer contexts than the models'
 
@@ -26,6 +27,9 @@ Every finished cell is appended to ``cells.jsonl`` at once, so an interrupted sw
 stopped: cells already in the file are skipped. Policies not registered in this build are reported as
 unavailable and skipped. Perplexity cells of a policy reuse the dense cell of the same model, text and
 context (same windows) as their reference.
+
+``--shard I/N`` measures only every N-th group of cells (a group = one model, context and target, all its
+policies), starting at the I-th, so N processes can share one sweep; they append to the same ``cells.jsonl``.
 """
 
 from __future__ import annotations
@@ -85,7 +89,8 @@ class SweepConfig:
     depths: tuple[float, ...] = retrieval.DEFAULT_DEPTHS
     chat: str = "auto"
     texts: tuple[str, ...] = ()
-    prefill: int = 512
+    prefill: int | None = 512  # None: context - scored
+    scored: int | None = None
     windows: int = 1
     ppl_contexts: tuple[int, ...] | None = None
     seed: int = 0
@@ -118,7 +123,8 @@ def read_config(path: str | Path) -> SweepConfig:
             depths=tuple(float(d) for d in retrieval_part.get("depths", retrieval.DEFAULT_DEPTHS)),
             chat=retrieval_part.get("chat", "auto"),
             texts=tuple(ppl_part.get("texts", ())),
-            prefill=int(ppl_part.get("prefill", 512)),
+            prefill=None if "scored" in ppl_part else int(ppl_part.get("prefill", 512)),
+            scored=int(ppl_part["scored"]) if "scored" in ppl_part else None,
             windows=int(ppl_part.get("windows", 1)),
             ppl_contexts=tuple(int(c) for c in ppl_part["contexts"]) if "contexts" in ppl_part else None,
             seed=int(raw.get("seed", 0)),
@@ -128,11 +134,18 @@ def read_config(path: str | Path) -> SweepConfig:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"sweep config {path}: missing or bad field {exc}") from None
+    if "scored" in ppl_part and "prefill" in ppl_part:
+        raise InputError(f"sweep config {path}: [ppl] takes prefill or scored, not both")
     unknown = sorted(set(config.tasks) - set(TASKS))
     if unknown:
         known = ", ".join(TASKS)
         raise InputError(f"sweep config {path}: unknown tasks {', '.join(unknown)}; available: {known}")
     return config
+
+
+def ppl_prefill(config: SweepConfig, context: int) -> int:
+    """Tokens prefilled densely in a perplexity window of ``context`` tokens."""
+    return config.prefill if config.scored is None else context - config.scored
 
 
 def policy_variants(config: SweepConfig) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
@@ -165,17 +178,24 @@ def resolve_knobs(knobs: dict[str, Any], context: int) -> dict[str, Any]:
     return out
 
 
-def cells(config: SweepConfig) -> Iterator[Cell]:
-    """Every cell of the sweep, grouped by model (loaded once), dense first within each group."""
+def cells(config: SweepConfig, shard: tuple[int, int] = (0, 1)) -> Iterator[Cell]:
+    """Every cell of the sweep (of one shard), grouped by model (loaded once), dense first in each group."""
     variants, _ = policy_variants(config)
-    for model, contexts in config.models:
-        for context in contexts:
-            for text in config.texts if config.ppl_contexts is None or context in config.ppl_contexts else ():
-                for policy, knobs in variants:
-                    yield Cell(model, context, "ppl", text, policy, _frozen(knobs, context))
-            for task in config.tasks:
-                for policy, knobs in variants:
-                    yield Cell(model, context, "retrieval", task, policy, _frozen(knobs, context))
+    index, count = shard
+    groups = [
+        (model, context, kind, target)
+        for model, contexts in config.models
+        for context in contexts
+        for kind, targets in (("ppl", _ppl_texts(config, context)), ("retrieval", config.tasks))
+        for target in targets
+    ]
+    for model, context, kind, target in groups[index::count]:
+        for policy, knobs in variants:
+            yield Cell(model, context, kind, target, policy, _frozen(knobs, context))
+
+
+def _ppl_texts(config: SweepConfig, context: int) -> tuple[str, ...]:
+    return config.texts if config.ppl_contexts is None or context in config.ppl_contexts else ()
 
 
 def _frozen(knobs: dict[str, Any], context: int) -> tuple[tuple[str, Any], ...]:
@@ -199,7 +219,8 @@ def finished(out: Path) -> dict[str, dict[str, Any]]:
 def run_cell(cell: Cell, loaded: LoadedModel, config: SweepConfig, done: dict[str, dict]) -> dict[str, Any]:
     policy = make_config(cell.policy, **dict(cell.knobs))
     if cell.kind == "ppl":
-        ppl_config = ppl.PerplexityConfig(cell.target, cell.context, config.prefill, config.windows)
+        prefill = ppl_prefill(config, cell.context)
+        ppl_config = ppl.PerplexityConfig(cell.target, cell.context, prefill, config.windows)
         dense_key = Cell(cell.model, cell.context, "ppl", cell.target, "dense").key
         reference = done.get(dense_key, {}).get("result")
         return ppl.perplexity(loaded, policy, ppl_config, reference=reference, progress=True)
@@ -213,14 +234,16 @@ def run_sweep(
     config: SweepConfig,
     loader: Callable[[str], LoadedModel] = load,
     progress: bool = True,
+    shard: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
-    """Measure every cell not yet in ``cells.jsonl``; then write summary.json, tables.md and the plots."""
+    """Measure every cell (of ``shard``) not yet in ``cells.jsonl``; then write summary.json, tables.md and
+    the plots from every finished cell."""
     config.out.mkdir(parents=True, exist_ok=True)
     done = finished(config.out)
     _, unavailable = policy_variants(config)
     for name in unavailable:
         print(f"sweep: policy '{name}' is not in this build; its cells are skipped", file=sys.stderr)
-    todo = [c for c in cells(config) if c.key not in done]
+    todo = [c for c in cells(config, shard) if c.key not in done]
     loaded: LoadedModel | None = None
     path = config.out / "cells.jsonl"
     torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
@@ -241,4 +264,15 @@ def run_sweep(
             done[cell.key] = record
     from .report import write_outputs  # matplotlib only when there is something to draw
 
-    return write_outputs(config, done, unavailable)
+    return write_outputs(config, finished(config.out), unavailable)  # with other shards' cells
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N) with 0 <= I < N."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise InputError(f"shard: expected I/N such as 0/2, got '{text}'") from None
+    if not 0 <= index < count:
+        raise InputError(f"shard: expected 0 <= I < N, got '{text}'")
+    return index, count
