@@ -118,12 +118,15 @@ class _Slots:
         self.pos: Tensor | None = None  # [batch, kv_heads, cap] mask column of the token in each slot
         self.fetches: Tensor | None = None  # [batch, kv_heads, cap] times the slot was fetched
         self.last: Tensor | None = None  # [batch, kv_heads, cap] step of the last fetch or store
-        self.partial: Tensor | None = None  # [batch, kv_heads, cap, k] partial skewed keys (managed layers)
+        # [batch, kv_heads, k, cap] partial skewed keys of managed layers, slots last: the rehearsal's
+        # q̂ · K̃ᵀ is then a plain matmul over a strided view, with no copy of the slots in use
+        self.partial: Tensor | None = None
 
     def view(self, name: str) -> Tensor:
-        return getattr(self, name)[:, :, : self.n]
+        return getattr(self, name)[..., : self.n]
 
     def append(self, pos: Tensor, partial: Tensor | None, step: int) -> None:
+        """Add tokens at ``pos`` [batch, kv_heads, q] with their partial keys [batch, kv_heads, q, k]."""
         q = pos.shape[2]
         if self.pos is None or self.pos.shape[2] < self.n + q:
             self._grow(pos, partial, max(self.n + q, 2 * self.n, 256))
@@ -132,7 +135,7 @@ class _Slots:
         self.fetches[:, :, self.n : end] = 0
         self.last[:, :, self.n : end] = step
         if partial is not None:
-            self.partial[:, :, self.n : end] = partial
+            self.partial[..., self.n : end] = partial.transpose(2, 3)
         self.n = end
 
     def write(self, slots: Tensor, pos: int, partial: Tensor | None, step: int) -> None:
@@ -142,23 +145,24 @@ class _Slots:
         self.fetches.scatter_(2, index, torch.zeros_like(index))
         self.last.scatter_(2, index, torch.full_like(index, step))
         if partial is not None:
-            self.partial.scatter_(2, index[..., None].expand(-1, -1, 1, partial.shape[-1]), partial)
+            columns = index[:, :, None].expand(-1, -1, partial.shape[-1], 1)
+            self.partial.scatter_(3, columns, partial.transpose(2, 3))
 
     def keep(self, index: Tensor) -> None:
         for name in ("pos", "fetches", "last"):
             setattr(self, name, torch.gather(self.view(name), 2, index))
         if self.partial is not None:
-            expanded = index[..., None].expand(-1, -1, -1, self.partial.shape[-1])
-            self.partial = torch.gather(self.view("partial"), 2, expanded)
+            columns = index[:, :, None].expand(-1, -1, self.partial.shape[2], -1)
+            self.partial = torch.gather(self.view("partial"), 3, columns)
         self.n = index.shape[2]
 
     def _grow(self, pos: Tensor, partial: Tensor | None, cap: int) -> None:
         batch, heads = pos.shape[:2]
 
-        def grown(old: Tensor | None, like: Tensor, *tail: int) -> Tensor:
-            new = like.new_zeros(batch, heads, cap, *tail)
+        def grown(old: Tensor | None, like: Tensor, *rows: int) -> Tensor:
+            new = like.new_zeros(batch, heads, *rows, cap)
             if old is not None:
-                new[:, :, : self.n] = old[:, :, : self.n]
+                new[..., : self.n] = old[..., : self.n]
             return new
 
         self.pos = grown(self.pos, pos)
@@ -232,7 +236,7 @@ class InfiniGenPolicy(Policy):
                 layer, self.config.partial_ratio, self.config.skew
             )
             self._proj[layer] = self._proj[layer].to(k.device, k.dtype)
-        return torch.einsum("bhtd,hdk->bhtk", k, self._proj[layer])
+        return torch.matmul(k, self._proj[layer])  # [batch, kv_heads, tokens, k]
 
     def _skew_data(self):
         if self._skew is None:
@@ -300,10 +304,11 @@ class InfiniGenPolicy(Policy):
         spec, slots = self.spec, self._slots[layer]
         query = spec.query(layer, x, position_ids)  # [batch, heads, 1, d]
         grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
-        partial_q = torch.einsum("bhgd,hdk->bhgk", grouped, self._proj[layer])
-        scores = torch.einsum("bhgk,bhsk->bhgs", partial_q, slots.view("partial"))
         scaling = getattr(spec.attention[layer], "scaling", spec.head_dim**-0.5)
-        scores = (scores * scaling).masked_fill(~self._slot_real(layer)[:, :, None], -math.inf)
+        partial_q = torch.matmul(grouped, self._proj[layer]) * scaling  # [batch, kv_heads, group, k]
+        scores = torch.matmul(partial_q, slots.view("partial"))  # [batch, kv_heads, group, slots]
+        if self._has_padding():
+            scores = scores.masked_fill(~self._slot_real(layer)[:, :, None], -math.inf)
         # The heads of a group differ in logit scale (one may put everything on a sink token): compare each
         # with its own best, and keep a token if any head of the group wants it.
         best = scores.amax(dim=-1, keepdim=True)
@@ -319,7 +324,11 @@ class InfiniGenPolicy(Policy):
         available = (scores > -math.inf).sum(dim=-1).amin(dim=-1)
         budget = torch.tensor([resolve_budget(self.config.budget, max(n, 1)) for n in real_tokens])
         per_row = torch.minimum(torch.minimum(within, available), budget.to(within.device)).clamp(min=0)
-        return scores.topk(int(per_row.max()) if per_row.numel() else 0, dim=-1).indices, per_row
+        top = int(per_row.max()) if per_row.numel() else 0  # the gather's size: one host sync per layer
+        return scores.topk(top, dim=-1, sorted=False).indices, per_row
+
+    def _has_padding(self) -> bool:
+        return any(self._padding)
 
     def _slot_real(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: True where the slot holds a real token (not left padding)."""
