@@ -212,7 +212,7 @@ def load(
             f"unknown model '{name}': not registered ({', '.join(REGISTRY)}), not a .gguf file, "
             "not a directory, not a hub id"
         )
-    model.to(device).eval()
+    model.to(device).eval().requires_grad_(False)  # inference only: no autograd graph is ever kept
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -159,6 +159,7 @@ class SharedPrefill:
                 cache.update(k_rows, v_rows, layer)
 
 
+@torch.inference_mode()
 def shared_prefill(loaded: LoadedModel, ids: Tensor, chunk: int) -> SharedPrefill:
     cache = DynamicCache(config=loaded.model.config)
     start = _now(loaded.device)
