@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..reporting import write_keeping_notes
-from .sweep import Cell, SweepConfig, cells, policy_label
+from .sweep import Cell, SweepConfig, cells, policy_label, policy_variants
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -192,21 +192,46 @@ def write_report(config: SweepConfig, summary: dict[str, Any], command: str, not
     if notes:
         lines += ["", notes.strip()]
     lines += ["", "## Method", "", METHOD.strip()]
-    retrieval_md = retrieval_table(summary["cells"])
-    if retrieval_md:
-        lines += ["", "## Retrieval", "", _retrieval_setup(config), "", retrieval_md]
-        if "accuracy_vs_kv.png" in summary["plots"]:
-            lines += ["", f"![retrieval score vs KV fetched]({rel}/accuracy_vs_kv.png)"]
-    ppl_md = ppl_table(summary["cells"])
-    if ppl_md:
-        lines += ["", "## Perplexity", "", _ppl_setup(config), "", ppl_md]
-        if "ppl_vs_kv.png" in summary["plots"]:
-            lines += ["", f"![perplexity vs KV fetched]({rel}/ppl_vs_kv.png)"]
+    for kind, title, setup, table, image in (
+        ("retrieval", "Retrieval", _retrieval_setup, retrieval_table, "accuracy_vs_kv.png"),
+        ("ppl", "Perplexity", _ppl_setup, ppl_table, "ppl_vs_kv.png"),
+    ):
+        groups = _by_model_and_context([r for r in summary["cells"] if r["cell"]["kind"] == kind])
+        if not groups:
+            continue
+        lines += ["", f"## {title}", "", setup(config)]
+        for (model, context), records in groups.items():
+            lines += ["", f"### {model}, {context} tokens", "", table(records)]
+        if image in summary["plots"]:
+            lines += ["", f"![{title.lower()} vs KV fetched]({rel}/{image})"]
     if summary["missing"]:
         lines += ["", "## Not measured in this run", ""]
-        lines += [f"- `{key}`" for key in summary["missing"]]
+        variants = len(policy_variants(config)[0])
+        lines += [f"- {line}" for line in _missing_lines(summary["missing"], variants)]
     write_keeping_notes(config.report, "\n".join(lines))
     return config.report
+
+
+def _by_model_and_context(records: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for record in records:
+        groups.setdefault((record["cell"]["model"], record["cell"]["context"]), []).append(record)
+    return groups
+
+
+def _missing_lines(keys: list[str], variants: int) -> list[str]:
+    """One line per model, context and target: the policy variants not measured there."""
+    grouped: dict[tuple, list[str]] = {}
+    for key in keys:
+        model, context, kind, target, policy, knobs = json.loads(key)
+        label = policy_label(policy, dict(knobs))
+        measure = "perplexity" if kind == "ppl" else "retrieval"
+        grouped.setdefault((model, context, measure, target), []).append(label)
+    return [
+        f"{m}, {c} tokens, {k} on {t}: "
+        + ("every policy variant" if len(labels) == variants else ", ".join(labels))
+        for (m, c, k, t), labels in grouped.items()
+    ]
 
 
 def _retrieval_setup(config: SweepConfig) -> str:
