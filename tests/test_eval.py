@@ -11,7 +11,8 @@ import torch
 from infinikv.cli import main
 from infinikv.errors import InputError
 from infinikv.eval import ppl, retrieval, scoring, sweep, tasks
-from infinikv.policies import make_config
+from infinikv.eval.runner import DecodeRun, PrefillMemo
+from infinikv.policies import POLICIES, make_config
 
 
 def words(text: str) -> int:
@@ -119,6 +120,29 @@ def test_offload_moves_everything_and_matches_dense(tiny):
     assert stats["kv_fetched_fraction"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("kind", ["tiny", "tiny_gemma"])
+def test_a_replayed_prefill_equals_the_policys_own(kind, request):
+    loaded = request.getfixturevalue(kind)
+    prompt = torch.randint(3, 259, (2, 100), generator=torch.Generator().manual_seed(2))
+    follow = torch.randint(3, 259, (12, 2), generator=torch.Generator().manual_seed(3))
+    tight = {"budget": 0.3, "window": 8, "page_size": 4, "dense_layers": 1}  # selective below the context
+
+    def logits_of(name: str, memo: PrefillMemo | None) -> torch.Tensor:
+        knobs = {k: v for k, v in tight.items() if k in POLICIES[name].config_class.__dataclass_fields__}
+        with DecodeRun(loaded, make_config(name, **knobs), prefill_chunk=32, memo=memo) as run:
+            return torch.stack([run.prefill(prompt), *(run.step(tokens) for tokens in follow)])
+
+    memo = PrefillMemo()
+    logits_of("dense", memo)  # records the prompt's prefill, four chunks
+    for name, policy in POLICIES.items():
+        own = logits_of(name, None)
+        replays = memo.replays
+        replayed = logits_of(name, memo)
+        assert memo.replays == replays + policy.prefill_is_dense, name
+        torch.testing.assert_close(replayed, own, atol=0, rtol=0, msg=name)
+    assert memo.replays >= 4  # dense, offload, streaming, quest, infinigen replay; h2o and quant do not
+
+
 def test_perplexity_blocks_and_dense_reference(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
@@ -211,3 +235,17 @@ def test_shards_split_whole_groups_and_cover_the_sweep(tmp_path):
     for bad in ("2/2", "x", "1"):
         with pytest.raises(InputError):
             sweep.parse_shard(bad)
+
+
+def test_a_model_entry_can_name_its_own_tasks(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text(
+        'models = [{name = "a", contexts = [300]},\n'
+        '  {name = "b", contexts = [300], tasks = ["niah_single_2"]}]\n'
+        '[policies]\ndense = {}\n[retrieval]\ntasks = ["passkey"]\n'
+    )
+    targets = {(c.model, c.target) for c in sweep.cells(sweep.read_config(path))}
+    assert targets == {("a", "passkey"), ("b", "niah_single_2")}
+    path.write_text(path.read_text().replace("niah_single_2", "bogus"))
+    with pytest.raises(InputError, match="unknown tasks bogus"):
+        sweep.read_config(path)

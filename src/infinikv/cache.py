@@ -76,6 +76,8 @@ class InfinikvCache(Cache):
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, spec, device, **knobs)
         self._positions: dict[int, Tensor | None] = {}
+        # When a list: every prefill call (layer, K, V, key_valid) is appended, for replay_prefill.
+        self.prefill_log: list[tuple[int, Tensor, Tensor, Tensor | None]] | None = None
         layers = [_PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)]
         super().__init__(layers=layers)
 
@@ -95,7 +97,17 @@ class InfinikvCache(Cache):
             self._positions[layer] = selection.positions
             return selection.keys, selection.values
         self._positions[layer] = None
+        if self.prefill_log is not None:
+            self.prefill_log.append((layer, k, v, self.policy.key_valid))
         return self.policy.prefill(layer, k, v)
+
+    def replay_prefill(self, log: list[tuple[int, Tensor, Tensor, Tensor | None]]) -> None:
+        """Hand the policy a prefill recorded (``prefill_log``) from another cache of the same model, in
+        the same order, without running the model. Equals running the prefill only for policies whose
+        prompt attention is plain dense attention (``Policy.prefill_is_dense``)."""
+        for layer, k, v, key_valid in log:
+            self.policy.key_valid = key_valid
+            self.update(k, v, layer)
 
     def _is_decode(self, layer: int, q_len: int) -> bool:
         return q_len == 1 and self.policy.seq_length(layer) > 0

@@ -24,7 +24,7 @@ from ..data import load_corpus
 from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import PolicyConfig, make_config
-from .runner import DecodeRun, policy_name
+from .runner import DecodeRun, PrefillMemo, policy_name
 
 Tensor = torch.Tensor
 
@@ -69,11 +69,16 @@ def make_windows(loaded: LoadedModel, config: PerplexityConfig) -> Tensor:
 
 
 def token_nll(
-    loaded: LoadedModel, policy: PolicyConfig, windows: Tensor, prefill: int, progress: bool = False
+    loaded: LoadedModel,
+    policy: PolicyConfig,
+    windows: Tensor,
+    prefill: int,
+    progress: bool = False,
+    memo: PrefillMemo | None = None,
 ):
     """Negative log-likelihood [windows, context - prefill] of each token after the prefill, fed through
     the decode path, and the run's statistics."""
-    with DecodeRun(loaded, policy) as run:
+    with DecodeRun(loaded, policy, memo=memo) as run:
         logits = run.prefill(windows[:, :prefill])
         steps = windows.shape[1] - prefill
         nll = torch.empty(windows.shape[0], steps)
@@ -107,12 +112,13 @@ def perplexity(
     config: PerplexityConfig,
     reference: dict[str, Any] | None = None,
     progress: bool = False,
+    memo: PrefillMemo | None = None,
 ) -> dict[str, Any]:
     """Perplexity of ``policy`` and of ``dense`` on the same windows (``reference``: a dense result of the
-    same config to reuse instead of running dense again)."""
+    same config to reuse instead of running dense again; ``memo``: prefills shared between runs)."""
     policy = make_config(policy) if isinstance(policy, str) else policy
     windows = make_windows(loaded, config)
-    nll, stats = token_nll(loaded, policy, windows, config.prefill, progress)
+    nll, stats = token_nll(loaded, policy, windows, config.prefill, progress, memo)
     result = {
         "model": loaded.name,
         "policy": policy_name(policy),
@@ -132,7 +138,7 @@ def perplexity(
     elif reference is not None:
         result["dense"] = reference["dense"]
     else:
-        dense_nll, _ = token_nll(loaded, make_config("dense"), windows, config.prefill, progress)
+        dense_nll, _ = token_nll(loaded, make_config("dense"), windows, config.prefill, progress, memo)
         result["dense"] = summarise(dense_nll, config.prefill, config.block)
         result["dense"].pop("tokens")
     return result

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import PolicyConfig, make_config
-from .runner import DecodeRun, policy_name
+from .runner import DecodeRun, PrefillMemo, policy_name
 from .scoring import score
 from .tasks import DEPTH_TASKS, TASKS, Sample, generate
 
@@ -69,14 +69,18 @@ class PromptFormat:
 
 
 def answer(
-    loaded: LoadedModel, policy: PolicyConfig, prompt: PromptFormat, sample: Sample
+    loaded: LoadedModel,
+    policy: PolicyConfig,
+    prompt: PromptFormat,
+    sample: Sample,
+    memo: PrefillMemo | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Prefill the context, decode the question, generate greedily; return the answer text and stats."""
     prefill_ids, question_ids = prompt.encode(sample)
     eos = loaded.model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos if eos is not None else loaded.tokenizer.eos_token_id])
     generated: list[int] = []
-    with DecodeRun(loaded, policy) as run:
+    with DecodeRun(loaded, policy, memo=memo) as run:
         logits = run.prefill(torch.tensor([prefill_ids]))
         for token in question_ids:
             logits = run.step(torch.tensor([token]))
@@ -126,8 +130,10 @@ def evaluate(
     seed: int = 0,
     chat: str = "auto",
     progress: bool = False,
+    memo: PrefillMemo | None = None,
 ) -> dict[str, Any]:
-    """Score ``policy`` on ``samples`` samples of ``task`` at ``context`` tokens."""
+    """Score ``policy`` on ``samples`` samples of ``task`` at ``context`` tokens (``memo``: prefills shared
+    between runs)."""
     policy = make_config(policy) if isinstance(policy, str) else policy
     if context > loaded.max_context:
         raise InputError(f"context {context} exceeds the model's {loaded.max_context} tokens")
@@ -140,7 +146,7 @@ def evaluate(
     for sample in tqdm(
         batch, desc=f"{policy_name(policy)} {task}@{context}", disable=not progress, leave=False
     ):
-        text, stats = answer(loaded, policy, prompt, sample)
+        text, stats = answer(loaded, policy, prompt, sample, memo)
         fractions.append(stats["kv_fraction"])
         rows.append(
             {

@@ -7,10 +7,16 @@ the same pieces the engine uses: an :class:`~infinikv.cache.InfinikvCache` and p
 
 It also measures what the policy moved: the bytes it copied from the host pool during decode, compared with
 what full offload would move for the same steps (every layer's whole cache, every step).
+
+A long prompt's prefill costs as much as hundreds of decode steps, and most policies prefill with plain dense
+attention. A :class:`PrefillMemo` shared between runs records the first such prefill of a prompt and replays
+it into the next policies that prefill densely, so a sweep runs the model over each prompt once, not once
+per policy. The replayed cache holds exactly what the policy's own prefill would have built.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,18 +33,59 @@ def policy_name(config: PolicyConfig) -> str:
     return next(name for name, cls in POLICIES.items() if cls.config_class is type(config))
 
 
+@dataclass
+class RecordedPrefill:
+    """One prompt's prefill as the cache saw it: (layer, K, V, key_valid) per call, and the last logits."""
+
+    calls: list[tuple[int, Tensor, Tensor, Tensor | None]]
+    logits: Tensor
+
+
+class PrefillMemo:
+    """Prefills recorded by one :class:`DecodeRun` and replayed by the next ones on the same prompt.
+
+    Only runs whose policy prefills with plain dense attention (``Policy.prefill_is_dense``) record or
+    replay; the others run their own prefill. Holds every recorded prompt's K/V: keep one per group of runs
+    that share prompts and ``clear`` it between groups.
+    """
+
+    def __init__(self):
+        self._recorded: dict[tuple, RecordedPrefill] = {}
+        self.replays = 0
+
+    @staticmethod
+    def key(model: str, input_ids: Tensor, chunk: int) -> tuple:
+        return model, chunk, tuple(input_ids.shape), input_ids.cpu().numpy().tobytes()
+
+    def get(self, key: tuple) -> RecordedPrefill | None:
+        return self._recorded.get(key)
+
+    def put(self, key: tuple, recorded: RecordedPrefill) -> None:
+        self._recorded[key] = recorded
+
+    def clear(self) -> None:
+        self._recorded.clear()
+
+
 class DecodeRun:
     """One batch of equal-length sequences: ``prefill`` once, then ``step`` one token per row at a time.
 
     Not thread-safe; call :meth:`close` (or use it as a context manager) to release the policy's pool.
     """
 
-    def __init__(self, loaded: LoadedModel, policy: PolicyConfig, prefill_chunk: int = 2048):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        policy: PolicyConfig,
+        prefill_chunk: int = 2048,
+        memo: PrefillMemo | None = None,
+    ):
         self.loaded = loaded
         self.model = loaded.model
         policy.prepare(loaded)  # e.g. InfiniGen's calibration, once per model
         self.cache = InfinikvCache(loaded.model, policy, device=loaded.device)
         self.prefill_chunk = prefill_chunk
+        self.memo = memo if self.cache.policy.prefill_is_dense else None
         self.length = 0  # tokens fed so far
         self.batch = 0
         self._h2d_after_prefill = 0
@@ -64,14 +111,31 @@ class DecodeRun:
         """Feed ``input_ids`` [batch, tokens] densely (in chunks); return the last position's logits."""
         self.batch, total = input_ids.shape
         input_ids = input_ids.to(self.loaded.device)
+        key = self.memo.key(self.loaded.name, input_ids, self.prefill_chunk) if self.memo else None
+        recorded = self.memo.get(key) if key else None
+        if recorded is not None:
+            self.cache.replay_prefill(recorded.calls)
+            self.memo.replays += 1
+            logits = recorded.logits
+        else:
+            if key:
+                self.cache.prefill_log = []
+            logits = self._forward_chunks(input_ids)
+            if key:
+                self.memo.put(key, RecordedPrefill(self.cache.prefill_log, logits))
+                self.cache.prefill_log = None
+        self.length = total
+        self._h2d_after_prefill = self.cache.stats()["bytes_h2d"]
+        return logits
+
+    def _forward_chunks(self, input_ids: Tensor) -> Tensor:
+        total = input_ids.shape[1]
         bounds = list(range(0, total, self.prefill_chunk)) + [total]
         if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
             bounds.pop(-2)  # a one-token last chunk would look like a decode step
         logits = None
         for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
             logits = self._forward(input_ids[:, begin:end], begin)
-        self.length = total
-        self._h2d_after_prefill = self.cache.stats()["bytes_h2d"]
         return logits[:, -1].float()
 
     @torch.inference_mode()

@@ -8,6 +8,7 @@ A sweep is described by one TOML or JSON file (see ``configs/``)::
     [[models]]
     name = "smollm2-135m"
     contexts = [2048, 4096]
+    tasks = ["passkey"]                   # optional: this model's retrieval tasks instead of [retrieval]'s
     [policies]                            # knob lists expand to every combination
     dense = {}
     quest = { budget = [0.05, 0.1, 0.2, 0.4] }
@@ -22,6 +23,10 @@ A sweep is described by one TOML or JSON file (see ``configs/``)::
     # scored = 512                        # the last 512 tokens of every window go through decode
     windows = 1
     contexts = [2048]                     # optional: fewer contexts than the models'
+
+Cells of one model, context and target run one after another and share a
+:class:`~infinikv.eval.runner.PrefillMemo`: the model runs over each prompt once for every policy that
+prefills with plain dense attention.
 
 Every finished cell is appended to ``cells.jsonl`` at once, so an interrupted sweep restarts where it
 stopped: cells already in the file are skipped. Policies not registered in this build are reported as
@@ -49,6 +54,7 @@ from ..errors import InfinikvError, InputError
 from ..models import LoadedModel, load
 from ..policies import POLICIES, make_config
 from . import ppl, retrieval
+from .runner import PrefillMemo
 from .tasks import TASKS
 
 
@@ -68,6 +74,11 @@ class Cell:
         return json.dumps([self.model, self.context, self.kind, self.target, self.policy, list(self.knobs)])
 
     @property
+    def group(self) -> tuple[str, int, str, str]:
+        """Cells of one group share their prompts."""
+        return self.model, self.context, self.kind, self.target
+
+    @property
     def label(self) -> str:
         return policy_label(self.policy, dict(self.knobs))
 
@@ -77,12 +88,21 @@ def policy_label(policy: str, knobs: dict[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
+class SweepModel:
+    """A model's entry: its contexts, and its own retrieval tasks (None: the sweep's)."""
+
+    name: str
+    contexts: tuple[int, ...]
+    tasks: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class SweepConfig:
     """A parsed sweep file. ``policies`` maps a policy name to its knob grid (lists expand)."""
 
     name: str
     out: Path
-    models: tuple[tuple[str, tuple[int, ...]], ...]
+    models: tuple[SweepModel, ...]
     policies: dict[str, dict[str, Any]]
     tasks: tuple[str, ...] = ()
     samples: int = 3
@@ -110,7 +130,14 @@ def read_config(path: str | Path) -> SweepConfig:
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot read sweep config {path}: {exc}") from None
     try:
-        models = tuple((m["name"], tuple(int(c) for c in m["contexts"])) for m in raw["models"])
+        models = tuple(
+            SweepModel(
+                m["name"],
+                tuple(int(c) for c in m["contexts"]),
+                tuple(m["tasks"]) if "tasks" in m else None,
+            )
+            for m in raw["models"]
+        )
         retrieval_part = raw.get("retrieval", {})
         ppl_part = raw.get("ppl", {})
         config = SweepConfig(
@@ -136,7 +163,8 @@ def read_config(path: str | Path) -> SweepConfig:
         raise InputError(f"sweep config {path}: missing or bad field {exc}") from None
     if "scored" in ppl_part and "prefill" in ppl_part:
         raise InputError(f"sweep config {path}: [ppl] takes prefill or scored, not both")
-    unknown = sorted(set(config.tasks) - set(TASKS))
+    named = set(config.tasks).union(*(m.tasks or () for m in config.models))
+    unknown = sorted(named - set(TASKS))
     if unknown:
         known = ", ".join(TASKS)
         raise InputError(f"sweep config {path}: unknown tasks {', '.join(unknown)}; available: {known}")
@@ -183,10 +211,13 @@ def cells(config: SweepConfig, shard: tuple[int, int] = (0, 1)) -> Iterator[Cell
     variants, _ = policy_variants(config)
     index, count = shard
     groups = [
-        (model, context, kind, target)
-        for model, contexts in config.models
-        for context in contexts
-        for kind, targets in (("ppl", _ppl_texts(config, context)), ("retrieval", config.tasks))
+        (model.name, context, kind, target)
+        for model in config.models
+        for context in model.contexts
+        for kind, targets in (
+            ("ppl", _ppl_texts(config, context)),
+            ("retrieval", config.tasks if model.tasks is None else model.tasks),
+        )
         for target in targets
     ]
     for model, context, kind, target in groups[index::count]:
@@ -216,17 +247,19 @@ def finished(out: Path) -> dict[str, dict[str, Any]]:
     return done
 
 
-def run_cell(cell: Cell, loaded: LoadedModel, config: SweepConfig, done: dict[str, dict]) -> dict[str, Any]:
+def run_cell(
+    cell: Cell, loaded: LoadedModel, config: SweepConfig, done: dict[str, dict], memo: PrefillMemo
+) -> dict[str, Any]:
     policy = make_config(cell.policy, **dict(cell.knobs))
     if cell.kind == "ppl":
         prefill = ppl_prefill(config, cell.context)
         ppl_config = ppl.PerplexityConfig(cell.target, cell.context, prefill, config.windows)
         dense_key = Cell(cell.model, cell.context, "ppl", cell.target, "dense").key
         reference = done.get(dense_key, {}).get("result")
-        return ppl.perplexity(loaded, policy, ppl_config, reference=reference, progress=True)
+        return ppl.perplexity(loaded, policy, ppl_config, reference=reference, progress=True, memo=memo)
     return retrieval.evaluate(
         loaded, policy, cell.target, cell.context, config.samples, config.depths, config.seed, config.chat,
-        progress=True,
+        progress=True, memo=memo,
     )  # fmt: skip
 
 
@@ -245,6 +278,7 @@ def run_sweep(
         print(f"sweep: policy '{name}' is not in this build; its cells are skipped", file=sys.stderr)
     todo = [c for c in cells(config, shard) if c.key not in done]
     loaded: LoadedModel | None = None
+    memo, memo_group = PrefillMemo(), None
     path = config.out / "cells.jsonl"
     torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
     with open(path, "a", encoding="utf-8") as log:
@@ -253,8 +287,11 @@ def run_sweep(
         for cell in tqdm(todo, desc=f"sweep {config.name}", unit="cell", disable=not progress):
             if loaded is None or loaded.name != cell.model:
                 loaded = loader(cell.model)
+            if memo_group != cell.group:
+                memo.clear()  # the next group's prompts differ: free this group's K/V
+                memo_group = cell.group
             try:
-                result = run_cell(cell, loaded, config, done)
+                result = run_cell(cell, loaded, config, done, memo)
             except InfinikvError as exc:
                 print(f"sweep: {cell.label} on {cell.target}@{cell.context} failed: {exc}", file=sys.stderr)
                 continue

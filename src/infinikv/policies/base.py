@@ -107,6 +107,10 @@ class Policy:
 
     name: ClassVar[str]
     config_class: ClassVar[type[PolicyConfig]]
+    # True when the prompt's attention is plain dense attention over the full-precision K/V and what the
+    # policy keeps after prefill depends only on those K/V: a prefill recorded once can then be replayed
+    # into it (InfinikvCache.replay_prefill) instead of running the model over the prompt again.
+    prefill_is_dense: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
         self.config = config

@@ -50,6 +50,7 @@ class H2OConfig(PolicyConfig):
 class H2OPolicy(Policy):
     name = "h2o"
     config_class = H2OConfig
+    prefill_is_dense = False  # it scores the prompt's attention weights
 
     def __init__(self, config: H2OConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)

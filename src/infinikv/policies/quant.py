@@ -84,6 +84,7 @@ def dequantize(codes: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
 class QuantPolicy(Policy):
     name = "quant"
     config_class = QuantConfig
+    prefill_is_dense = False  # later prompt chunks attend to quantized K/V
 
     def __init__(self, config: QuantConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)

@@ -33,6 +33,7 @@ class SelectivePolicy(Policy):
     early."""
 
     prefetch = False
+    prefill_is_dense = True
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
