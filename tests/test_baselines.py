@@ -7,6 +7,7 @@ import torch
 
 from infinikv import GenerationConfig, Generator
 from infinikv.policies import make_policy
+from infinikv.policies.base import attention_weights
 from infinikv.policies.quant import dequantize, pack, quantize, unpack
 
 FULL = [
@@ -105,6 +106,25 @@ def test_h2o_keeps_heavy_hitter(tiny):
     assert selection.keys.shape[2] == 8
     policy.attend(0, q[:, :, -1:], selection.keys, selection.values, None, 1.0)
     assert policy.host_pool.length(0) == 7  # evicted for real: budget - 1 between steps
+    policy.close()
+
+
+def test_h2o_prompt_scores_sum_the_attention_each_key_receives(tiny):
+    spec = tiny.spec
+    policy = _policy(tiny, "h2o", budget=8)
+    k, v = _kv(600, spec, seed=4)
+    q = torch.randn(1, spec.num_heads, 600, spec.head_dim, generator=torch.Generator().manual_seed(5))
+    # Two prompt chunks of 300 rows (more than one block of scored rows each); the second with a mask that
+    # also hides key 7 (as left padding would).
+    mask = torch.ones(300, 600, dtype=torch.bool).tril(300)[None, None]
+    mask[..., 7] = False
+    policy.attend(0, q[:, :, :300], k[:, :, :300], v[:, :, :300], None, 0.3)
+    policy.attend(0, q[:, :, 300:], k, v, mask, 0.3)
+    first = attention_weights(q[:, :, :300], k[:, :, :300], None, 0.3).sum(dim=2)
+    second = attention_weights(q[:, :, 300:], k, mask, 0.3).sum(dim=2)
+    second[..., :300] += first
+    expected = second.view(1, spec.num_kv_heads, spec.group_size, 600).sum(dim=2)
+    torch.testing.assert_close(policy.score[0], expected, atol=1e-4, rtol=1e-5)
     policy.close()
 
 

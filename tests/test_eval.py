@@ -127,20 +127,22 @@ def test_a_replayed_prefill_equals_the_policys_own(kind, request):
     follow = torch.randint(3, 259, (12, 2), generator=torch.Generator().manual_seed(3))
     tight = {"budget": 0.3, "window": 8, "page_size": 4, "dense_layers": 1}  # selective below the context
 
-    def logits_of(name: str, memo: PrefillMemo | None) -> torch.Tensor:
-        knobs = {k: v for k, v in tight.items() if k in POLICIES[name].config_class.__dataclass_fields__}
+    def logits_of(name: str, knobs: dict, memo: PrefillMemo | None) -> torch.Tensor:
         with DecodeRun(loaded, make_config(name, **knobs), prefill_chunk=32, memo=memo) as run:
             return torch.stack([run.prefill(prompt), *(run.step(tokens) for tokens in follow)])
 
-    memo = PrefillMemo()
-    logits_of("dense", memo)  # records the prompt's prefill, four chunks
+    memo, recorded = PrefillMemo(), set()
     for name, policy in POLICIES.items():
-        own = logits_of(name, None)
-        replays = memo.replays
-        replayed = logits_of(name, memo)
-        assert memo.replays == replays + policy.prefill_is_dense, name
-        torch.testing.assert_close(replayed, own, atol=0, rtol=0, msg=name)
-    assert memo.replays >= 4  # dense, offload, streaming, quest, infinigen replay; h2o and quant do not
+        own_knobs = policy.config_class.__dataclass_fields__
+        for knobs in ({k: v for k, v in tight.items() if k in own_knobs}, {}):
+            own = logits_of(name, knobs, None)
+            replays = memo.replays
+            replayed = logits_of(name, knobs, memo)  # four prompt chunks, recorded or replayed
+            torch.testing.assert_close(replayed, own, atol=0, rtol=0, msg=f"{name} {knobs}")
+            assert memo.replays - replays == (policy.prefill_family in recorded), name
+            if policy.prefill_family is not None:
+                recorded.add(policy.prefill_family)
+    assert recorded == {"dense", "h2o"}
 
 
 def test_perplexity_blocks_and_dense_reference(tiny, tmp_path):

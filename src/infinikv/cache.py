@@ -15,6 +15,8 @@ feeds exactly one token per sequence.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -101,13 +103,14 @@ class InfinikvCache(Cache):
             self.prefill_log.append((layer, k, v, self.policy.key_valid))
         return self.policy.prefill(layer, k, v)
 
-    def replay_prefill(self, log: list[tuple[int, Tensor, Tensor, Tensor | None]]) -> None:
-        """Hand the policy a prefill recorded (``prefill_log``) from another cache of the same model, in
-        the same order, without running the model. Equals running the prefill only for policies whose
-        prompt attention is plain dense attention (``Policy.prefill_is_dense``)."""
+    def replay_prefill(self, log: list[tuple[int, Tensor, Tensor, Tensor | None]], state: Any) -> None:
+        """Hand the policy a prefill recorded (``prefill_log`` and ``policy.prefill_state()``) by another
+        cache of the same model, in the same order, without running the model. Equals running the prefill
+        when both policies are of the same ``Policy.prefill_family``."""
         for layer, k, v, key_valid in log:
             self.policy.key_valid = key_valid
             self.update(k, v, layer)
+        self.policy.restore_prefill_state(state)
 
     def _is_decode(self, layer: int, q_len: int) -> bool:
         return q_len == 1 and self.policy.seq_length(layer) > 0

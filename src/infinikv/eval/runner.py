@@ -8,10 +8,12 @@ the same pieces the engine uses: an :class:`~infinikv.cache.InfinikvCache` and p
 It also measures what the policy moved: the bytes it copied from the host pool during decode, compared with
 what full offload would move for the same steps (every layer's whole cache, every step).
 
-A long prompt's prefill costs as much as hundreds of decode steps, and most policies prefill with plain dense
-attention. A :class:`PrefillMemo` shared between runs records the first such prefill of a prompt and replays
-it into the next policies that prefill densely, so a sweep runs the model over each prompt once, not once
-per policy. The replayed cache holds exactly what the policy's own prefill would have built.
+A long prompt's prefill costs as much as hundreds of decode steps, and most policies build the same state
+from a prompt (``Policy.prefill_family``: plain dense attention for most; H2O's prompt scores do not depend
+on its budget). A :class:`PrefillMemo` shared between runs records the first prefill of a prompt in each
+family and replays it into the next runs of that family, so a sweep runs the model over each prompt once
+per family, not once per policy. The replayed cache holds exactly what the policy's own prefill would have
+built.
 """
 
 from __future__ import annotations
@@ -35,18 +37,20 @@ def policy_name(config: PolicyConfig) -> str:
 
 @dataclass
 class RecordedPrefill:
-    """One prompt's prefill as the cache saw it: (layer, K, V, key_valid) per call, and the last logits."""
+    """One prompt's prefill as the cache saw it: (layer, K, V, key_valid) per call, what else the policy
+    kept (``Policy.prefill_state``) and the last logits."""
 
     calls: list[tuple[int, Tensor, Tensor, Tensor | None]]
+    state: Any
     logits: Tensor
 
 
 class PrefillMemo:
     """Prefills recorded by one :class:`DecodeRun` and replayed by the next ones on the same prompt.
 
-    Only runs whose policy prefills with plain dense attention (``Policy.prefill_is_dense``) record or
-    replay; the others run their own prefill. Holds every recorded prompt's K/V: keep one per group of runs
-    that share prompts and ``clear`` it between groups.
+    A run records or replays only within its policy's ``prefill_family``; a policy of no family runs its
+    own prefill. Holds every recorded prompt's K/V: keep one per group of runs that share prompts and
+    ``clear`` it between groups.
     """
 
     def __init__(self):
@@ -54,8 +58,8 @@ class PrefillMemo:
         self.replays = 0
 
     @staticmethod
-    def key(model: str, input_ids: Tensor, chunk: int) -> tuple:
-        return model, chunk, tuple(input_ids.shape), input_ids.cpu().numpy().tobytes()
+    def key(model: str, family: str, input_ids: Tensor, chunk: int) -> tuple:
+        return model, family, chunk, tuple(input_ids.shape), input_ids.cpu().numpy().tobytes()
 
     def get(self, key: tuple) -> RecordedPrefill | None:
         return self._recorded.get(key)
@@ -85,7 +89,8 @@ class DecodeRun:
         policy.prepare(loaded)  # e.g. InfiniGen's calibration, once per model
         self.cache = InfinikvCache(loaded.model, policy, device=loaded.device)
         self.prefill_chunk = prefill_chunk
-        self.memo = memo if self.cache.policy.prefill_is_dense else None
+        self.family = self.cache.policy.prefill_family
+        self.memo = memo if self.family is not None else None
         self.length = 0  # tokens fed so far
         self.batch = 0
         self._h2d_after_prefill = 0
@@ -111,10 +116,12 @@ class DecodeRun:
         """Feed ``input_ids`` [batch, tokens] densely (in chunks); return the last position's logits."""
         self.batch, total = input_ids.shape
         input_ids = input_ids.to(self.loaded.device)
-        key = self.memo.key(self.loaded.name, input_ids, self.prefill_chunk) if self.memo else None
+        key = None
+        if self.memo is not None:
+            key = self.memo.key(self.loaded.name, self.family, input_ids, self.prefill_chunk)
         recorded = self.memo.get(key) if key else None
         if recorded is not None:
-            self.cache.replay_prefill(recorded.calls)
+            self.cache.replay_prefill(recorded.calls, recorded.state)
             self.memo.replays += 1
             logits = recorded.logits
         else:
@@ -122,7 +129,8 @@ class DecodeRun:
                 self.cache.prefill_log = []
             logits = self._forward_chunks(input_ids)
             if key:
-                self.memo.put(key, RecordedPrefill(self.cache.prefill_log, logits))
+                state = self.cache.policy.prefill_state()
+                self.memo.put(key, RecordedPrefill(self.cache.prefill_log, state, logits))
                 self.cache.prefill_log = None
         self.length = total
         self._h2d_after_prefill = self.cache.stats()["bytes_h2d"]

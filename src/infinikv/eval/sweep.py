@@ -25,8 +25,8 @@ A sweep is described by one TOML or JSON file (see ``configs/``)::
     contexts = [2048]                     # optional: fewer contexts than the models'
 
 Cells of one model, context and target run one after another and share a
-:class:`~infinikv.eval.runner.PrefillMemo`: the model runs over each prompt once for every policy that
-prefills with plain dense attention.
+:class:`~infinikv.eval.runner.PrefillMemo`: the model runs over each prompt once per prefill family (all
+policies that prefill densely; H2O at every budget), not once per policy.
 
 Every finished cell is appended to ``cells.jsonl`` at once, so an interrupted sweep restarts where it
 stopped: cells already in the file are skipped. Policies not registered in this build are reported as

@@ -107,10 +107,11 @@ class Policy:
 
     name: ClassVar[str]
     config_class: ClassVar[type[PolicyConfig]]
-    # True when the prompt's attention is plain dense attention over the full-precision K/V and what the
-    # policy keeps after prefill depends only on those K/V: a prefill recorded once can then be replayed
-    # into it (InfinikvCache.replay_prefill) instead of running the model over the prompt again.
-    prefill_is_dense: ClassVar[bool] = False
+    # Policies of one family build the same state from a prompt whatever their knobs, so a prefill recorded
+    # under one can be replayed into another (InfinikvCache.replay_prefill) instead of running the model
+    # over the prompt again. "dense": prompt attention is plain dense attention over the full-precision
+    # K/V and the policy keeps what it is handed. None: never shared.
+    prefill_family: ClassVar[str | None] = None
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
         self.config = config
@@ -125,6 +126,13 @@ class Policy:
     # -- the seam ------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
+
+    def prefill_state(self) -> Any:
+        """What prefill left in the policy besides the K/V it was handed (replayed along with them)."""
+        return None
+
+    def restore_prefill_state(self, state: Any) -> None:
+        """Take the ``prefill_state`` of a policy of the same family, after a replayed prefill."""
 
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         """Look-ahead hook; most policies need none."""

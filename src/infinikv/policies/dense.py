@@ -20,7 +20,7 @@ class DenseConfig(PolicyConfig):
 class DensePolicy(Policy):
     name = "dense"
     config_class = DenseConfig
-    prefill_is_dense = True
+    prefill_family = "dense"
 
     def __init__(self, config: DenseConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)

@@ -50,7 +50,7 @@ class H2OConfig(PolicyConfig):
 class H2OPolicy(Policy):
     name = "h2o"
     config_class = H2OConfig
-    prefill_is_dense = False  # it scores the prompt's attention weights
+    prefill_family = "h2o"  # the prompt's attention scores do not depend on the knobs
 
     def __init__(self, config: H2OConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
@@ -68,6 +68,12 @@ class H2OPolicy(Policy):
     def seq_length(self, layer: int) -> int:
         return self.seen[layer]
 
+    def prefill_state(self) -> list[Tensor | None]:
+        return list(self.score)
+
+    def restore_prefill_state(self, state: list[Tensor | None]) -> None:
+        self.score = list(state)
+
     # -- prefill -------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self.seen[layer] += k.shape[2]
@@ -83,18 +89,25 @@ class H2OPolicy(Policy):
         return attention(q, k, v, mask, scaling)
 
     def _score_prompt(self, layer: int, q: Tensor, k: Tensor, mask: Tensor | None, scaling: float) -> None:
-        batch, _, q_len, _ = q.shape
-        n = k.shape[2]
-        received = torch.zeros(batch, q.shape[1], n, dtype=torch.float32, device=q.device)
+        """Add the softmax weight each key receives from the chunk's queries to the layer's scores."""
+        batch, heads, q_len, dim = q.shape
+        kv_heads, n = k.shape[1], k.shape[2]
+        group = heads // kv_heads
+        grouped_q = q.view(batch, kv_heads, group, q_len, dim)  # query head h reads KV head h // group
+        received = torch.zeros(batch, kv_heads, n, dtype=torch.float32, device=q.device)
         for begin in range(0, q_len, SCORE_ROWS):
             end = min(begin + SCORE_ROWS, q_len)
+            visible = n - q_len + end  # later keys are in every row's future: skip them
+            rows = grouped_q[:, :, :, begin:end].reshape(batch, kv_heads, group * (end - begin), dim)
+            scores = torch.matmul(rows, k[:, :, :visible].transpose(-1, -2)).float()
+            scores = scores.mul_(scaling).view(batch, kv_heads, group, end - begin, visible)
             if mask is None:  # plain causal: query row r sits at position n - q_len + r
-                rows = torch.arange(n - q_len + begin, n - q_len + end, device=q.device)
-                block_mask = rows[:, None] >= torch.arange(n, device=q.device)
-            else:
-                block_mask = mask[:, :, begin:end]
-            received += attention_weights(q[:, :, begin:end], k, block_mask, scaling).sum(dim=2)
-        received = received.view(batch, self.spec.num_kv_heads, -1, n).sum(dim=2)
+                at = torch.arange(n - q_len + begin, n - q_len + end, device=q.device)
+                allowed = at[:, None] >= torch.arange(visible, device=q.device)
+            else:  # [batch, 1 or kv_heads, 1, rows, visible]
+                allowed = mask[:, :, begin:end, :visible].unsqueeze(2)
+            weights = scores.masked_fill_(~allowed, float("-inf")).softmax(dim=-1).nan_to_num_(0.0)
+            received[..., :visible] += weights.sum(dim=(2, 3))
         old = self.score[layer]
         if old is not None:
             received[..., : old.shape[-1]] += old

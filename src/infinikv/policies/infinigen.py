@@ -175,7 +175,7 @@ class _Slots:
 class InfiniGenPolicy(Policy):
     name = "infinigen"
     config_class = InfiniGenConfig
-    prefill_is_dense = True
+    prefill_family = "dense"
 
     def __init__(self, config: InfiniGenConfig, spec: ModelSpec, device: torch.device, skew: Any = None):
         """``skew``: an ``infinikv.skew.Skew``; by default the cached calibration for ``spec.weights_id`` is

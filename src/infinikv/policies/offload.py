@@ -29,7 +29,7 @@ class OffloadConfig(PolicyConfig):
 class OffloadPolicy(Policy):
     name = "offload"
     config_class = OffloadConfig
-    prefill_is_dense = True
+    prefill_family = "dense"
 
     def __init__(self, config: OffloadConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)

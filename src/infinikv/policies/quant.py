@@ -84,7 +84,7 @@ def dequantize(codes: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
 class QuantPolicy(Policy):
     name = "quant"
     config_class = QuantConfig
-    prefill_is_dense = False  # later prompt chunks attend to quantized K/V
+    prefill_family = None  # later prompt chunks attend to K/V quantized with this config's knobs
 
     def __init__(self, config: QuantConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)

@@ -33,7 +33,7 @@ class SelectivePolicy(Policy):
     early."""
 
     prefetch = False
-    prefill_is_dense = True
+    prefill_family = "dense"
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
