@@ -138,7 +138,12 @@ def register_cli(subparsers) -> None:
     ret.add_argument("--samples", type=int, default=3, help="samples per task and context")
     ret.add_argument("--depths", type=_floats, default=list(DEFAULT_DEPTHS), help="needle depths, cycled")
     ret.add_argument("--seed", type=int, default=0)
-    ret.add_argument("--chat", choices=["auto", "on", "off"], default="auto", help="use the chat template")
+    ret.add_argument(
+        "--chat",
+        choices=["auto", "on", "off"],
+        default="off",
+        help="wrap the prompt in the model's chat template (auto: when it has one)",
+    )
     common(ret)
     ret.set_defaults(func=cmd_retrieval)
 

@@ -7,9 +7,10 @@ end of sequence or the task's token budget. So the policy decides both how the q
 answer is found. Scoring follows RULER (Hsieh et al., 2024, https://arxiv.org/abs/2404.06654); see
 :mod:`infinikv.eval.scoring`.
 
-Prompt format: with ``chat="auto"`` (the default) a model whose tokenizer has a chat template gets the
-context and question as one user turn, then the assistant turn opened by the answer prefix (instruction-tuned
-models such as SmolLM2-135M-Instruct answer far more often in this form); other models get the plain text.
+Prompt format: plain text by default (``chat="off"``). With ``chat="on"`` (or ``"auto"``, when the tokenizer
+has a chat template) the context and question become one user turn, then the assistant turn opened by the
+answer prefix. Plain text is the default because the small models here retrieve from it: wrapped in its
+chat template, SmolLM2-135M-Instruct answers the passkey prompt with prose even under dense attention.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _PLACEHOLDER = "\u0000INFINIKV\u0000"
 class PromptFormat:
     """Splits a sample into the tokens to prefill and the tokens to feed through the decode path."""
 
-    def __init__(self, loaded: LoadedModel, chat: str = "auto"):
+    def __init__(self, loaded: LoadedModel, chat: str = "off"):
         if chat not in ("auto", "on", "off"):
             raise InputError(f"chat must be auto, on or off, got '{chat}'")
         tokenizer = loaded.tokenizer
@@ -128,7 +129,7 @@ def evaluate(
     samples: int,
     depths: Sequence[float] = DEFAULT_DEPTHS,
     seed: int = 0,
-    chat: str = "auto",
+    chat: str = "off",
     progress: bool = False,
     memo: PrefillMemo | None = None,
 ) -> dict[str, Any]:

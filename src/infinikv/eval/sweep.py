@@ -107,7 +107,7 @@ class SweepConfig:
     tasks: tuple[str, ...] = ()
     samples: int = 3
     depths: tuple[float, ...] = retrieval.DEFAULT_DEPTHS
-    chat: str = "auto"
+    chat: str = "off"
     texts: tuple[str, ...] = ()
     prefill: int | None = 512  # None: context - scored
     scored: int | None = None
@@ -148,7 +148,7 @@ def read_config(path: str | Path) -> SweepConfig:
             tasks=tuple(retrieval_part.get("tasks", ())),
             samples=int(retrieval_part.get("samples", 3)),
             depths=tuple(float(d) for d in retrieval_part.get("depths", retrieval.DEFAULT_DEPTHS)),
-            chat=retrieval_part.get("chat", "auto"),
+            chat=retrieval_part.get("chat", "off"),
             texts=tuple(ppl_part.get("texts", ())),
             prefill=None if "scored" in ppl_part else int(ppl_part.get("prefill", 512)),
             scored=int(ppl_part["scored"]) if "scored" in ppl_part else None,
