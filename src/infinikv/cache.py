@@ -31,6 +31,15 @@ Tensor = torch.Tensor
 ATTN_IMPLEMENTATION = "infinikv"
 
 
+def chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
+    """(begin, end) of each prefill chunk of at most ``chunk`` tokens, never a one-token last chunk: it
+    would look like a decode step."""
+    bounds = list(range(0, total, chunk)) + [total]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
+        bounds.pop(-2)
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
 class _PolicyLayer(CacheLayerMixin):
     """One layer's view of the policy, in the shape transformers' ``Cache`` expects."""
 

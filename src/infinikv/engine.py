@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from .cache import InfinikvCache
+from .cache import InfinikvCache, chunk_bounds
 from .errors import InputError
 from .models import LoadedModel
 from .policies import PolicyConfig, make_config
@@ -176,14 +176,11 @@ class Generator:
         mask, as transformers' own generate does."""
         total = input_ids.shape[1]
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        bounds = list(range(0, total, chunk)) + [total]
-        if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
-            bounds.pop(-2)  # a one-token last chunk would look like a decode step
         logits = None
         bar = tqdm(
             total=total, desc="prefill", unit="tok", disable=not progress or total < 2 * chunk, leave=False
         )
-        for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
+        for begin, end in chunk_bounds(total, chunk):
             logits = self.loaded.model(
                 input_ids=input_ids[:, begin:end],
                 attention_mask=attention_mask[:, :end],

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from ..cache import InfinikvCache
+from ..cache import InfinikvCache, chunk_bounds
 from ..errors import InfinikvError, InputError
 from ..models import LoadedModel
 from ..policies import POLICIES, make_config
@@ -120,14 +120,6 @@ def prompt_ids(loaded: LoadedModel, tokens: int, rows: int, corpus: str | None) 
         ids.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
         start += len(piece)
     return torch.tensor(ids[:needed]).view(rows, tokens).to(loaded.device), source
-
-
-def chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
-    """Prefill chunks as the engine makes them (no one-token last chunk: it would look like a decode)."""
-    bounds = list(range(0, total, chunk)) + [total]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
-        bounds.pop(-2)
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def prefill_forward(loaded: LoadedModel, cache: Cache, ids: Tensor, chunk: int) -> Tensor:

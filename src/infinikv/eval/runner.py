@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..cache import InfinikvCache
+from ..cache import InfinikvCache, chunk_bounds
 from ..models import LoadedModel
 from ..policies import POLICIES, PolicyConfig
 
@@ -116,33 +116,29 @@ class DecodeRun:
         """Feed ``input_ids`` [batch, tokens] densely (in chunks); return the last position's logits."""
         self.batch, total = input_ids.shape
         input_ids = input_ids.to(self.loaded.device)
-        key = None
-        if self.memo is not None:
-            key = self.memo.key(self.loaded.name, self.family, input_ids, self.prefill_chunk)
-        recorded = self.memo.get(key) if key else None
-        if recorded is not None:
-            self.cache.replay_prefill(recorded.calls, recorded.state)
-            self.memo.replays += 1
-            logits = recorded.logits
-        else:
-            if key:
-                self.cache.prefill_log = []
-            logits = self._forward_chunks(input_ids)
-            if key:
-                state = self.cache.policy.prefill_state()
-                self.memo.put(key, RecordedPrefill(self.cache.prefill_log, state, logits))
-                self.cache.prefill_log = None
+        logits = self._forward_chunks(input_ids) if self.memo is None else self._prefill_via_memo(input_ids)
         self.length = total
         self._h2d_after_prefill = self.cache.stats()["bytes_h2d"]
         return logits
 
+    def _prefill_via_memo(self, input_ids: Tensor) -> Tensor:
+        """Replay this prompt's recorded prefill, or run it and record it for the next runs."""
+        key = self.memo.key(self.loaded.name, self.family, input_ids, self.prefill_chunk)
+        recorded = self.memo.get(key)
+        if recorded is None:
+            self.cache.prefill_log = []
+            logits = self._forward_chunks(input_ids)
+            recorded = RecordedPrefill(self.cache.prefill_log, self.cache.policy.prefill_state(), logits)
+            self.cache.prefill_log = None
+            self.memo.put(key, recorded)
+        else:
+            self.cache.replay_prefill(recorded.calls, recorded.state)
+            self.memo.replays += 1
+        return recorded.logits
+
     def _forward_chunks(self, input_ids: Tensor) -> Tensor:
-        total = input_ids.shape[1]
-        bounds = list(range(0, total, self.prefill_chunk)) + [total]
-        if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
-            bounds.pop(-2)  # a one-token last chunk would look like a decode step
         logits = None
-        for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
+        for begin, end in chunk_bounds(input_ids.shape[1], self.prefill_chunk):
             logits = self._forward(input_ids[:, begin:end], begin)
         return logits[:, -1].float()
 
