@@ -20,13 +20,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m infinikv.demo
 
+# The import layering (pyproject's [tool.importlinter]) is checked first: it takes a second.
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not real_model"
 
 lint: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 

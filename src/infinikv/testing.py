@@ -14,7 +14,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from .models import LoadedModel, model_spec
+from .models import LoadedModel
 
 SPECIAL = ["<pad>", "<s>", "</s>"]
 
@@ -66,4 +66,4 @@ def tiny_model(kind: str = "llama", seed: int = 0, max_context: int = 4096) -> L
         model.lm_head.weight.mul_(8.0)
     model.eval()
     weights_id = hashlib.sha256(f"tiny-{kind}-{seed}".encode()).hexdigest()
-    return LoadedModel(f"tiny-{kind}", model, tokenizer, weights_id, torch.device("cpu"), model_spec(model))
+    return LoadedModel(f"tiny-{kind}", model, tokenizer, weights_id, torch.device("cpu"))
