@@ -1,4 +1,4 @@
-"""The policy that docs/architecture.md walks through is real: it runs, and passes the checks of every policy."""
+"""The policy that docs/architecture.md walks through is real: it runs and passes every policy's checks."""
 
 from __future__ import annotations
 
