@@ -10,6 +10,7 @@ also works.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .compat import accept_cache_kwarg
 from .errors import ModelError
 from .policies.base import ModelSpec
 
@@ -174,6 +176,7 @@ class LoadedModel:
         # Policies reach per-model files (InfiniGen's skew) through the spec, so it carries the weights id.
         self.model._infinikv_weights_id = self.weights_id
         self.spec = model_spec(self.model)
+        accept_cache_kwarg(self.model)
 
     @property
     def max_context(self) -> int:
@@ -189,6 +192,10 @@ def load(
 ) -> LoadedModel:
     """Load a registered model, a local GGUF file, a local HF directory, or a hub id."""
     device = torch.device(device) if device is not None else default_device()
+    if name.startswith("dummy:"):  # real shapes, random weights (infinikv.dummy)
+        from .dummy import load_dummy
+
+        return load_dummy(name, device)
     path = Path(name).expanduser()
     if name in REGISTRY:
         source = pull(name)
@@ -252,8 +259,11 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     layer_types = getattr(config, "layer_types", None)
     rotary = decoder.rotary_emb
 
+    # A signature, not __code__: some transformers versions wrap forward (torch.no_grad) and hide it.
+    per_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+
     def rope(layer: int, x: torch.Tensor, position_ids: torch.Tensor):
-        if layer_types is not None and "layer_type" in rotary.forward.__code__.co_varnames:
+        if layer_types is not None and per_layer_type:
             return rotary(x, position_ids, layer_types[layer])
         return rotary(x, position_ids)
 
