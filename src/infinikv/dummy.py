@@ -85,6 +85,22 @@ DUMMIES: dict[str, DummyModel] = {
             ),
         ),
         DummyModel(
+            "tiny",
+            "a tiny Llama (4 layers, 4 q / 2 kv heads of 16, vocab 512) for smoke runs",
+            LlamaConfig,
+            dict(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                max_position_embeddings=4096,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            ),
+        ),
+        DummyModel(
             "smollm2-135m",
             "SmolLM2-135M shapes (30 layers, 9 q / 3 kv heads of 64, vocab 49152, 8k context)",
             LlamaConfig,
