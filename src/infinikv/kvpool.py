@@ -29,16 +29,17 @@ class TransferCounters:
     bytes_d2h: int = 0  # new tokens' KV written into the pool
     wait_s: float = 0.0  # time the compute stream spent blocked on a copy
     copies: int = 0
-    issue_s: float = 0.0  # CUDA: host time inside fetch (the row gather into pinned memory, the launch)
     timings: list[CopyTiming] = field(default_factory=list)  # CUDA: one per fetch, in order
 
 
 @dataclass
 class CopyTiming:
-    """CUDA events of one fetch: its copy on the copy stream, and the compute stream's wait for it."""
+    """CUDA events of one fetch: its copy on the copy stream, and the compute stream's wait for it; and the
+    host time spent inside fetch (the row gather into pinned memory, the launch)."""
 
     start: torch.cuda.Event
     end: torch.cuda.Event
+    issue_s: float = 0.0
     wait_start: torch.cuda.Event | None = None
     wait_end: torch.cuda.Event | None = None
 
@@ -135,6 +136,9 @@ class KVPool:
         current = stored.shape[2] if stored is not None else 0
         capacity = max(needed, current + max(current // 4, 256))
         batch, heads, _, dim = like.shape
+        if self.host and self.on_cuda:  # pinned blocks come in powers of two bytes: use the whole block
+            row = batch * heads * dim * like.element_size()
+            capacity = (1 << (capacity * row - 1).bit_length()) // row
         new_k = self._alloc((batch, heads, capacity, dim), like.dtype)
         new_v = self._alloc((batch, heads, capacity, dim), like.dtype)
         if stored is not None:
@@ -212,8 +216,8 @@ class KVPool:
             timing.start.record(self._stream)
             result = self._copy(stores, length, index, extra)
             timing.end.record(self._stream)
+        timing.issue_s = time.perf_counter() - issued
         self.counters.timings.append(timing)
-        self.counters.issue_s += time.perf_counter() - issued
         return Transfer(result, self.counters, timing.end, timing)
 
     def _copy(
