@@ -117,8 +117,14 @@ def preflight(need_cuda: bool) -> dict[str, Any]:
         raise SystemExit(
             f"gpu-check: missing packages: {', '.join(missing)} (nothing is installed from a network)"
         )
+    import torch
+
+    if need_cuda and not torch.cuda.is_available():
+        raise SystemExit("gpu-check: no CUDA device visible to torch (use --tiny for the CPU smoke run)")
     import infinikv
 
+    if not (REPO / "tests" / "test_cuda.py").exists():  # the check needs the tests beside the source
+        raise SystemExit(f"gpu-check: run from a source checkout (PYTHONPATH=src), not {infinikv.__file__}")
     failed = []
     for module in pkgutil.walk_packages(infinikv.__path__, "infinikv."):
         if module.name.endswith("__main__"):  # importing it would run the command line
@@ -129,16 +135,12 @@ def preflight(need_cuda: bool) -> dict[str, Any]:
             failed.append(f"{module.name}: {type(exc).__name__}: {exc}")
     if failed:
         raise SystemExit("gpu-check: infinikv modules fail to import:\n  " + "\n  ".join(failed))
-    import torch
-
     out: dict[str, Any] = {
         "versions": versions,
         "torch_cuda": torch.version.cuda,
         "infinikv": infinikv.__file__,
     }
     out["cuda"] = torch.cuda.is_available()
-    if need_cuda and not out["cuda"]:
-        raise SystemExit("gpu-check: no CUDA device visible to torch (use --tiny for the CPU smoke run)")
     if out["cuda"]:
         props = torch.cuda.get_device_properties(0)
         out["device"] = props.name
