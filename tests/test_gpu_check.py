@@ -42,14 +42,21 @@ def test_tiny_check_writes_every_row(tmp_path):
     assert "dummy weights" in markdown and markdown.count("| 96 |") == len(rows)
 
 
-def test_only_dummy_models_are_accepted(capsys):
-    assert gpucheck.main(["check", "/tmp/unused", "--model", "smollm2-135m"]) == 2
-    assert "dummy:<shape>" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("text", ["8,x", "0,8"])
-def test_bad_grid_is_one_line(text, capsys):
-    assert gpucheck.main(["check", "/tmp/unused", "--batches", text]) == 2
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "smollm2-135m"],
+        ["--model", "dummy:nope"],
+        ["--batches", "8,x"],
+        ["--batches", "0,8"],
+        ["--contexts", "8"],
+        ["--contexts", "200000"],
+        ["--policies", "dense,nope"],
+        ["--steps", "0"],
+    ],
+)
+def test_bad_plan_is_one_line(args, capsys):
+    assert gpucheck.main(["check", "/tmp/unused", *args]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
 

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
@@ -256,7 +257,7 @@ def _copy_timing(cache, copies: int, steps: int) -> dict[str, float | None]:
     if not timings or not copies:
         return {"copy_s_per_step": None, "stalled_s_per_step": None, "hidden_s_per_step": None}
     copy_s = stalled_s = issue_s = 0.0
-    for timing in timings[len(timings) - copies :]:
+    for timing in timings[-copies:]:  # the decode steps' fetches come last
         copy, stalled = timing.seconds()
         copy_s, stalled_s, issue_s = copy_s + copy, stalled_s + stalled, issue_s + timing.issue_s
     return {
@@ -360,6 +361,12 @@ def run_context(args: argparse.Namespace) -> None:
                 log(f"b{batch} ctx{context} {runner.name}: out of memory")
                 _emit(rows_path, {**base, "skipped": f"out of memory: {str(exc).splitlines()[0][:200]}"})
                 continue
+            except Exception as exc:  # one policy's failure is a finding; the others still run
+                traceback.print_exc()
+                made.clear()
+                _release_pinned()
+                _emit(rows_path, {**base, "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                continue
             row = summarise(loaded, runner, [sample], batch, prompt)
             row.update(base)
             row["tpot_mean_s"] = sum(sample.step_s) / len(sample.step_s)
@@ -446,7 +453,8 @@ def run_check(out: Path, plan: Plan, tiny: bool, run_cuda_tests: bool = True) ->
     _write(out, report)
     log(f"done in {report['wall_s']} s: {out / 'gpu_check.md'}")
     tests_ok = report["tests"]["status"] in ("passed", "not run (--no-tests)")
-    ok = tests_ok and all(c["status"] == "ok" for c in report["contexts"])
+    rows_ok = not any("failed" in row for row in report["rows"])
+    ok = tests_ok and rows_ok and all(c["status"] == "ok" for c in report["contexts"])
     return 0 if ok else 1
 
 
@@ -510,8 +518,9 @@ def render(report: dict[str, Any]) -> str:
     ]
     for row in report.get("rows", []):
         head = f"| {row['batch']} | {row['context']} | {row['name']} |"
-        if "skipped" in row:
-            lines.append(f"{head} skipped: {row['skipped']} |" + " |" * 10)
+        if "skipped" in row or "failed" in row:
+            reason = f"skipped: {row['skipped']}" if "skipped" in row else f"**failed**: {row['failed']}"
+            lines.append(f"{head} {reason} |" + " |" * 10)
             continue
         projected = row.get("projected_step_s_h200", {})
         lines.append(
@@ -587,10 +596,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
     plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})
-    if not plan.model.startswith("dummy:"):
-        print(f"gpu-check: --model must be a dummy:<shape> model, got {plan.model!r}", file=sys.stderr)
+    problem = _plan_problem(plan)
+    if problem is not None:
+        print(f"gpu-check: {problem}", file=sys.stderr)
         return 2
     return run_check(args.out, plan, args.tiny, run_cuda_tests=not args.no_tests)
+
+
+def _plan_problem(plan: Plan) -> str | None:
+    """What is wrong with ``plan``, in one line, or None."""
+    from .dummy import DUMMIES, PREFIX
+    from .errors import InfinikvError
+    from .policies import make_config
+
+    shape = DUMMIES.get(plan.model.removeprefix(PREFIX)) if plan.model.startswith(PREFIX) else None
+    if shape is None:
+        return f"--model must be a dummy:<shape> model ({', '.join(PREFIX + k for k in DUMMIES)})"
+    if plan.steps < 1:
+        return f"--steps must be at least 1, got {plan.steps}"
+    limit = shape.config["max_position_embeddings"]
+    for context in plan.contexts:
+        if not plan.steps + 2 <= context <= limit:
+            return f"context {context} must leave room for {plan.steps} steps and fit {plan.model} ({limit})"
+    for name in plan.policies:
+        try:
+            make_config(name)
+        except InfinikvError as exc:
+            return str(exc)
+    return None
 
 
 def _ints(text: str | None) -> tuple[int, ...] | None:
