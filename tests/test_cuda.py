@@ -50,8 +50,11 @@ def test_pool_is_pinned_host_memory():
     pool.close()
 
 
-def test_fetch_returns_before_the_copy_and_wait_gives_the_data():
-    pool, k = _pool(1 << 16)  # 64 MiB per tensor
+@pytest.mark.parametrize("tokens", [1 << 16, (1 << 16) - 8], ids=["exact", "spare-capacity"])
+def test_fetch_returns_before_the_copy_and_wait_gives_the_data(tokens):
+    pool, k = _pool(tokens)  # 128 MiB per tensor
+    # With spare capacity (as after any growth) the live tokens are a strided view of the store.
+    assert pool.keys(0).is_contiguous() == (tokens == 1 << 16)
     # Keep the compute stream busy: the copy stream waits for it, so the copy cannot have finished when
     # fetch returns, whatever the link's speed.
     torch.cuda._sleep(200_000_000)

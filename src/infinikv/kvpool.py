@@ -260,6 +260,13 @@ class KVPool:
         """``source`` copied to the compute device, into a buffer with ``extra`` spare token slots."""
         batch, heads, n, dim = source.shape
         out = torch.empty((batch, heads, n + extra, dim), dtype=source.dtype, device=self.compute_device)
+        if self.on_cuda and not source.is_contiguous():
+            # The live tokens of a store with spare capacity are strided. torch stages a strided host source
+            # through pageable memory, which blocks the caller; each (sequence, head) run is contiguous in
+            # pinned memory, so one copy per run stays asynchronous.
+            for row, run in enumerate(source.flatten(0, 1)):
+                out[row // heads, row % heads, :n].copy_(run, non_blocking=True)
+            return out
         out[:, :, :n].copy_(source, non_blocking=self.on_cuda)
         return out
 
