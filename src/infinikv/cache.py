@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .compat import accept_cache_kwarg
 from .errors import ModelError
 from .policies import Policy, PolicyConfig, Selection, make_policy
 from .spec import model_spec
@@ -207,6 +208,7 @@ def install(model: PreTrainedModel) -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _infinikv_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    accept_cache_kwarg(model)
     for attention in model_spec(model).attention:
         attention.register_forward_pre_hook(_pre_attention_hook, with_kwargs=True)
     model._infinikv_installed = True

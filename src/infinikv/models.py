@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .compat import accept_cache_kwarg
 from .errors import ModelError
 from .spec import ModelSpec, model_spec
 from .store import cache_dir, sha256_file
@@ -156,6 +157,7 @@ class LoadedModel:
         # Policies reach per-model files (InfiniGen's skew) through the spec, so it carries the weights id.
         self.model._infinikv_weights_id = self.weights_id
         self.spec = model_spec(self.model)
+        accept_cache_kwarg(self.model)
 
     @property
     def max_context(self) -> int:
@@ -171,6 +173,10 @@ def load(
 ) -> LoadedModel:
     """Load a registered model, a local GGUF file, a local HF directory, or a hub id."""
     device = torch.device(device) if device is not None else default_device()
+    if name.startswith("dummy:"):  # real shapes, random weights (infinikv.dummy)
+        from .dummy import build_dummy
+
+        return LoadedModel(name, *build_dummy(name, device), device)
     path = Path(name).expanduser()
     if name in REGISTRY:
         source = pull(name)

@@ -6,6 +6,7 @@ other: the loader builds one with :func:`model_spec`, the cache hands it to the 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -74,9 +75,11 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     attention = tuple(layer.self_attn for layer in decoder.layers)
     layer_types = getattr(config, "layer_types", None)
     rotary = decoder.rotary_emb
+    # A signature, not __code__: some transformers versions wrap forward (torch.no_grad) and hide it.
+    per_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
 
     def rope(layer: int, x: Tensor, position_ids: Tensor):
-        if layer_types is not None and "layer_type" in rotary.forward.__code__.co_varnames:
+        if layer_types is not None and per_layer_type:
             return rotary(x, position_ids, layer_types[layer])
         return rotary(x, position_ids)
 
