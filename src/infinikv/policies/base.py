@@ -112,6 +112,8 @@ class Policy:
     # over the prompt again. "dense": prompt attention is plain dense attention over the full-precision
     # K/V and the policy keeps what it is handed. None: never shared.
     prefill_family: ClassVar[str | None] = None
+    # True when before_attention starts the copy of a later layer's K/V (the link model overlaps it).
+    prefetches: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
         self.config = config

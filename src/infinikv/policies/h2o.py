@@ -51,6 +51,7 @@ class H2OPolicy(Policy):
     name = "h2o"
     config_class = H2OConfig
     prefill_family = "h2o"  # the prompt's attention scores do not depend on the knobs
+    prefetches = True
 
     def __init__(self, config: H2OConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)

@@ -176,6 +176,7 @@ class InfiniGenPolicy(Policy):
     name = "infinigen"
     config_class = InfiniGenConfig
     prefill_family = "dense"
+    prefetches = True
 
     def __init__(self, config: InfiniGenConfig, spec: ModelSpec, device: torch.device, skew: Any = None):
         """``skew``: an ``infinikv.skew.Skew``; by default the cached calibration for ``spec.weights_id`` is

@@ -30,6 +30,7 @@ class OffloadPolicy(Policy):
     name = "offload"
     config_class = OffloadConfig
     prefill_family = "dense"
+    prefetches = True
 
     def __init__(self, config: OffloadConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)

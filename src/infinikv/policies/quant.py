@@ -85,6 +85,7 @@ class QuantPolicy(Policy):
     name = "quant"
     config_class = QuantConfig
     prefill_family = None  # later prompt chunks attend to K/V quantized with this config's knobs
+    prefetches = True
 
     def __init__(self, config: QuantConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)

@@ -28,11 +28,10 @@ def budget_tokens(budget: float, context: int) -> int:
 
 
 class SelectivePolicy(Policy):
-    """Host pool + per-step gather of the slots ``select`` names. Subclasses with ``prefetch = True`` know
+    """Host pool + per-step gather of the slots ``select`` names. Subclasses with ``prefetches = True`` know
     layer i+1's selection before layer i runs (it does not depend on layer i+1's query), so the copy starts
     early."""
 
-    prefetch = False
     prefill_family = "dense"
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
@@ -57,7 +56,7 @@ class SelectivePolicy(Policy):
         return self.host_pool.extend(layer, k, v)
 
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if not self.prefetch:
+        if not self.prefetches:
             return
         for target in (layer, layer + 1) if layer == 0 else (layer + 1,):
             if target < self.spec.num_layers:

@@ -45,7 +45,7 @@ class StreamingConfig(PolicyConfig):
 class StreamingPolicy(SelectivePolicy):
     name = "streaming"
     config_class = StreamingConfig
-    prefetch = True
+    prefetches = True
 
     def __init__(self, config: StreamingConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
