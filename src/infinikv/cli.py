@@ -226,11 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Subcommands that live beside their feature (calibrate, data, eval, bench)."""
+    """Subcommands that live beside their feature (calibrate, data, eval, bench, serve)."""
     from . import bench, data, skew
     from .eval import cli as eval_cli
+    from .serve import cli as serve_cli
 
-    return [data.register_cli, skew.register_cli, bench.register_cli, eval_cli.register_cli]
+    return [
+        data.register_cli,
+        skew.register_cli,
+        bench.register_cli,
+        eval_cli.register_cli,
+        serve_cli.register_cli,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
