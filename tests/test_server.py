@@ -416,3 +416,21 @@ def test_smollm2_end_to_end(smollm2):
             model=smollm2.name, prompt="The capital of Italy is", max_tokens=8, temperature=0, stream=True
         )
         assert "".join(c.choices[0].text for c in stream if c.choices)
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--policy", "magic"], "unknown policy 'magic'"),
+        (["serve", "--policy", "dense", "--budget", "0.5"], "has no knob budget"),
+        (["serve", "--port", "70000"], "--port must be in 1..65535"),
+        (["bench-serve", "--url", "http://127.0.0.1:1", "--requests", "0"], "must be positive"),
+    ],
+)
+def test_cli_mistakes_are_one_line(capsys, argv, message):
+    from infinikv.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -37,7 +37,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
         served_name=args.served_model_name,
     )
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     server: uvicorn.Server | None = None
     load_error: list[str] = []
 
