@@ -286,16 +286,25 @@ async def _wait_for(condition, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _hold_the_worker(http: httpx.AsyncClient, url: str, max_tokens: int = 3000):
-    """Open a long streaming request and wait for its first text, so the worker is busy with it."""
-    body = {"prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    request = http.stream("POST", f"{url}/v1/completions", json=body)
-    response = await request.__aenter__()
-    lines = response.aiter_lines()
-    async for line in lines:
-        if line.startswith("data: "):
-            break
-    return request
+class _Blocker:
+    """A long streaming request that holds the worker until ``close`` (its client leaves)."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str, max_tokens: int = 3000):
+        body = {"prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        self.request = http.stream("POST", f"{url}/v1/completions", json=body)
+
+    async def start(self) -> _Blocker:
+        """Wait for the first text, so the worker is busy with this request."""
+        response = await self.request.__aenter__()
+        # Keep the line iterator: if it were garbage-collected, closing it would close the connection.
+        self.lines = response.aiter_lines()
+        async for line in self.lines:
+            if line.startswith("data: "):
+                break
+        return self
+
+    async def close(self) -> None:
+        await self.request.__aexit__(None, None, None)
 
 
 def test_concurrent_requests_are_batched_and_equal_alone(server, client):
@@ -313,7 +322,7 @@ def test_concurrent_requests_are_batched_and_equal_alone(server, client):
     async def scenario() -> list[str]:
         async_client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         async with httpx.AsyncClient(timeout=60) as http:
-            blocker = await _hold_the_worker(http, url)
+            blocker = await _Blocker(http, url).start()
             tasks = [
                 asyncio.create_task(
                     async_client.completions.create(
@@ -323,7 +332,7 @@ def test_concurrent_requests_are_batched_and_equal_alone(server, client):
                 for p in PROMPTS
             ]
             await _wait_for(lambda: metric(app, "infinikv_queue_length") == len(PROMPTS))
-            await blocker.__aexit__(None, None, None)  # the blocker's client leaves: its row is cancelled
+            await blocker.close()  # the blocker's client leaves: its row is cancelled
             responses = await asyncio.gather(*tasks)
         return [r.choices[0].text for r in responses]
 
@@ -341,8 +350,8 @@ def test_disconnect_cancels_the_generation(server):
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=60) as http:
-            blocker = await _hold_the_worker(http, url, max_tokens=3000)
-            await blocker.__aexit__(None, None, None)
+            blocker = await _Blocker(http, url).start()
+            await blocker.close()
         await _wait_for(lambda: scheduler.in_flight == 0)
 
     asyncio.run(scenario())
@@ -356,14 +365,14 @@ def test_full_queue_is_429_with_retry_after(model):
 
         async def scenario() -> httpx.Response:
             async with httpx.AsyncClient(timeout=60) as http:
-                running = await _hold_the_worker(http, url)
+                running = await _Blocker(http, url).start()
                 waiting = http.stream(
                     "POST", f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True}
                 )
                 await waiting.__aenter__()  # headers arrive once the request is queued
                 refused = await http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
                 await waiting.__aexit__(None, None, None)
-                await running.__aexit__(None, None, None)
+                await running.close()
             await _wait_for(lambda: app.state.infinikv.scheduler.in_flight == 0)
             return refused
 
@@ -412,6 +421,15 @@ def test_smollm2_end_to_end(smollm2):
             answers[policy] = response.choices[0].message.content
         assert "Paris" in answers["dense"]
         assert answers["offload"] == answers["dense"]
+        infinigen = client.chat.completions.create(
+            model=smollm2.name,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"kv_policy": "infinigen", "kv_budget": 0.5},
+        ).model_extra["kv"]
+        assert infinigen["knobs"]["budget"] == 0.5
+        assert 0 < infinigen["stats"]["kv_fetch_fraction"] < 1
         stream = client.completions.create(
             model=smollm2.name, prompt="The capital of Italy is", max_tokens=8, temperature=0, stream=True
         )

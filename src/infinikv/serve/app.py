@@ -462,9 +462,7 @@ async def _generate(state: _State, request: Request, body: _Sampling, prompt: st
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(state, job, policy_name, meta, chat, prompt_tokens, include_usage)
-        return StreamingResponse(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        return _JobStream(events, job, lambda: state.metrics.record_request(policy_name, 499))
     result = await _wait(state, request, job, policy_name)
     if isinstance(result, Response):
         return result
@@ -520,8 +518,7 @@ async def _events(
     prompt_tokens: int,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """Server-sent events of one streaming job. Closing the stream early (the client went away) cancels
-    the job, which frees its row at the next decode step."""
+    """Server-sent events of one streaming job."""
     kind_name = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(piece: str | None, finish: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -532,32 +529,41 @@ async def _events(
             choice.update(text=piece or "", logprobs=None)
         return {**meta, "object": kind_name, "choices": [choice], **extra}
 
-    finished = False
-    try:
-        if chat:
-            first = chunk("")
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            yield _sse(first)
-        while True:
-            kind, payload = await job.events.get()
-            if kind == "text":
-                yield _sse(chunk(payload))
-            elif kind == "done":
+    if chat:
+        first = chunk("")
+        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        yield _sse(first)
+    while True:
+        kind, payload = await job.events.get()
+        if kind == "text":
+            yield _sse(chunk(payload))
+            continue
+        if kind == "done":
+            yield _sse(chunk(None, _finish_reason(payload), kv=kv_report(payload)))
+            if include_usage:
                 usage = _usage(prompt_tokens, payload)
-                yield _sse(chunk(None, _finish_reason(payload), kv=kv_report(payload)))
-                if include_usage:
-                    yield _sse({**meta, "object": kind_name, "choices": [], "usage": usage})
-                yield _sse("[DONE]")
-                finished = True
-                state.metrics.record_request(policy_name, 200)
-                return
-            else:
-                yield _sse(ApiError(payload, 500, type="server_error").body())
-                yield _sse("[DONE]")
-                finished = True
-                state.metrics.record_request(policy_name, 500)
-                return
-    finally:
-        if not finished:
-            job.cancel()
-            state.metrics.record_request(policy_name, 499)
+                yield _sse({**meta, "object": kind_name, "choices": [], "usage": usage})
+        else:
+            yield _sse(ApiError(payload, 500, type="server_error").body())
+        yield _sse("[DONE]")
+        job.answered = True
+        state.metrics.record_request(policy_name, 200 if kind == "done" else 500)
+        return
+
+
+class _JobStream(StreamingResponse):
+    """The event stream of a job, which cancels the job however the response ends before the job's last
+    event was sent: the client went away mid-stream, or even before the first event (then the event
+    generator never started, so it cannot do this itself). A cancelled row stops at the next decode step."""
+
+    def __init__(self, events: AsyncIterator[str], job: Job, on_cancel: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.job, self.on_cancel = job, on_cancel
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.job.answered:
+                self.job.cancel()
+                self.on_cancel()

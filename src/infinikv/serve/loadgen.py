@@ -16,6 +16,7 @@ import os
 import platform
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -259,6 +260,10 @@ def _write_report(path: Path, section: str) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
@@ -267,6 +272,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise InputError("--requests, --concurrency, --max-tokens and --prompt-words must be positive")
     texts = prompts(args.requests, args.prompt_words, args.seed)
     process = None
+    signal.signal(signal.SIGTERM, _interrupt)  # so the server it started is stopped too
     if args.url:
         url = args.url.rstrip("/")
     else:

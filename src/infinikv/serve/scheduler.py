@@ -46,6 +46,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     serial: int = 0
+    answered: bool = False  # set by the HTTP side once the client got the final event
 
     @property
     def batch_key(self) -> tuple:
