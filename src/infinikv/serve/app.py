@@ -164,8 +164,21 @@ def _knob_type(policy: str, knob: str) -> type | None:
     return None
 
 
-def resolve_policy(extra: dict[str, Any], defaults: PolicyDefaults) -> PolicyConfig:
-    """The request's policy config from ``kv_policy`` and ``kv_<knob>`` fields; 400 on any mistake."""
+def _is_of_knob_type(value: Any, expected: type) -> bool:
+    """JSON value check: true/false only for a bool knob, integers for an int knob, any number but NaN for
+    a float knob (infinity is meaningful for some, e.g. InfiniGen's alpha)."""
+    if expected is bool or isinstance(value, bool):
+        return expected is bool and isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int)
+    if expected is float:
+        return isinstance(value, int | float) and not math.isnan(value)
+    return isinstance(value, expected)
+
+
+def resolve_policy(extra: dict[str, Any], defaults: PolicyDefaults) -> tuple[str, PolicyConfig]:
+    """The request's policy name and config from its ``kv_policy`` and ``kv_<knob>`` fields; 400 on any
+    mistake."""
     name = extra.get("kv_policy", defaults.name)
     if not isinstance(name, str) or name not in POLICIES:
         raise ApiError(
@@ -186,22 +199,13 @@ def resolve_policy(extra: dict[str, Any], defaults: PolicyDefaults) -> PolicyCon
                 param=key,
                 code="kv_knob",
             )
-        ok = (
-            isinstance(value, bool)
-            if expected is bool
-            else isinstance(value, int) and not isinstance(value, bool)
-            if expected is int
-            else isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
-            if expected is float
-            else isinstance(value, expected)
-        )
-        if not ok:
+        if not _is_of_knob_type(value, expected):
             raise ApiError(
                 f"{key} must be of type {expected.__name__}, got {value!r}", param=key, code="kv_knob"
             )
         knobs[knob] = float(value) if expected is float else value
     try:
-        return make_config(name, **knobs)
+        return name, make_config(name, **knobs)
     except PolicyError as exc:
         raise ApiError(str(exc), param="kv_policy", code="kv_knob") from None
 
@@ -277,7 +281,7 @@ def create_app(
             yield
         finally:
             if state.scheduler is not None:
-                state.scheduler.stop()
+                await asyncio.to_thread(state.scheduler.stop)  # the loop keeps taking the last events
 
     def _load_in_background() -> None:
         try:
@@ -440,8 +444,7 @@ def _usage(prompt_tokens: int, result: RequestResult) -> dict[str, int]:
 
 async def _generate(state: _State, request: Request, body: _Sampling, prompt: str, chat: bool) -> Response:
     sampling, prompt_tokens = _sampling(state, body, prompt, chat)
-    policy = resolve_policy(body.model_extra or {}, state.defaults)
-    policy_name = next(name for name, cls in POLICIES.items() if type(policy) is cls.config_class)
+    policy_name, policy = resolve_policy(body.model_extra or {}, state.defaults)
     try:
         job = state.scheduler.submit(prompt, policy, sampling, stream=body.stream)
     except QueueFull:

@@ -1,10 +1,12 @@
 """``infinikv bench-serve``: a load test of a running server (or one it starts), on loopback.
 
 For each KV policy (sent per request as ``kv_policy``), ``--requests`` streaming completions go out with at
-most ``--concurrency`` in flight. Each client records when its request left, when the first text arrived
-(time to first token, TTFT) and when the stream ended; per-token latency is the time after the first token
-divided by the tokens after it. Per policy it reports requests/s, generated tokens/s, TTFT and per-token
-latency p50/p90/p99, errors, and the server's mean batch size (from ``/metrics``, before and after).
+most ``--concurrency`` in flight, split over ``--rounds`` rounds that take the policies in turn (so a change
+in the machine's load falls on all of them alike). Each client records when its request left, when the
+first text arrived (time to first token, TTFT) and when the stream ended; per-token latency is the time
+after the first token divided by the tokens after it. Per policy it reports requests/s, generated
+tokens/s, TTFT and per-token latency p50/p90/p99, errors, and the server's mean batch size (from
+``/metrics``, before and after each round).
 """
 
 from __future__ import annotations
@@ -120,9 +122,20 @@ def _batch_counts(metrics_text: str, policy: str) -> tuple[float, float]:
     return found["sum"], found["count"]
 
 
-async def run_policy(
+@dataclass
+class Round:
+    """One policy's requests in one round: what the clients saw, and the server's batch-size histogram
+    (sum, count) moved by them."""
+
+    samples: list[Sample]
+    wall_s: float
+    batch_rows: float
+    batches: float
+
+
+async def run_round(
     url: str, policy: str, texts: list[str], concurrency: int, max_tokens: int, model: str
-) -> PolicyResult:
+) -> Round:
     import httpx
 
     limit = asyncio.Semaphore(concurrency)
@@ -146,8 +159,14 @@ async def run_policy(
         samples = await asyncio.gather(*(bounded(t) for t in texts))
         wall = time.perf_counter() - start
         after = _batch_counts((await client.get(f"{url}/metrics")).text, policy)
+    return Round(list(samples), wall, after[0] - before[0], after[1] - before[1])
+
+
+def summarise(policy: str, rounds: list[Round]) -> PolicyResult:
+    samples = [s for r in rounds for s in r.samples]
     good = [s for s in samples if s.ok]
-    batches = after[1] - before[1]
+    wall = sum(r.wall_s for r in rounds)
+    batches = sum(r.batches for r in rounds)
     return PolicyResult(
         policy=policy,
         requests=len(samples),
@@ -157,9 +176,9 @@ async def run_policy(
         tokens_per_s=sum(s.tokens for s in good) / wall,
         ttft_s=percentiles([s.ttft_s for s in good]),
         per_token_s=percentiles([s.per_token_s for s in good if s.per_token_s is not None]),
-        mean_batch=(after[0] - before[0]) / batches if batches else None,
+        mean_batch=sum(r.batch_rows for r in rounds) / batches if batches else None,
         first_error=next((s.error for s in samples if not s.ok), ""),
-        samples=list(samples),
+        samples=samples,
     )
 
 
@@ -268,9 +287,14 @@ def run_from_args(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise InputError("--policies names no policy")
-    if min(args.requests, args.concurrency, args.max_tokens, args.prompt_words) < 1:
-        raise InputError("--requests, --concurrency, --max-tokens and --prompt-words must be positive")
+    if min(args.requests, args.concurrency, args.max_tokens, args.prompt_words, args.rounds) < 1:
+        raise InputError(
+            "--requests, --rounds, --concurrency, --max-tokens and --prompt-words must be positive"
+        )
+    if args.requests < args.rounds:
+        raise InputError("--requests must be at least --rounds (each round sends requests / rounds)")
     texts = prompts(args.requests, args.prompt_words, args.seed)
+    began = time.monotonic()
     process = None
     signal.signal(signal.SIGTERM, _interrupt)  # so the server it started is stopped too
     if args.url:
@@ -281,13 +305,19 @@ def run_from_args(args: argparse.Namespace) -> int:
         model = asyncio.run(_served_model(url))
         if args.warmup:  # first requests pay one-time costs (InfiniGen's skew load, allocator growth)
             for policy in policies:
-                asyncio.run(run_policy(url, policy, texts[:1], 1, 4, model))
-        results = []
-        for policy in policies:
-            result = asyncio.run(run_policy(url, policy, texts, args.concurrency, args.max_tokens, model))
-            results.append(result)
+                asyncio.run(run_round(url, policy, texts[:1], 1, 4, model))
+        # Rounds interleave the policies, so a change in the machine's load falls on all of them alike.
+        rounds: dict[str, list[Round]] = {policy: [] for policy in policies}
+        for index in range(args.rounds):
+            chunk = texts[index :: args.rounds]
+            for policy in policies:
+                rounds[policy].append(
+                    asyncio.run(run_round(url, policy, chunk, args.concurrency, args.max_tokens, model))
+                )
+        results = [summarise(policy, rounds[policy]) for policy in policies]
+        for result in results:
             print(
-                f"{policy}: {result.requests_per_s:.2f} req/s, {result.tokens_per_s:.1f} tok/s, "
+                f"{result.policy}: {result.requests_per_s:.2f} req/s, {result.tokens_per_s:.1f} tok/s, "
                 f"TTFT p50 {result.ttft_s['p50'] * 1000:.0f} ms, errors {result.errors}"
                 + (f" (first: {result.first_error})" if result.first_error else ""),
                 file=sys.stderr,
@@ -296,10 +326,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         if process is not None:
             process.terminate()
             process.wait(timeout=60)
+    minutes = (time.monotonic() - began) / 60
     table = _table(results)
     print(table)
     setup = (
-        f"{args.requests} requests per policy, at most {args.concurrency} in flight, prompts of "
+        f"{args.requests} requests per policy in {args.rounds} interleaved rounds, "
+        f"at most {args.concurrency} in flight, prompts of "
         f"{args.prompt_words // 2}-{args.prompt_words * 3 // 2} words, max_tokens {args.max_tokens}, greedy, "
         f"model {model}"
     )
@@ -320,7 +352,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         )
         section = (
             f"Setup: {setup}. Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared with other "
-            f"work while measured). Versions: {versions}.\n\n{table}{plot_line}"
+            f"work while measured), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}. "
+            f"Versions: {versions}. The whole run (server start included) took {minutes:.1f} min."
+            f"\n\n{table}{plot_line}"
         )
         _write_report(Path(args.report), section)
     return 1 if any(r.errors for r in results) else 0
@@ -335,7 +369,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies", default="dense,infinigen,offload", help="comma-separated kv_policy values"
     )
-    parser.add_argument("--requests", type=int, default=16, help="requests per policy")
+    parser.add_argument("--requests", type=int, default=16, help="requests per policy, over all rounds")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds through the policies")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight at most")
     parser.add_argument("--prompt-words", type=int, default=200, help="mean prompt length in words")
     parser.add_argument("--max-tokens", type=int, default=32)

@@ -12,6 +12,7 @@ job waits for the running batch to end (no joining a batch mid-flight).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -58,7 +59,9 @@ class Job:
 
     def emit(self, kind: str, payload: Any) -> None:
         """Hand an event to the request's coroutine (called from the worker thread)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        # A closed loop means the server has shut down and nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
 
     def cancel(self) -> None:
         self.cancelled.set()
