@@ -566,6 +566,10 @@ class _JobStream(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still streaming when its graceful shutdown times out: one line in
+            # the log, not a traceback; the job is cancelled below.
+            log.warning("a stream was cut off by the shutdown")
         finally:
             if not self.job.answered:
                 self.job.cancel()
