@@ -53,7 +53,7 @@ class RequestResult:
     prompt: str
     text: str
     token_ids: list[int]
-    finish_reason: str  # "eos", "stop" or "length"
+    finish_reason: str  # "eos", "stop", "length" or "cancelled"
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -76,8 +76,10 @@ class Generator:
         config: GenerationConfig = GenerationConfig(),
         on_text: Callable[[int, str], None] | None = None,
         progress: bool = False,
+        cancelled: Callable[[int], bool] | None = None,
     ) -> list[RequestResult]:
-        """Generate for each prompt; ``on_text(row, piece)`` receives text as it is produced."""
+        """Generate for each prompt; ``on_text(row, piece)`` receives text as it is produced.
+        ``cancelled(row)`` is asked each decode step for each running row; True ends that row there."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         model = self.loaded.model
         input_ids, attention_mask, prompt_lengths = self._encode(prompts, config.max_new_tokens)
@@ -103,6 +105,9 @@ class Generator:
                 last_step = step == config.max_new_tokens - 1
                 for row, token in enumerate(next_tokens.tolist()):
                     if finish[row] is not None:
+                        continue
+                    if cancelled is not None and cancelled(row):
+                        finish[row] = "cancelled"
                         continue
                     finish[row] = self._advance(row, token, generated, texts, config)
                     if on_text is not None:
