@@ -10,7 +10,7 @@ import torch
 
 from infinikv.cli import main
 from infinikv.errors import InputError
-from infinikv.eval import ppl, retrieval, scoring, sweep, tasks
+from infinikv.eval import ppl, report, retrieval, scoring, sweep, tasks
 from infinikv.eval.runner import DecodeRun, PrefillMemo
 from infinikv.policies import POLICIES, make_config
 
@@ -190,7 +190,8 @@ def test_sweep_resumes_without_recomputing(tiny, tmp_path, monkeypatch):
         return real(cell, *args)
 
     monkeypatch.setattr(sweep, "run_cell", counting)
-    summary = sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    summary = report.write_outputs(config)
     assert len(calls) == 4 and summary["measured"] == 4 and not summary["missing"]
     assert summary["unavailable_policies"] == ["no_such_policy"]
     for name in ("cells.jsonl", "summary.json", "tables.md", "accuracy_vs_kv.png", "ppl_vs_kv.png"):
@@ -201,7 +202,8 @@ def test_sweep_resumes_without_recomputing(tiny, tmp_path, monkeypatch):
     lines = log.read_text().splitlines()
     log.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
     calls.clear()
-    summary = sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    summary = report.write_outputs(config)
     assert calls == [json.loads(lines[-1])["key"]] and summary["measured"] == 4
     calls.clear()
     sweep.run_sweep(config, loader=lambda name: tiny, progress=False)

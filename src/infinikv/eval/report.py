@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..reporting import write_keeping_notes
-from .sweep import Cell, SweepConfig, cells, policy_label, policy_variants
+from .sweep import Cell, SweepConfig, cells, finished, policy_label, policy_variants
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -121,9 +121,11 @@ def plot(records: list[dict], kind: str, path: Path) -> bool:
     return True
 
 
-def write_outputs(config: SweepConfig, done: dict[str, dict], unavailable: list[str]) -> dict[str, Any]:
-    """summary.json, tables.md and the PNG plots in ``config.out``; returns the summary."""
-    measured, missing = _selected(config, done)
+def write_outputs(config: SweepConfig) -> dict[str, Any]:
+    """summary.json, tables.md and the PNG plots in ``config.out`` from every finished cell (every shard's);
+    returns the summary."""
+    measured, missing = _selected(config, finished(config.out))
+    unavailable = policy_variants(config)[1]
     plots = [
         name
         for kind, name in (("retrieval", "accuracy_vs_kv.png"), ("ppl", "ppl_vs_kv.png"))

@@ -35,6 +35,9 @@ context (same windows) as their reference.
 
 ``--shard I/N`` measures only every N-th group of cells (a group = one model, context and target, all its
 policies), starting at the I-th, so N processes can share one sweep; they append to the same ``cells.jsonl``.
+
+This module plans and measures; :mod:`infinikv.eval.report` reads the finished cells and writes the summary,
+tables, plots and results document (it imports this module, never the reverse).
 """
 
 from __future__ import annotations
@@ -268,9 +271,9 @@ def run_sweep(
     loader: Callable[[str], LoadedModel] = load,
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
-) -> dict[str, Any]:
-    """Measure every cell (of ``shard``) not yet in ``cells.jsonl``; then write summary.json, tables.md and
-    the plots from every finished cell."""
+) -> None:
+    """Measure every cell (of ``shard``) not yet in ``cells.jsonl``, appending each as it finishes.
+    :func:`infinikv.eval.report.write_outputs` turns the finished cells into tables and plots."""
     config.out.mkdir(parents=True, exist_ok=True)
     done = finished(config.out)
     _, unavailable = policy_variants(config)
@@ -299,9 +302,6 @@ def run_sweep(
             log.write(json.dumps(record) + "\n")
             log.flush()
             done[cell.key] = record
-    from .report import write_outputs  # matplotlib only when there is something to draw
-
-    return write_outputs(config, finished(config.out), unavailable)  # with other shards' cells
 
 
 def parse_shard(text: str) -> tuple[int, int]:
