@@ -253,3 +253,22 @@ def test_a_model_entry_can_name_its_own_tasks(tmp_path):
     path.write_text(path.read_text().replace("niah_single_2", "bogus"))
     with pytest.raises(InputError, match="unknown tasks bogus"):
         sweep.read_config(path)
+
+
+def test_a_model_entry_can_name_its_own_samples_and_other_counts_are_remeasured(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text(
+        'models = [{name = "a", contexts = [300], samples = 8}, {name = "b", contexts = [300]}]\n'
+        '[policies]\ndense = {}\n[retrieval]\ntasks = ["passkey"]\nsamples = 4\n'
+        '[ppl]\ntexts = ["austen"]\n'
+    )
+    config = sweep.read_config(path)
+    planned = {(c.model, c.kind): c for c in sweep.cells(config)}
+    assert planned["a", "retrieval"].samples == 8 and planned["b", "retrieval"].samples == 4
+    assert planned["a", "ppl"].samples is None
+    # The key leaves the sample count out; a cell recorded with 4 samples does not stand for 8.
+    four = {planned["a", "retrieval"].key: {"result": {"samples": 4}}}
+    assert not sweep.is_measured(planned["a", "retrieval"], four)
+    eight = {planned["a", "retrieval"].key: {"result": {"samples": 8}}}
+    assert sweep.is_measured(planned["a", "retrieval"], eight)
+    assert "8 for a, 4 for b" in report._retrieval_setup(config)
