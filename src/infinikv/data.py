@@ -103,10 +103,10 @@ def load_corpus(name: str) -> str:
                 raise DataError(f"cannot read text file {path}: {exc}") from None
         known = ", ".join(CORPORA)
         raise DataError(f"unknown corpus '{name}'; registered: {known} (or a path to a text file)")
-    return pull(name).read_text(encoding="utf-8")
+    return pull_corpus(name).read_text(encoding="utf-8")
 
 
-def pull(name: str) -> Path:
+def pull_corpus(name: str) -> Path:
     """Fetch a registered corpus if it is not cached (or its cached text fails the checksum)."""
     if name not in CORPORA:
         raise DataError(f"unknown corpus '{name}'; registered: {', '.join(CORPORA)}")
@@ -252,7 +252,7 @@ def cmd_data(args) -> int:
     names = [args.name] if args.name else list(CORPORA)
     if args.action == "pull":
         for name in names:
-            pull(name)
+            pull_corpus(name)
     rows = [row for row in describe() if row["name"] in names]
     if args.json:
         print(json.dumps(rows, indent=2))
