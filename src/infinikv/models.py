@@ -166,11 +166,30 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on, checked before any loading: cpu, or cuda[:index] where CUDA is present."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelError(f"unknown device '{device}'; use cpu or cuda (cuda:0, cuda:1, …)") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ModelError(f"device type '{resolved.type}' is not supported; use cpu or cuda")
+    if not torch.cuda.is_available():
+        raise ModelError(f"device '{device}' asked for, but CUDA is not available here; use --device cpu")
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ModelError(f"device '{device}' does not exist: {torch.cuda.device_count()} CUDA device(s) here")
+    return resolved
+
+
 def load(
     name: str = DEFAULT_MODEL, device: str | torch.device | None = None, dtype=torch.float32
 ) -> LoadedModel:
     """Load a registered model, a local GGUF file, a local HF directory, or a hub id."""
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     path = Path(name).expanduser()
     if name in REGISTRY:
         source = pull(name)
