@@ -62,7 +62,7 @@ def test_bad_device_is_one_line_before_loading(device, monkeypatch):
         models.load("no-such-model", device=device)  # the device is checked before the name
 
 
-# -- cache damage and repair -----------------------------------------------------------------------------------
+# -- cache damage and repair ---------------------------------------------------------------------------------
 FAKE_GGUF = b"not really a gguf file"
 
 
