@@ -8,9 +8,12 @@ and the newest (partial) page is always attended.
 
 GQA: pages are chosen per KV head, which serves a group of query heads; a page's bound for the KV head is the
 max of its query heads' bounds (a page goes in if any head of the group might need it). ``budget`` counts
-tokens (the partial page and the new token included); a fraction (<= 1) refers to the current context, so 1
-attends to everything. As in the paper, the first ``dense_layers`` layers attend to everything. Pages that
-hold only left padding are never chosen; padding inside a chosen page is masked by the model's mask.
+tokens (the partial page and the new token included); a fraction (<= 1) refers to each row's current context
+(its real tokens, not the batch's padded length), so 1 attends to everything; a row that takes fewer pages
+than its batchmates hides the rest (``Selection.valid``). Pages are cut on the batch's slot grid, so a
+row's pages match the ones it has alone only when its left padding is a multiple of ``page_size``. As in
+the paper, the first ``dense_layers`` layers attend to everything. Pages that hold only left padding are
+never chosen; padding inside a chosen page is masked by the model's mask.
 """
 
 from __future__ import annotations
@@ -100,18 +103,31 @@ class QuestPolicy(GatherPolicy):
         n_pages = n_past // size
         partial = torch.arange(n_pages * size, n_past, device=self.device)
         query = self._query.pop(layer, None)
-        budget = resolve_budget(self.config.budget, n_past + 1, capped=False)
-        take = min(n_pages, max(0, (budget - partial.numel() - 1) // size))
+        # Each row's budget refers to its own context (its real tokens and the new one), not the batch's
+        # padded length; the pages a row may take count only its budget.
+        real = self.past_valid(n_past, batch).sum(dim=1).tolist()
+        budgets = [resolve_budget(self.config.budget, r + 1, capped=False) for r in real]
+        takes = [min(n_pages, max(0, (b - partial.numel() - 1) // size)) for b in budgets]
+        take = max(takes)
         if query is None or take == n_pages:  # a dense layer, or every page fits
             return torch.arange(n_past, device=self.device).expand(batch, self.spec.num_kv_heads, -1)
-        pages = self.top_pages(
+        pages, rank = self.top_pages(
             query, self.page_max[layer][:, :, :n_pages], self.page_min[layer][:, :, :n_pages], take
         )
         tokens = (pages[..., None] * size + torch.arange(size, device=self.device)).flatten(2)
+        if min(takes) < take:  # a row that takes fewer pages hides the rest
+            limit = torch.tensor(takes, device=self.device)[:, None, None]
+            page_valid = (rank < limit)[..., None].expand(-1, -1, -1, size).flatten(2)
+            self.selected_valid[layer] = torch.cat(
+                [page_valid, page_valid.new_ones(*page_valid.shape[:2], partial.numel())], dim=2
+            )
         return torch.cat([tokens, partial.expand(*tokens.shape[:2], -1)], dim=2)
 
-    def top_pages(self, query: Tensor, page_max: Tensor, page_min: Tensor, take: int) -> Tensor:
-        """The ``take`` pages with the highest logit upper bound per KV head, sorted: [batch, kv_heads, take].
+    def top_pages(
+        self, query: Tensor, page_max: Tensor, page_min: Tensor, take: int
+    ) -> tuple[Tensor, Tensor]:
+        """The ``take`` pages with the highest logit upper bound per KV head, sorted: [batch, kv_heads, take],
+        and each one's rank by bound (0 = highest).
 
         query [batch, heads, d]; page_max / page_min [batch, kv_heads, pages, d]."""
         batch, kv_heads, n_pages, _ = page_max.shape
@@ -120,7 +136,9 @@ class QuestPolicy(GatherPolicy):
         bound = torch.maximum(q * page_max[:, :, None], q * page_min[:, :, None]).sum(dim=-1).amax(dim=2)
         real = page_max[..., 0] > float("-inf")  # pages with at least one real token
         bound = torch.where(real, bound, float("-inf"))
-        return bound.topk(take, dim=-1).indices.sort(dim=-1).values
+        best = bound.topk(take, dim=-1).indices
+        pages, order = best.sort(dim=-1)
+        return pages, order
 
     def device_bytes(self) -> int:
         metadata = (*self.page_max, *self.page_min, *self._partial_max, *self._partial_min)
