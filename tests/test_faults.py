@@ -241,3 +241,18 @@ def test_reused_cache_is_refused(tiny_inputs):
     tiny.model.generate(**inputs, cache=cache, max_new_tokens=3, do_sample=False)
     with pytest.raises(ModelError, match="new InfinikvCache"):
         tiny.model.generate(**inputs, cache=cache, max_new_tokens=3, do_sample=False)
+
+
+def test_unwritable_cache_fails_before_calibrating(tmp_path, monkeypatch):
+    """InfiniGen's first use on a cache it cannot write: one line before any calibration work."""
+    from infinikv.policies.infinigen import calibration
+
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+    (tmp_path / "locks").write_text(
+        ""
+    )  # the lock folder cannot be made (as a read-only cache, even for root)
+    monkeypatch.setattr(
+        calibration, "calibrate", lambda *a, **k: pytest.fail("calibrated into an unwritable cache")
+    )
+    with pytest.raises(CacheError, match="INFINIKV_CACHE"):
+        calibration.ensure_skew(tiny_model("llama"))
