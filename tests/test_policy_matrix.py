@@ -69,10 +69,10 @@ ALIGNED = [
 ]
 MISALIGNED = PROMPTS
 KIVI = {"scheme": "kivi", "group_size": 4, "residual": 4}
-# Policies that cut the cache into blocks on the batch's slot grid: left padding that is not a multiple of
-# the block shifts a shorter row's blocks, so its pages (quest) or quantization groups (kivi) differ from
-# the ones it has alone. Making them per row needs per-row partial blocks; until then these may differ.
-GRID_BOUND = {"quest": "pages", "quant-kivi": "key groups"}
+# KIVI quantizes keys in groups of group_size token slots cut on the batch's slot grid: left padding that
+# is not a multiple of group_size puts a shorter row's tokens in other groups than it has alone, so their
+# scales (and greedy tokens) may differ. Per-row groups would need per-row partial groups, as quest's pages.
+GRID_BOUND = {"quant-kivi": "key groups"}
 
 
 VARIANTS = [pytest.param(policy, policy, {}, id=policy) for policy in POLICIES]
