@@ -114,8 +114,10 @@ def pull(name: str, apt_update: bool = False) -> Path:
         raise DataError(f"unknown corpus '{name}'; registered: {', '.join(CORPORA)}")
     corpus = CORPORA[name]
     target = corpus_path(name)
-    if target.exists() and sha256_file(target) == corpus.text_sha256:
-        return target
+    if target.exists():
+        if sha256_file(target) == corpus.text_sha256:
+            return target
+        print(f"infinikv: {target} does not match its pinned SHA-256; fetching it again", file=sys.stderr)
     fetch: Callable[[Corpus, Path, bool], Path] = _FETCHERS[corpus.source]
     with cache_errors(f"cannot store the {name} corpus"), tempfile.TemporaryDirectory(dir=data_dir()) as tmp:
         package = fetch(corpus, Path(tmp), apt_update)
