@@ -124,7 +124,9 @@ def read_skew(path: str | Path, spec: ModelSpec | None = None) -> Skew:
             meta = handle.metadata() or {}
     except FileNotFoundError:
         raise SkewError(f"skew file not found: {path}") from None
-    except (SafetensorError, OSError) as exc:
+    except SafetensorError as exc:  # truncated or overwritten: as damaged as a checksum mismatch
+        raise SkewDamaged(f"cannot read skew file {path}, it is damaged: {exc}") from None
+    except OSError as exc:
         raise SkewError(f"cannot read skew file {path}: {exc}") from None
     if meta.get("format") != FORMAT or not {"matrices", "scores", "identity_scores"} <= set(tensors):
         raise SkewError(f"{path} is not an infinikv skew file ({FORMAT})")
