@@ -137,10 +137,13 @@ def test_damaged_entry_is_reported_and_repaired(fake_model, tmp_path, damage, ca
     assert models.is_pulled(fake_model)
     reference = json.loads((hf / MANIFEST).read_text())["files"]
     damage(hf)
+    crashed = hf.with_name(".hf.999.0123456789ab.tmp")  # what a writer killed mid-conversion leaves
+    crashed.mkdir()
     capsys.readouterr()
     assert not models.is_pulled(fake_model)  # `models list` tells the truth
     assert main(["models", "pull", fake_model]) == 0  # hashes every file, repairs with one line
     assert "re-creating fake-tiny" in capsys.readouterr().err
+    assert not crashed.exists()
     assert models.is_pulled(fake_model)
     repaired = json.loads((hf / MANIFEST).read_text())["files"]
     assert repaired.keys() == reference.keys()

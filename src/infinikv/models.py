@@ -35,6 +35,7 @@ from .store import (
     check_manifest,
     locked,
     read_manifest,
+    remove_leftovers,
     sha256_file,
     write_manifest,
 )
@@ -161,6 +162,7 @@ def pull(name: str, full: bool = True, damaged: str | None = None) -> Path:
                 return hf_dir
             if hf_dir.exists():
                 print(f"infinikv: {problem or damaged}; re-creating {name}", file=sys.stderr)
+            remove_leftovers(hf_dir)
             gguf = target / entry.gguf_name
             if not gguf.exists() or sha256_file(gguf) != entry.gguf_sha256:
                 _download_gguf(entry, gguf)

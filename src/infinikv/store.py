@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import sys
-import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -90,6 +90,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _unique_name(target: Path, kind: str) -> str:
+    """A hidden name beside ``target``, unique to this process and call."""
+    return f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.{kind}"
+
+
 @contextlib.contextmanager
 def atomic_write(target: Path, folder: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary path (a folder, with ``folder``) beside ``target``; write it in the block.
@@ -98,19 +103,16 @@ def atomic_write(target: Path, folder: bool = False) -> Iterator[Path]:
     an error the temporary is removed and ``target`` is left as it was. The name is unique to this call,
     so concurrent writers never share one."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{target.name}."
+    # Not mkstemp: its private permissions would hide the entry from other users of a shared cache.
+    tmp = target.with_name(_unique_name(target, "tmp"))
     if folder:
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=target.parent))
-    else:
-        fd, name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=target.parent)
-        os.close(fd)
-        tmp = Path(name)
+        tmp.mkdir()
     try:
         yield tmp
         _fsync(tmp)
         if folder and target.exists():
-            old = Path(tempfile.mkdtemp(prefix=prefix, suffix=".old", dir=target.parent))
-            target.replace(old / "entry")  # rename aside first: a folder cannot be renamed onto a full one
+            old = target.with_name(_unique_name(target, "old"))
+            target.replace(old)  # set aside first: a folder cannot be renamed onto a full one
             tmp.replace(target)
             shutil.rmtree(old, ignore_errors=True)
         else:
@@ -122,6 +124,16 @@ def atomic_write(target: Path, folder: bool = False) -> Iterator[Path]:
         else:
             tmp.unlink(missing_ok=True)
         raise
+
+
+def remove_leftovers(target: Path) -> None:
+    """Remove what crashed writers of ``target`` left beside it. Only call it holding the lock that every
+    writer of ``target`` holds, so no live writer's temporary is removed."""
+    for leftover in target.parent.glob(f".{target.name}.*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 def write_bytes(target: Path, data: bytes) -> None:
