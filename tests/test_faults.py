@@ -264,3 +264,15 @@ def test_unwritable_cache_fails_before_calibrating(tmp_path, monkeypatch):
     )
     with pytest.raises(CacheError, match="INFINIKV_CACHE"):
         calibration.ensure_skew(tiny_model("llama"))
+
+
+def test_entry_without_manifest_that_fails_to_load_is_recreated(fake_model, capsys):
+    """A folder from before manifests is adopted on sight; if it then fails to load, it is re-created."""
+    hf = models.pull(fake_model)
+    (hf / MANIFEST).unlink()
+    config = hf / "config.json"
+    config.write_bytes(b"{" + b" " * (config.stat().st_size - 1))  # same size, no longer JSON
+    loaded = models.load(fake_model, device="cpu")
+    assert "re-creating fake-tiny" in capsys.readouterr().err
+    assert loaded.model.config.num_hidden_layers == 4
+    assert "adopted" not in json.loads((hf / MANIFEST).read_text())

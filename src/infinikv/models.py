@@ -121,9 +121,10 @@ def _problem(hf_dir: Path, full: bool) -> str | None:
     if not hf_dir.is_dir():
         return "absent"
     if read_manifest(hf_dir) is None and _intact_without_manifest(hf_dir):
-        # Converted before manifests were kept, and whole as far as can be told: record it now.
+        # Converted before manifests were kept, and whole as far as can be told: record it now, marked as
+        # adopted (its hashes were never checked against what was written).
         with contextlib.suppress(OSError):
-            write_manifest(hf_dir)
+            write_manifest(hf_dir, {"adopted": True})
         return None
     return check_manifest(hf_dir, full)
 
@@ -158,7 +159,10 @@ def pull(name: str, full: bool = True, damaged: str | None = None) -> Path:
             return hf_dir
         with locked(f"model-{name}"):  # a second process waits here, then finds the entry made
             problem = _problem(hf_dir, full=True)
-            if problem is None and (damaged is None or read_manifest(hf_dir) is not None):
+            manifest = read_manifest(hf_dir) or {}
+            # An entry that fails to load but matches the hashes of its conversion is not damaged: the
+            # load error is real. One adopted without a recorded conversion is re-created to be sure.
+            if problem is None and (damaged is None or not manifest.get("adopted")):
                 return hf_dir
             if hf_dir.exists():
                 print(f"infinikv: {problem or damaged}; re-creating {name}", file=sys.stderr)
