@@ -52,6 +52,10 @@ def test_bad_numbers_stop_the_cli_before_loading(monkeypatch, capsys):
         assert main(["generate", "--prompt", "hi", "--policy", "quest", *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("infinikv: error:"), err
+    for flags in (["--prompt", ""], ["--prompt", "  \n"]):
+        assert main(["generate", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("infinikv: error:"), err
 
 
 # -- devices -------------------------------------------------------------------------------------------------

@@ -48,6 +48,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = [_read_text(args.prompt_file, "prompt file")]
     else:
         prompts = [args.prompt]
+    if not prompts[0].strip():  # before the slow model load (the engine checks every prompt again)
+        raise InputError("the prompt is empty")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
