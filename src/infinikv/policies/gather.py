@@ -73,5 +73,5 @@ class GatherPolicy(HostPoolPolicy):
         real = torch.cat([real, real.new_ones(batch, 1)], dim=1)  # the new token is real
         seen = real.gather(1, positions.flatten(1)).view_as(positions)
         seen = seen if valid is None else seen & valid
-        self.record_attended(layer, float(seen.sum(dim=-1).float().mean()))
+        self.record_attended(layer, seen.sum(dim=-1).float().mean())
         return Selection(keys, values, positions, valid)

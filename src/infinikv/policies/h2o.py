@@ -60,6 +60,7 @@ class H2OPolicy(HostPoolPolicy):
         # (budget, recent) in tokens, per row [batch]: a fraction refers to each row's own prompt
         self.limits: list[tuple[Tensor, Tensor] | None] = [None] * layers
         self.alive: list[Tensor | None] = [None] * layers  # bool per slot; False: a dead slot, hidden
+        self.capacity = [0] * layers  # slots kept between steps: the widest row's budget - 1
         self._new: dict[int, tuple[Tensor, Tensor]] = {}
 
     def seq_length(self, layer: int) -> int:
@@ -121,12 +122,10 @@ class H2OPolicy(HostPoolPolicy):
         n = self.host_pool.length(layer)
         window = self.spec.sliding_window[layer]
         if window is not None:  # sliding layers: exactly their window, no heavy hitters
-            lengths = [n] * batch
             budget = torch.full((batch,), window, device=self.device)
             recent = budget
         else:
-            valid = self.past_valid(n, batch)
-            lengths = valid.sum(dim=1).tolist()
+            lengths = self.past_valid(n, batch).sum(dim=1).tolist()
             rows = [resolve_budget(self.config.budget, max(1, real), capped=False) for real in lengths]
             budget = torch.tensor(rows, device=self.device)
             heavy = torch.tensor(
@@ -134,7 +133,7 @@ class H2OPolicy(HostPoolPolicy):
             )
             recent = budget - heavy
         self.limits[layer] = (budget, recent)
-        capacity = int(budget.max()) - 1  # slots the pool keeps between steps
+        capacity = self.capacity[layer] = int(budget.max()) - 1  # slots the pool keeps between steps
         heads = self.spec.num_kv_heads
         positions = torch.arange(n, device=self.device).expand(batch, heads, n)
         score = self.score[layer]
@@ -170,7 +169,7 @@ class H2OPolicy(HostPoolPolicy):
         alive = self.alive[layer]
         valid = torch.cat([alive, alive.new_ones(*alive.shape[:2], 1)], dim=2)
         self.seen[layer] += 1
-        self.record_attended(layer, float(valid.sum(dim=-1).float().mean()))  # what each row really sees
+        self.record_attended(layer, valid.sum(dim=-1).float().mean())  # what each row really sees
         keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
         return Selection(keys, values, positions, valid)
 
@@ -191,8 +190,7 @@ class H2OPolicy(HostPoolPolicy):
         takes a new slot while the pool has room, else a dead one (it may be itself: then nothing moves)."""
         k_new, v_new = self._new.pop(layer)
         budget, _ = self.limits[layer]
-        slots, alive = self.slot_pos[layer], self.alive[layer]
-        capacity = int(budget.max()) - 1
+        slots, alive, capacity = self.slot_pos[layer], self.alive[layer], self.capacity[layer]
         if capacity == 0:  # nothing is kept between steps: the new token goes at once
             return
         candidates = torch.cat([slots, slots.new_full((*slots.shape[:2], 1), self.seen[layer] - 1)], dim=2)

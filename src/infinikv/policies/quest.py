@@ -71,22 +71,26 @@ class QuestPolicy(GatherPolicy):
         batch, heads, count, dim = k.shape
         size, device = self.config.page_size, k.device
         start = self.host_pool.length(layer) - count  # called after the append
-        real = self.past_valid(start + count, batch)[:, start:].to(device)
-        n_real = real.sum(dim=1)  # left padding: a row's real tokens are the chunk's last n_real
+        # Left padding: a row's real tokens are the chunk's last n_real. The counts live on the host, so a
+        # decode step (every row's token is real) never waits for the device.
+        if count == 1:
+            n_real = torch.ones(batch, dtype=torch.long)
+        else:
+            n_real = self.past_valid(start + count, batch)[:, start:].sum(dim=1).cpu()
         if self.partial[layer] is None:
             self.page_max[layer] = k.new_empty(batch, heads, 0, dim)
             self.page_min[layer] = k.new_empty(batch, heads, 0, dim)
             self.partial[layer] = k.new_zeros(batch, heads, size, dim)
-            self.n_pages[layer] = torch.zeros(batch, dtype=torch.long, device=device)
-            self.n_partial[layer] = torch.zeros(batch, dtype=torch.long, device=device)
-            self.first_real[layer] = torch.full((batch,), -1, dtype=torch.long, device=device)
+            self.n_pages[layer] = torch.zeros(batch, dtype=torch.long)
+            self.n_partial[layer] = torch.zeros(batch, dtype=torch.long)
+            self.first_real[layer] = torch.full((batch,), -1, dtype=torch.long)
         first = self.first_real[layer]
         self.first_real[layer] = torch.where((first < 0) & (n_real > 0), start + count - n_real, first)
         # Row r's unfinished content: its partial keys, then its real chunk keys, gathered to the front.
         held, width = self.n_partial[layer], size + count
-        at = torch.arange(width, device=device)
+        at = torch.arange(width)
         source = torch.where(at < held[:, None], at, size + count - n_real[:, None] + at - held[:, None])
-        source = source.clamp(0, width - 1)
+        source = source.clamp(0, width - 1).to(device)
         joined = torch.cat([self.partial[layer], k], dim=2)
         joined = joined.gather(2, source[:, None, :, None].expand(batch, heads, width, dim))
         total = held + n_real
@@ -95,8 +99,7 @@ class QuestPolicy(GatherPolicy):
             blocks = joined[:, :, : width // size * size].unflatten(2, (-1, size))
             self._append_pages(layer, blocks.amax(dim=3), blocks.amin(dim=3), closed)
         # What is left after the closed pages goes to the front of the partial buffer.
-        at = torch.arange(size, device=device)
-        rest = (closed[:, None] * size + at).clamp(max=width - 1)
+        rest = (closed[:, None] * size + torch.arange(size)).clamp(max=width - 1).to(device)
         self.partial[layer] = joined.gather(2, rest[:, None, :, None].expand(batch, heads, size, dim))
         self.n_partial[layer] = total - closed * size
 
@@ -105,14 +108,12 @@ class QuestPolicy(GatherPolicy):
         old_max, old_min, have = self.page_max[layer], self.page_min[layer], self.n_pages[layer]
         batch, heads, _, dim = new_max.shape
         most = int((have + closed).max())
-        at = torch.arange(most, device=have.device)
-        from_new = at >= have[:, None]
-        source = torch.where(from_new, old_max.shape[2] + at - have[:, None], at)
-        source = source.clamp(0, old_max.shape[2] + new_max.shape[2] - 1)
-        present = at < (have + closed)[:, None]
+        at = torch.arange(most)
+        source = torch.where(at >= have[:, None], old_max.shape[2] + at - have[:, None], at)
+        source = source.clamp(0, old_max.shape[2] + new_max.shape[2] - 1).to(new_max.device)
         pick = source[:, None, :, None].expand(batch, heads, most, dim)
         inf = torch.tensor(float("inf"), dtype=new_max.dtype, device=new_max.device)
-        keep = present[:, None, :, None]
+        keep = (at < (have + closed)[:, None]).to(new_max.device)[:, None, :, None]
         self.page_max[layer] = torch.where(keep, torch.cat([old_max, new_max], dim=2).gather(2, pick), -inf)
         self.page_min[layer] = torch.where(keep, torch.cat([old_min, new_min], dim=2).gather(2, pick), inf)
         self.n_pages[layer] = have + closed
@@ -135,7 +136,7 @@ class QuestPolicy(GatherPolicy):
     def select(self, layer: int, n_past: int, batch: int) -> Tensor:
         size, device = self.config.page_size, self.device
         query = self._query.pop(layer, None)
-        n_pages, held = self.n_pages[layer].to(device), self.n_partial[layer].to(device)
+        n_pages, held = self.n_pages[layer], self.n_partial[layer]  # host tensors: no device sync
         # Each row's budget refers to its own context (its real tokens and the new one).
         budgets = [
             resolve_budget(self.config.budget, real + 1, capped=False)
@@ -144,24 +145,23 @@ class QuestPolicy(GatherPolicy):
         takes = torch.tensor(
             [max(0, (b - h - 1) // size) for b, h in zip(budgets, held.tolist(), strict=True)]
         )
-        takes = torch.minimum(takes.to(device), n_pages)
+        takes = torch.minimum(takes, n_pages)
         if query is None or bool((takes == n_pages).all()):  # a dense layer, or every row's pages fit
             return torch.arange(n_past, device=device).expand(batch, self.spec.num_kv_heads, -1)
-        take = int(takes.max())
+        take, widest = int(takes.max()), int(held.max())
         pages, rank = self.top_pages(query, self.page_max[layer], self.page_min[layer], take)
-        first = self.first_real[layer].to(device)
-        tokens = first[:, None, None, None] + pages[..., None] * size + torch.arange(size, device=device)
-        tokens = tokens.flatten(2)
-        page_valid = (rank < takes[:, None, None])[..., None].expand(-1, -1, -1, size).flatten(2)
+        first = self.first_real[layer]
+        offsets = torch.arange(size, device=device)
+        tokens = (first.to(device)[:, None, None, None] + pages[..., None] * size + offsets).flatten(2)
         # Each row's unfinished page, as wide as the widest one (a shorter one's extra slots hidden).
-        at = torch.arange(int(held.max()), device=device)
-        partial = (first[:, None] + n_pages[:, None] * size + at).clamp(max=n_past - 1)
-        partial_valid = at < held[:, None]
+        at = torch.arange(widest)
+        partial = (first[:, None] + n_pages[:, None] * size + at).to(device)
         heads = self.spec.num_kv_heads
-        index = torch.cat([tokens.clamp(max=n_past - 1), partial[:, None].expand(-1, heads, -1)], dim=2)
-        valid = torch.cat([page_valid, partial_valid[:, None].expand(-1, heads, -1)], dim=2)
-        if not bool(valid.all()):
-            self.selected_valid[layer] = valid
+        index = torch.cat([tokens, partial[:, None].expand(-1, heads, -1)], dim=2).clamp(max=n_past - 1)
+        if bool((takes < take).any() or (held < widest).any()):
+            page_valid = (rank < takes.to(device)[:, None, None]).repeat_interleave(size, dim=2)
+            partial_valid = (at < held[:, None]).to(device)[:, None].expand(-1, heads, -1)
+            self.selected_valid[layer] = torch.cat([page_valid, partial_valid], dim=2)
         return index
 
     def top_pages(
