@@ -84,11 +84,7 @@ VARIANTS.append(pytest.param("quant-kivi", "quant", KIVI, id="quant-kivi"))
 @pytest.mark.parametrize(("variant", "policy", "extra"), VARIANTS)
 def test_batch_invariance(variant, policy, extra, padding, model, request):
     if padding == "misaligned" and variant in GRID_BOUND:
-        request.applymarker(
-            pytest.mark.xfail(
-                reason=f"{variant}'s {GRID_BOUND[variant]} follow the batch's slot grid", strict=False
-            )
-        )
+        pytest.skip(f"not promised: {variant}'s {GRID_BOUND[variant]} follow the batch's slot grid")
     loaded = request.getfixturevalue(model)
     own = {f.name for f in fields(POLICIES[policy].config_class)}
     knobs = {**{k: v for k, v in TIGHT.items() if k in own}, **extra}
