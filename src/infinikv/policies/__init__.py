@@ -5,6 +5,7 @@ from .dense import DenseConfig, DensePolicy
 from .h2o import H2OConfig, H2OPolicy
 from .infinigen import InfiniGenConfig, InfiniGenPolicy
 from .offload import OffloadConfig, OffloadPolicy
+from .oracle import OracleConfig, OraclePolicy
 from .quant import QuantConfig, QuantPolicy
 from .quest import QuestConfig, QuestPolicy
 from .registry import POLICIES, make_config, make_policy, policy_class
@@ -27,6 +28,8 @@ __all__ = [
     "ModelSpec",
     "OffloadConfig",
     "OffloadPolicy",
+    "OracleConfig",
+    "OraclePolicy",
     "Policy",
     "PolicyConfig",
     "Selection",
