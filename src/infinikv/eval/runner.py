@@ -25,7 +25,7 @@ import torch
 
 from ..cache import InfinikvCache, chunk_bounds
 from ..models import LoadedModel
-from ..policies import POLICIES, PolicyConfig
+from ..policies import POLICIES, Policy, PolicyConfig
 
 Tensor = torch.Tensor
 
@@ -80,13 +80,16 @@ class DecodeRun:
     def __init__(
         self,
         loaded: LoadedModel,
-        policy: PolicyConfig,
+        policy: PolicyConfig | Policy,
         prefill_chunk: int = 2048,
         memo: PrefillMemo | None = None,
     ):
+        """``policy``: a config, or a policy object built for this model (then its config's ``prepare``
+        is the caller's)."""
         self.loaded = loaded
         self.model = loaded.model
-        policy.prepare(loaded)  # e.g. InfiniGen's calibration, once per model
+        if isinstance(policy, PolicyConfig):
+            policy.prepare(loaded)  # e.g. InfiniGen's calibration, once per model
         self.cache = InfinikvCache(loaded.model, policy, device=loaded.device)
         self.prefill_chunk = prefill_chunk
         self.family = self.cache.policy.prefill_family
