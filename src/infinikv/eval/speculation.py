@@ -10,6 +10,8 @@ teacher-forced decode steps, with :class:`~infinikv.eval.runner.DecodeRun`):
 * ``mass_spec_budget`` / ``mass_oracle_budget``: the share of the real attention (softmax over every key,
   averaged over the query heads of a KV group) on the speculated / the oracle's top-k, plus the new token
   (always attended);
+* ``mass_best_budget``: the most attention any k tokens per KV head can hold (top-k by the group's mean
+  attention weight): what the oracle's combination rule (max over the group's heads) itself gives up;
 * the same at the count InfiniGen actually fetches at its ``alpha`` (``*_fetched``), ``fetched`` being
   that count as a share of the past tokens: ``mass_spec_fetched`` is the attention InfiniGen keeps;
 * ``recall_realq_budget``: recall when speculating with the layer's *own* query (partial columns only),
@@ -54,6 +56,7 @@ METRICS = (
     "recall_budget",
     "mass_spec_budget",
     "mass_oracle_budget",
+    "mass_best_budget",
     "recall_fetched",
     "mass_spec_fetched",
     "mass_oracle_fetched",
@@ -155,6 +158,9 @@ class SpeculationProbe(InfiniGenPolicy):
                 sums[f"recall_{tag}"] += float(((chosen & best).sum(-1) / count).mean())
                 sums[f"mass_spec_{tag}"] += float(((mass_row * chosen).sum(-1) + new_mass[row]).mean())
                 sums[f"mass_oracle_{tag}"] += float(((mass_row * best).sum(-1) + new_mass[row]).mean())
+            sums["mass_best_budget"] += float(
+                ((mass_row * _top(mass_row, budget)).sum(-1) + new_mass[row]).mean()
+            )
             sums["fetched"] += fetched / max(available, 1)
             best = _top(real_row, budget)
             sums["recall_realq_budget"] += float(((_top(realq[row], budget) & best).sum(-1) / budget).mean())
@@ -278,10 +284,11 @@ def markdown(result: dict[str, Any]) -> str:
         f"scored through the decode path), layers attend to: {result['attend']}; knobs: {knobs}. "
         f"Perplexity of this run {result['ppl']:.3f}, KV fetched {result['kv_fetched_fraction']:.3f}.",
         "",
-        "| layer | fetched | recall@budget | spec mass@budget | oracle mass@budget | recall@fetched "
+        "| layer | fetched | recall@budget | spec mass@budget | oracle mass@budget | best mass@budget "
+        "| recall@fetched "
         "| spec mass@fetched | oracle mass@fetched | recall own-q@budget | sink mass | sink kept "
         "| recent mass | recent kept |",
-        "|---:" * 13 + "|",
+        "|---:" * 14 + "|",
     ]
     for row in result["layers"]:
         lines.append(f"| {row['layer']} | " + " | ".join(f"{row[k]:.3f}" for k in METRICS) + " |")
@@ -304,6 +311,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ("recall_realq_budget", "same, speculating with the layer's own query"),
         ("mass_spec_fetched", "attention kept by InfiniGen's fetched set"),
         ("mass_oracle_fetched", "attention kept by the oracle, same count"),
+        ("mass_best_budget", "most attention any k tokens hold (k = budget)"),
         ("fetched", "share of past tokens fetched"),
         ("sink_mass", f"attention on the first {N_SINK} tokens"),
     ):
