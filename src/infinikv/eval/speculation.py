@@ -73,6 +73,30 @@ def _top(scores: Tensor, k: int) -> Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(k, dim=-1).indices, True)
 
 
+def coverage_by_alpha(
+    speculated: Tensor, mass: Tensor, new_mass: Tensor, budget: Tensor, alphas: tuple[float, ...]
+) -> tuple[Tensor, Tensor]:
+    """What InfiniGen's count rule keeps at each alpha: per leading index (a step, a sequence, a query
+    position), the attention share [..., alphas] of its fetched set plus the new token, and the count
+    [..., alphas].
+
+    ``speculated`` [..., kv_heads, n]: speculated scores, group-relative (-inf: never fetched); ``mass``
+    [..., kv_heads, n]: real attention weight of each past token (mean over the group's query heads);
+    ``new_mass`` [..., kv_heads]: the new token's; ``budget`` [...]: the cap on the count. The count is
+    InfiniGen's: tokens within alpha of each head's best, averaged over the KV heads, rounded up, capped."""
+    order = speculated.sort(dim=-1, descending=True)
+    kept = torch.cumsum(torch.gather(mass, -1, order.indices), dim=-1)  # best-speculated first
+    best = order.values[..., :1]
+    shares, counts = [], []
+    for alpha in alphas:
+        within = (speculated > best - alpha).sum(-1).float().mean(-1).ceil().long()
+        count = torch.minimum(within.clamp(min=1), budget)
+        index = (count - 1)[..., None, None].expand(*kept.shape[:-1], 1)
+        shares.append((torch.gather(kept, -1, index)[..., 0] + new_mass).mean(-1))
+        counts.append(count)
+    return torch.stack(shares, dim=-1), torch.stack(counts, dim=-1)
+
+
 class SpeculationProbe(InfiniGenPolicy):
     """InfiniGen that also scores its speculation against each managed layer's real attention.
 
@@ -179,14 +203,9 @@ class SpeculationProbe(InfiniGenPolicy):
         self, layer: int, spec_row: Tensor, mass_row: Tensor, new_mass: Tensor, budget: int, available: int
     ) -> None:
         """Attention kept and share fetched, per alpha of the grid, by InfiniGen's count rule."""
-        order = spec_row.sort(dim=-1, descending=True)
-        kept = torch.cumsum(torch.gather(mass_row, 1, order.indices), dim=-1)  # [kv_heads, n]
-        best = order.values[:, :1]
-        for i, alpha in enumerate(self.alphas):
-            within = (spec_row > best - alpha).sum(-1).float().mean().ceil()
-            count = max(1, min(int(within), budget))
-            self.curve[layer, i, 0] += float((kept[:, count - 1] + new_mass).mean())
-            self.curve[layer, i, 1] += count / max(available, 1)
+        kept, counts = coverage_by_alpha(spec_row, mass_row, new_mass, torch.tensor(budget), self.alphas)
+        self.curve[layer, :, 0] += kept.double()
+        self.curve[layer, :, 1] += counts.double() / max(available, 1)
 
     def layer_report(self) -> list[dict[str, Any]]:
         """Per managed layer: the means of every metric over the measured steps."""
