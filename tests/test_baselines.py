@@ -190,3 +190,19 @@ def test_oracle_takes_the_top_k_of_the_real_scores(tiny, monkeypatch):
     others = relative.view(1, spec.num_kv_heads, spec.group_size, n)[:, :, 1].argmax(-1, keepdim=True)
     assert (index == others).any(-1).all()  # ... and so is the other head's best token
     policy.close()
+
+
+def test_oracle_reserves_sinks_and_window_within_its_budget(tiny, monkeypatch):
+    spec, layer, n = tiny.spec, 1, 40
+    policy = _policy(tiny, "oracle", budget=8, dense_layers=1, n_sink=2, window=3)
+    k, v = _kv(n, spec, seed=6)
+    policy.key_valid = torch.tensor([[False] * 5 + [True] * (n - 5)])  # five slots of left padding
+    policy.prefill(layer, k, v)
+    query = torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=torch.Generator().manual_seed(7))
+    monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
+    policy.before_attention(layer, torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
+    index = policy.select(layer, n, 1)
+    assert index.shape[-1] == 8
+    for head in index[0].tolist():
+        assert {5, 6, 37, 38, 39} <= set(head) and min(head) >= 5  # sinks after the padding, the window
+    policy.close()

@@ -97,6 +97,49 @@ def coverage_by_alpha(
     return torch.stack(shares, dim=-1), torch.stack(counts, dim=-1)
 
 
+def prompt_coverage(
+    q: Tensor,
+    k: Tensor,
+    q_speculative: Tensor,
+    projection: Tensor,
+    scaling: float,
+    budget: float,
+    alphas: tuple[float, ...],
+    queries: int,
+) -> tuple[Tensor, Tensor]:
+    """``coverage_by_alpha`` for one layer from a dense pass over a prompt, as if its last ``queries``
+    positions were decode steps on the dense trajectory: query position t has past tokens 0..t-1 and is
+    itself the new token. Returns the mean attention kept [alphas] and the mean share of past tokens
+    fetched [alphas] over those positions.
+
+    ``q`` [1, heads, n, d] and ``k`` [1, kv_heads, n, d]: the layer's real post-RoPE queries and keys;
+    ``q_speculative`` [1, heads, n, d]: the same layer's query projection applied to the previous layer's
+    input (InfiniGen's rehearsal); ``projection`` [kv_heads, d, c]: its partial skewed columns."""
+    kv_heads, n = k.shape[1], k.shape[2]
+    group = q.shape[1] // kv_heads
+    first = max(1, n - queries)
+    t = torch.arange(first, n, device=k.device)  # query positions
+    future = torch.arange(n, device=k.device)[None, :] > t[:, None]  # [P, n]: not yet seen at t
+    grouped = q[0, :, first:].reshape(kv_heads, group, len(t), -1).float()
+    logits = torch.matmul(grouped, k[0].float()[:, None].transpose(-1, -2)) * scaling  # [kv, g, P, n]
+    mass = torch.softmax(logits.masked_fill(future, -math.inf), dim=-1).mean(dim=1)  # [kv, P, n]
+    new_mass = mass.gather(-1, t[None, :, None].expand(kv_heads, -1, 1))[..., 0]  # [kv, P]
+    past = torch.arange(n, device=k.device)[None, :] < t[:, None]  # [P, n]
+    proj = projection.float()
+    partial_q = torch.matmul(
+        q_speculative[0, :, first:].reshape(kv_heads, group, len(t), -1).float(), proj[:, None]
+    )
+    partial_k = torch.matmul(k[0].float(), proj)  # [kv, n, c]
+    scores = torch.matmul(partial_q * scaling, partial_k[:, None].transpose(-1, -2))  # [kv, g, P, n]
+    scores = scores.masked_fill(~past, -math.inf)
+    rel = group_relative_max(scores.permute(2, 0, 1, 3).reshape(len(t), kv_heads * group, n), group)
+    budgets = torch.tensor([resolve_budget(budget, int(p)) for p in t.tolist()], device=k.device)
+    kept, counts = coverage_by_alpha(
+        rel, (mass * past).transpose(0, 1), new_mass.transpose(0, 1), budgets, alphas
+    )
+    return kept.mean(0), (counts.float() / t[:, None].float()).mean(0)
+
+
 class SpeculationProbe(InfiniGenPolicy):
     """InfiniGen that also scores its speculation against each managed layer's real attention.
 

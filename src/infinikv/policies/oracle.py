@@ -18,6 +18,8 @@ are taken relative to that head's best and the group's heads are combined by max
 head of the group wants it); k = ``resolve_budget(budget, real past tokens)`` per sequence (the largest of
 the batch when they differ: a shorter row's extra entries are its next-best tokens or masked padding); the
 first ``dense_layers`` layers load their full KV; sliding-window layers attend to their window.
+``n_sink``/``window`` reserve part of the budget for the first and the most recent tokens (StreamingLLM's
+sinks and window, which later selectors keep): the ceiling of a selector that keeps them.
 """
 
 from __future__ import annotations
@@ -46,10 +48,14 @@ def group_relative_max(scores: Tensor, group: int) -> Tensor:
 @dataclass(frozen=True)
 class OracleConfig(PolicyConfig):
     """budget: past tokens attended per managed layer and step (fraction of the real past tokens if <= 1,
-    else a count), as InfiniGen's cap; dense_layers: the first layers that load their full KV."""
+    else a count), as InfiniGen's cap; dense_layers: the first layers that load their full KV; n_sink /
+    window: the first real tokens / the most recent past tokens always among the budget's tokens (0: pure
+    top-k)."""
 
     budget: float = 0.2
     dense_layers: int = 2
+    n_sink: int = 0
+    window: int = 0
 
     def __post_init__(self):
         if not 0 < self.budget < math.inf:
@@ -60,6 +66,10 @@ class OracleConfig(PolicyConfig):
             or self.dense_layers < 0
         ):
             raise PolicyError(f"dense_layers must be a non-negative integer, got {self.dense_layers}")
+        for name in ("n_sink", "window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PolicyError(f"{name} must be a non-negative integer, got {value}")
 
 
 class OraclePolicy(SelectivePolicy):
@@ -96,4 +106,13 @@ class OraclePolicy(SelectivePolicy):
         real_past = self.past_valid(n_past, batch).sum(dim=1).tolist()
         take = max(resolve_budget(self.config.budget, max(int(n), 1)) for n in real_past)
         scores = self.real_scores(layer, query, n_past)
+        if self.config.n_sink or self.config.window:
+            scores = scores.masked_fill(self._reserved(n_past, batch).to(scores.device)[:, None], math.inf)
         return scores.topk(min(take, n_past), dim=-1).indices.sort(dim=-1).values.to(self.device)
+
+    def _reserved(self, n_past: int, batch: int) -> Tensor:
+        """bool [batch, n_past]: the first ``n_sink`` real tokens and the last ``window`` past tokens."""
+        valid = self.past_valid(n_past, batch)
+        rank = valid.long().cumsum(dim=1)  # 1 for the first real token
+        slot = torch.arange(n_past, device=valid.device)
+        return valid & ((rank <= self.config.n_sink) | (slot >= n_past - self.config.window))
