@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast lint gpu-check clean
 
 setup: $(STAMP)
 
@@ -20,15 +20,23 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m infinikv.demo
 
+# The import layering (pyproject's [tool.importlinter]) is checked first: it takes a second.
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not real_model"
 
 lint: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
+
+# The GPU check (docs/gpu.md): make gpu-check OUT=dir [TINY=1]. No venv: it runs infinikv from src/ with
+# the machine's own Python (GPU_PYTHON, default: the script's choice) and installs nothing from a network.
+gpu-check:
+	$(if $(GPU_PYTHON),PYTHON=$(GPU_PYTHON)) scripts/gpu_check.sh $(or $(OUT),runs/gpu-check) $(if $(TINY),--tiny)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from infinikv import skew
 from infinikv.cache import InfinikvCache
 from infinikv.engine import GenerationConfig, Generator
 from infinikv.errors import PolicyError
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, resolve_budget
+from infinikv.policies.infinigen import calibration, skewfile
 from infinikv.testing import tiny_model
 
 TEXT = "She had a lively, playful disposition, which delighted in anything ridiculous. " * 12
@@ -23,13 +23,15 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def skews(tiny, tiny_gemma):
-    return {m.weights_id: skew.calibrate(m, text=TEXT, tokens=256, save=False) for m in (tiny, tiny_gemma)}
+    return {
+        m.weights_id: calibration.calibrate(m, text=TEXT, tokens=256, save=False) for m in (tiny, tiny_gemma)
+    }
 
 
 @pytest.fixture
 def calibrated(skews, monkeypatch):
     """The policy finds the in-memory calibration instead of a cached file."""
-    monkeypatch.setattr(skew, "cached", lambda spec: skews.get(spec.weights_id))
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skews.get(spec.weights_id))
     return skews
 
 
@@ -272,8 +274,8 @@ def test_stats(tiny, calibrated):
 
 @pytest.mark.real_model
 def test_smollm2_full_budget_equals_dense(smollm2, long_prompt, monkeypatch):
-    calibration = skew.calibrate(smollm2, text=long_prompt, tokens=512, save=False)
-    monkeypatch.setattr(skew, "cached", lambda spec: calibration)
+    made = calibration.calibrate(smollm2, text=long_prompt, tokens=512, save=False)
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: made)
     dense, _ = _tokens(smollm2, "dense", prompts=[long_prompt], new=32)
     full, stats = _tokens(smollm2, "infinigen", prompts=[long_prompt], new=32, alpha=math.inf, budget=1.0)
     assert full == dense
@@ -282,5 +284,5 @@ def test_smollm2_full_budget_equals_dense(smollm2, long_prompt, monkeypatch):
 
 def test_other_model_calibration_is_rejected_by_the_policy(calibrated, tiny):
     other = tiny_model("llama", seed=2)
-    with pytest.raises(skew.SkewError):
+    with pytest.raises(skewfile.SkewError):
         InfiniGenPolicy(InfiniGenConfig(), other.spec, torch.device("cpu"), skew=calibrated[tiny.weights_id])

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from infinikv import skew
 from infinikv.cache import InfinikvCache
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy
 from infinikv.policies.dense import DenseConfig, DensePolicy
+from infinikv.policies.infinigen import calibration, skewfile
 from infinikv.testing import tiny_model
 
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 12
@@ -32,7 +32,7 @@ class _Record(DensePolicy):
 
 
 def _record(loaded, tokens: int = 256):
-    ids, _ = skew.calibration_ids(loaded, TEXT, tokens)
+    ids, _ = calibration.calibration_ids(loaded, TEXT, tokens)
     policy = _Record(loaded.spec, loaded.device)
     with torch.inference_mode():
         loaded.model(input_ids=ids, cache=InfinikvCache(loaded.model, policy), use_cache=True)
@@ -41,7 +41,7 @@ def _record(loaded, tokens: int = 256):
 
 @pytest.fixture(scope="module")
 def tiny_skew(tiny):
-    return skew.calibrate(tiny, text=TEXT, tokens=256, save=False)
+    return calibration.calibrate(tiny, text=TEXT, tokens=256, save=False)
 
 
 @pytest.fixture(scope="module")
@@ -110,18 +110,18 @@ def test_skewing_concentrates_the_columns():
     """On a trained model the partial columns hold more of Σ|Q|+Σ|K| after skewing; on the random tiny model
     this still holds because the SVD basis is the best rank-k basis for Q."""
     loaded = tiny_model("llama", seed=3)
-    result = skew.calibrate(loaded, text=TEXT, tokens=256, save=False)
-    assert skew.concentration(result, 0.25) > skew.concentration(result, 0.25, skewed=False)
+    result = calibration.calibrate(loaded, text=TEXT, tokens=256, save=False)
+    assert calibration.concentration(result, 0.25) > calibration.concentration(result, 0.25, skewed=False)
 
 
 def test_file_is_cached_and_reused(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
-    assert skew.cached(tiny.spec) is None
-    made = skew.calibrate(tiny, text=TEXT, tokens=128)
+    assert skewfile.cached_skew(tiny.spec) is None
+    made = calibration.calibrate(tiny, text=TEXT, tokens=128)
     files = list((tmp_path / "skew").glob("*.safetensors"))
-    assert [f.name for f in files] == [skew.skew_path(tiny.weights_id, made.source, 128).name]
+    assert [f.name for f in files] == [skewfile.skew_path(tiny.weights_id, made.source, 128).name]
     stamp = files[0].stat().st_mtime_ns
-    again = skew.ensure(tiny)  # found, not recalibrated
+    again = calibration.ensure_skew(tiny)  # found, not recalibrated
     assert files[0].stat().st_mtime_ns == stamp
     assert again.weights_id == tiny.weights_id and again.tokens == 128
     assert torch.equal(again.matrices, made.matrices) and torch.equal(again.scores, made.scores)
@@ -129,21 +129,21 @@ def test_file_is_cached_and_reused(tiny, tmp_path, monkeypatch):
 
 def test_file_from_another_model_is_rejected(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
-    skew.calibrate(tiny, text=TEXT, tokens=64)
+    calibration.calibrate(tiny, text=TEXT, tokens=64)
     path = next((tmp_path / "skew").glob("*.safetensors"))
     other = tiny_model("llama", seed=1)  # same shapes, other weights
-    with pytest.raises(skew.SkewError, match="other weights"):
-        skew.load(path, other.spec)
-    with pytest.raises(skew.SkewError, match="other weights"):
-        InfiniGenPolicy(InfiniGenConfig(), other.spec, torch.device("cpu"), skew=skew.load(path))
-    assert skew.cached(other.spec) is None  # another model's file is never picked up
+    with pytest.raises(skewfile.SkewError, match="other weights"):
+        skewfile.read_skew(path, other.spec)
+    with pytest.raises(skewfile.SkewError, match="other weights"):
+        InfiniGenPolicy(InfiniGenConfig(), other.spec, torch.device("cpu"), skew=skewfile.read_skew(path))
+    assert skewfile.cached_skew(other.spec) is None  # another model's file is never picked up
     gemma = tiny_model("gemma3")
     bare = type(gemma.spec)(**{**gemma.spec.__dict__, "weights_id": "", "num_layers": 3})
-    with pytest.raises(skew.SkewError, match="shape"):
-        skew.load(path, bare)
+    with pytest.raises(skewfile.SkewError, match="shape"):
+        skewfile.read_skew(path, bare)
     (tmp_path / "junk.safetensors").write_bytes(b"not a skew file")
-    with pytest.raises(skew.SkewError, match="cannot read"):
-        skew.load(tmp_path / "junk.safetensors")
+    with pytest.raises(skewfile.SkewError, match="cannot read"):
+        skewfile.read_skew(tmp_path / "junk.safetensors")
 
 
 def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):

@@ -2,8 +2,10 @@
 
 Three pieces join a transformers model to a policy, all installed once per model by :func:`install`:
 
-1. a forward pre-hook on each attention module: it gives the policy the layer's normalised input
-   (``policy.before_attention``) and passes the cache on to the attention function;
+1. a forward pre-hook on each attention module: in a decode step it runs the look-ahead, once for every
+   policy — ``policy.plan(i + 1, x)`` from layer i's normalised input x (layer 0 also plans itself), for
+   policies that prefetch — then gives the policy the layer's own input (``policy.before_attention``), and
+   passes the cache on to the attention function;
 2. ``InfinikvCache.update`` (called by the attention module after q/k/v and RoPE): prefill chunks go to
    ``policy.prefill``, decode tokens to ``policy.decode``, which returns the K/V the layer attends to;
 3. the attention function registered as ``"infinikv"``: it fits the model's mask to the policy's selection
@@ -23,9 +25,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .compat import accept_cache_kwarg
 from .errors import ModelError
-from .models import model_spec
-from .policies import Policy, PolicyConfig, make_policy
+from .policies import Policy, PolicyConfig, Selection, make_policy
+from .spec import model_spec
 
 Tensor = torch.Tensor
 ATTN_IMPLEMENTATION = "infinikv"
@@ -86,7 +89,7 @@ class InfinikvCache(Cache):
         spec = model_spec(model)
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, spec, device, **knobs)
-        self._positions: dict[int, Tensor | None] = {}
+        self._selections: dict[int, Selection] = {}
         # When a list: every prefill call (layer, K, V, key_valid) is appended, for replay_prefill.
         self.prefill_log: list[tuple[int, Tensor, Tensor, Tensor | None]] | None = None
         layers = [_PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)]
@@ -98,16 +101,22 @@ class InfinikvCache(Cache):
         if not policy.spec.is_sliding(layer):
             # Last query row of a full-attention mask = which cached positions are real tokens.
             policy.key_valid = None if mask is None else mask[:, 0, -1, :]
-        if self._is_decode(layer, x.shape[1]):
-            policy.before_attention(layer, x, position_ids)
+        if not self._is_decode(layer, x.shape[1]):
+            return
+        if policy.prefetches:
+            # Look one layer ahead, so the copy for layer i+1 overlaps layer i's compute.
+            for target in (0, 1) if layer == 0 else (layer + 1,):
+                if target < policy.spec.num_layers:
+                    policy.plan(target, x, position_ids)
+        policy.before_attention(layer, x, position_ids)
 
     # -- called from the attention module via Cache.update -------------------------------------------------
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self._is_decode(layer, k.shape[2]):
             selection = self.policy.decode(layer, k, v)
-            self._positions[layer] = selection.positions
+            self._selections[layer] = selection
             return selection.keys, selection.values
-        self._positions[layer] = None
+        self._selections.pop(layer, None)
         if self.prefill_log is not None:
             self.prefill_log.append((layer, k, v, self.policy.key_valid))
         return self.policy.prefill(layer, k, v)
@@ -128,13 +137,19 @@ class InfinikvCache(Cache):
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
     ) -> Tensor:
-        positions = self._positions.pop(layer, None)
-        if mask is not None and q.shape[2] == 1:
+        selection = self._selections.pop(layer, None)
+        if q.shape[2] == 1 and selection is not None:
+            if mask is not None:
+                mask = mask[:, :, -1:, :]
+                if selection.positions is not None:
+                    # Pick the mask entries of the selected positions, per KV head: [batch, kv_heads, 1, n].
+                    columns = mask.expand(-1, selection.positions.shape[1], -1, -1)
+                    mask = torch.gather(columns, 3, selection.positions[:, :, None, :])
+            if selection.valid is not None:  # entries the policy hides (a narrower row's extras)
+                hidden = selection.valid[:, :, None, :]
+                mask = hidden if mask is None else mask & hidden
+        elif mask is not None and q.shape[2] == 1:
             mask = mask[:, :, -1:, :]
-            if positions is not None:
-                # Pick the mask entries of the selected positions, per KV head: [batch, kv_heads, 1, n].
-                columns = mask.expand(-1, positions.shape[1], -1, -1)
-                mask = torch.gather(columns, 3, positions[:, :, None, :])
         return self.policy.attend(layer, q, k, v, mask, scaling)
 
     def stats(self) -> dict:
@@ -193,6 +208,7 @@ def install(model: PreTrainedModel) -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _infinikv_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    accept_cache_kwarg(model)
     for attention in model_spec(model).attention:
         attention.register_forward_pre_hook(_pre_attention_hook, with_kwargs=True)
     model._infinikv_installed = True

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
 from .errors import InfinikvError, InputError
 from .models import DEFAULT_MODEL, REGISTRY, is_pulled
 from .policies import POLICIES
+from .policy_flags import add_policy_arguments, parse_number, policy_knobs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,57 +23,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-# -- policy knobs: one flag per knob name across all policies ------------------------------------------------
-def _knob_table() -> dict[str, tuple[type, list[str]]]:
-    table: dict[str, tuple[type, list[str]]] = {}
-    for name, cls in POLICIES.items():
-        for f in fields(cls.config_class):
-            kind = type(f.default) if f.default is not MISSING else str
-            table.setdefault(f.name, (kind, []))[1].append(name)
-    return table
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
-
-
-def _parse_number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-
-
-def add_policy_arguments(parser: argparse.ArgumentParser, multiple: bool = False) -> None:
-    """``--policy`` plus a flag for every knob of every registered policy."""
-    if multiple:
-        parser.add_argument(
-            "--policies", default="dense", help=f"comma-separated, from: {', '.join(POLICIES)}"
-        )
-    else:
-        parser.add_argument("--policy", default="dense", help=f"one of: {', '.join(POLICIES)}")
-    group = parser.add_argument_group("policy knobs (each applies to the policies named in its help)")
-    for knob, (kind, owners) in sorted(_knob_table().items()):
-        parse = {bool: _parse_bool, int: int, float: _parse_number}.get(kind, str)
-        group.add_argument(f"--{knob.replace('_', '-')}", dest=knob, type=parse, help=", ".join(owners))
-
-
-def policy_knobs(args: argparse.Namespace) -> dict[str, Any]:
-    """Knob values the user set (others stay at each policy's default)."""
-    return {k: getattr(args, k) for k in _knob_table() if getattr(args, k, None) is not None}
-
-
-def knobs_for(policy: str, knobs: dict[str, Any]) -> dict[str, Any]:
-    """The subset of ``knobs`` that ``policy`` has (for commands that run several policies)."""
-    own = {f.name for f in fields(POLICIES[policy].config_class)}
-    return {k: v for k, v in knobs.items() if k in own}
 
 
 def _read_text(path: str, what: str) -> str:
@@ -174,16 +123,74 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_policies(args: argparse.Namespace) -> int:
     rows = []
     for name, cls in POLICIES.items():
-        knobs = {f.name: (None if f.default is MISSING else f.default) for f in fields(cls.config_class)}
+        config = cls.config_class
         summary = (cls.__module__ and sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
-        rows.append({"name": name, "knobs": knobs, "summary": summary})
+        rows.append(
+            {"name": name, "knobs": config.defaults(), "docs": config.knob_docs(), "summary": summary}
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         for row in rows:
-            knobs = ", ".join(f"{k}={v}" for k, v in row["knobs"].items()) or "no knobs"
-            print(f"{row['name']:<10} {knobs}\n           {row['summary']}")
+            print(f"{row['name']:<10} {row['summary']}")
+            for knob, default in row["knobs"].items():
+                print(f"           --{knob.replace('_', '-')}={default}: {row['docs'][knob]}")
     return 0
+
+
+# -- calibrate (InfiniGen) ---------------------------------------------------------------------------------
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .models import load
+    from .policies.infinigen.calibration import calibrate, concentration
+    from .policies.infinigen.skewfile import skew_path
+
+    text = None
+    if args.text:
+        try:
+            text = Path(args.text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"cannot read calibration text {args.text}: {exc}") from None
+    loaded = load(args.model, device=args.device)
+    skew = calibrate(loaded, text=text, tokens=args.tokens)
+    report: dict[str, Any] = {
+        "model": loaded.name,
+        "weights_id": loaded.weights_id,
+        "path": str(skew_path(loaded.weights_id, skew.source, skew.tokens)),
+        "source": skew.source,
+        "tokens": skew.tokens,
+        "layers": int(skew.matrices.shape[0]),
+        "kv_heads": int(skew.matrices.shape[1]),
+        "head_dim": int(skew.matrices.shape[2]),
+        "partial_share_skewed": round(concentration(skew, 0.2), 4),
+        "partial_share_identity": round(concentration(skew, 0.2, skewed=False), 4),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(report["path"])
+        print(
+            f"{report['tokens']} tokens of {report['source']}; 20% of columns hold "
+            f"{report['partial_share_skewed']:.1%} of Σ|Q|+Σ|K| skewed vs "
+            f"{report['partial_share_identity']:.1%} unskewed",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def register_calibrate(subparsers) -> None:
+    from .policies.infinigen.calibration import DEFAULT_CORPUS, DEFAULT_TOKENS
+
+    parser = subparsers.add_parser(
+        "calibrate", help="compute and cache InfiniGen's skewing matrices for a model"
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="registered name, .gguf file, HF directory or hub id"
+    )
+    parser.add_argument("--text", help=f"UTF-8 calibration text file (default: the {DEFAULT_CORPUS} corpus)")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration tokens")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--json", action="store_true")
+    parser.set_defaults(func=cmd_calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-file", help="file holding one prompt")
     source.add_argument("--batch-file", help="file with one prompt per line, generated as one batch")
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=_parse_number, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-p", type=_parse_number, default=1.0)
+    gen.add_argument("--temperature", type=parse_number, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=parse_number, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -227,10 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     """Subcommands that live beside their feature (calibrate, data, eval, bench)."""
-    from . import bench, data, skew
+    from . import bench, data
     from .eval import cli as eval_cli
 
-    return [data.register_cli, skew.register_cli, bench.register_cli, eval_cli.register_cli]
+    return [data.register_cli, register_calibrate, bench.register_cli, eval_cli.register_cli]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DataError
-from .models import cache_dir, sha256_file
+from .store import cache_dir, sha256_file
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,24 @@ class TransferCounters:
     bytes_d2h: int = 0  # new tokens' KV written into the pool
     wait_s: float = 0.0  # time the compute stream spent blocked on a copy
     copies: int = 0
+    timings: list[CopyTiming] = field(default_factory=list)  # CUDA: one per fetch, in order
+
+
+@dataclass
+class CopyTiming:
+    """CUDA events of one fetch: its copy on the copy stream, and the compute stream's wait for it; and the
+    host time spent inside fetch (the row gather into pinned memory, the launch)."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    issue_s: float = 0.0
+    wait_start: torch.cuda.Event | None = None
+    wait_end: torch.cuda.Event | None = None
+
+    def seconds(self) -> tuple[float, float]:
+        """(copy time, time the compute stream stalled on it); call once the device is synchronised."""
+        stalled = self.wait_start.elapsed_time(self.wait_end) if self.wait_end is not None else 0.0
+        return self.start.elapsed_time(self.end) / 1e3, stalled / 1e3
 
 
 class Transfer:
@@ -39,10 +57,18 @@ class Transfer:
         result: tuple[Tensor, Tensor] | Future,
         counters: TransferCounters,
         event: torch.cuda.Event | None = None,
+        timing: CopyTiming | None = None,
     ):
         self._result = result
         self._event = event
         self._counters = counters
+        self._timing = timing
+
+    def done(self) -> bool:
+        """Whether the copy has finished (without waiting for it)."""
+        if isinstance(self._result, Future):
+            return self._result.done()
+        return self._event is None or self._event.query()
 
     def wait(self) -> tuple[Tensor, Tensor]:
         start = time.perf_counter()
@@ -50,12 +76,19 @@ class Transfer:
             self._result = self._result.result()
         if self._event is not None:
             stream = torch.cuda.current_stream()
+            self._timing.wait_start, self._timing.wait_end = _timed_event(), _timed_event()
+            self._timing.wait_start.record(stream)
             stream.wait_event(self._event)
+            self._timing.wait_end.record(stream)
             for tensor in self._result:  # made on the copy stream, used on this one
                 tensor.record_stream(stream)
             self._event = None
         self._counters.wait_s += time.perf_counter() - start
         return self._result
+
+
+def _timed_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
 
 
 class KVPool:
@@ -103,6 +136,9 @@ class KVPool:
         current = stored.shape[2] if stored is not None else 0
         capacity = max(needed, current + max(current // 4, 256))
         batch, heads, _, dim = like.shape
+        if self.host and self.on_cuda:  # pinned blocks come in powers of two bytes: use the whole block
+            row = batch * heads * dim * like.element_size()
+            capacity = (1 << (capacity * row - 1).bit_length()) // row
         new_k = self._alloc((batch, heads, capacity, dim), like.dtype)
         new_v = self._alloc((batch, heads, capacity, dim), like.dtype)
         if stored is not None:
@@ -173,12 +209,16 @@ class KVPool:
             return Transfer(self._executor.submit(self._copy, stores, length, index, extra), self.counters)
         if self._stream is None:
             return Transfer(self._copy(stores, length, index, extra), self.counters)
+        issued = time.perf_counter()
         self._stream.wait_stream(torch.cuda.current_stream(self.compute_device))
+        timing = CopyTiming(_timed_event(), _timed_event())
         with torch.cuda.stream(self._stream):
+            timing.start.record(self._stream)
             result = self._copy(stores, length, index, extra)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return Transfer(result, self.counters, event)
+            timing.end.record(self._stream)
+        timing.issue_s = time.perf_counter() - issued
+        self.counters.timings.append(timing)
+        return Transfer(result, self.counters, timing.end, timing)
 
     def _copy(
         self, stores: tuple[Tensor, Tensor], length: int, index: Tensor | None, extra: int
@@ -220,6 +260,13 @@ class KVPool:
         """``source`` copied to the compute device, into a buffer with ``extra`` spare token slots."""
         batch, heads, n, dim = source.shape
         out = torch.empty((batch, heads, n + extra, dim), dtype=source.dtype, device=self.compute_device)
+        if self.on_cuda and not source.is_contiguous():
+            # The live tokens of a store with spare capacity are strided. torch stages a strided host source
+            # through pageable memory, which blocks the caller; each (sequence, head) run is contiguous in
+            # pinned memory, so one copy per run stays asynchronous.
+            for row, run in enumerate(source.flatten(0, 1)):
+                out[row // heads, row % heads, :n].copy_(run, non_blocking=True)
+            return out
         out[:, :, :n].copy_(source, non_blocking=self.on_cuda)
         return out
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,8 +22,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .compat import accept_cache_kwarg
 from .errors import ModelError
-from .policies.base import ModelSpec
+from .spec import ModelSpec, model_spec
+from .store import cache_dir, sha256_file
 
 
 @dataclass(frozen=True)
@@ -65,24 +66,6 @@ REGISTRY: dict[str, RegisteredModel] = {
     )
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_dir() -> Path:
-    """Where fetched models, converted weights, skew files and corpora live."""
-    root = os.environ.get("INFINIKV_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")), "infinikv"
-    )
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # -- fetching ------------------------------------------------------------------------------------------------
@@ -168,12 +151,13 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     weights_id: str  # identifies the weights (sha256 of the source file); keys calibration files
     device: torch.device
-    spec: ModelSpec = field(repr=False, default=None)
+    spec: ModelSpec = field(init=False, repr=False)
 
     def __post_init__(self):
         # Policies reach per-model files (InfiniGen's skew) through the spec, so it carries the weights id.
         self.model._infinikv_weights_id = self.weights_id
         self.spec = model_spec(self.model)
+        accept_cache_kwarg(self.model)
 
     @property
     def max_context(self) -> int:
@@ -189,6 +173,10 @@ def load(
 ) -> LoadedModel:
     """Load a registered model, a local GGUF file, a local HF directory, or a hub id."""
     device = torch.device(device) if device is not None else default_device()
+    if name.startswith("dummy:"):  # real shapes, random weights (infinikv.dummy)
+        from .dummy import build_dummy
+
+        return LoadedModel(name, *build_dummy(name, device), device)
     path = Path(name).expanduser()
     if name in REGISTRY:
         source = pull(name)
@@ -216,7 +204,7 @@ def load(
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(name, model, tokenizer, weights_id, device, model_spec(model))
+    return LoadedModel(name, model, tokenizer, weights_id, device)
 
 
 def _from_pretrained(source: str, dtype, **kwargs):
@@ -238,36 +226,3 @@ def _hash_weight_files(directory: Path) -> str:
     for f in files:
         digest.update(sha256_file(f).encode())
     return digest.hexdigest()
-
-
-def model_spec(model: PreTrainedModel) -> ModelSpec:
-    """Describe ``model``'s attention for the policies (cached on the model)."""
-    weights_id = getattr(model, "_infinikv_weights_id", "")
-    spec = getattr(model, "_infinikv_spec", None)
-    if spec is not None and spec.weights_id == weights_id:
-        return spec
-    config = model.config.get_text_config()
-    decoder = model.get_decoder()
-    attention = tuple(layer.self_attn for layer in decoder.layers)
-    layer_types = getattr(config, "layer_types", None)
-    rotary = decoder.rotary_emb
-
-    def rope(layer: int, x: torch.Tensor, position_ids: torch.Tensor):
-        if layer_types is not None and "layer_type" in rotary.forward.__code__.co_varnames:
-            return rotary(x, position_ids, layer_types[layer])
-        return rotary(x, position_ids)
-
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    spec = ModelSpec(
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=head_dim,
-        sliding_window=tuple(getattr(a, "sliding_window", None) for a in attention),
-        attention=attention,
-        rope=rope,
-        name=getattr(config, "_name_or_path", "model") or "model",
-        weights_id=weights_id,
-    )
-    model._infinikv_spec = spec
-    return spec

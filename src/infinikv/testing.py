@@ -6,31 +6,14 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
-    PreTrainedTokenizerFast,
 )
 
-from .models import LoadedModel, model_spec
-
-SPECIAL = ["<pad>", "<s>", "</s>"]
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per byte (ids 3..258) plus <pad>=0, <s>=1, </s>=2."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for byte_char in pre_tokenizers.ByteLevel.alphabet():
-        vocab.setdefault(byte_char, len(vocab))
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", padding_side="left"
-    )
-    return tokenizer
+from .dummy import byte_tokenizer
+from .models import LoadedModel
 
 
 def tiny_model(kind: str = "llama", seed: int = 0, max_context: int = 4096) -> LoadedModel:
@@ -66,4 +49,4 @@ def tiny_model(kind: str = "llama", seed: int = 0, max_context: int = 4096) -> L
         model.lm_head.weight.mul_(8.0)
     model.eval()
     weights_id = hashlib.sha256(f"tiny-{kind}-{seed}".encode()).hexdigest()
-    return LoadedModel(f"tiny-{kind}", model, tokenizer, weights_id, torch.device("cpu"), model_spec(model))
+    return LoadedModel(f"tiny-{kind}", model, tokenizer, weights_id, torch.device("cpu"))

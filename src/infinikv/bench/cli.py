@@ -34,9 +34,9 @@ def _names(text: str, allowed: tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..cli import policy_knobs
     from ..models import load
     from ..policies import POLICIES
+    from ..policy_flags import policy_knobs
     from .report import environment, write_plots, write_report
     from .runner import BenchConfig, run_bench
 
@@ -75,7 +75,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers) -> None:
-    from ..cli import add_policy_arguments
+    from ..policy_flags import add_policy_arguments
 
     bench = subparsers.add_parser(
         "bench", help="throughput / latency / bytes-moved benchmark of the policies"

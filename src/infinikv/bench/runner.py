@@ -35,7 +35,6 @@ from ..cache import InfinikvCache, chunk_bounds
 from ..errors import InfinikvError, InputError
 from ..models import LoadedModel
 from ..policies import POLICIES, make_config
-from ..policies.base import Policy as BasePolicy
 from . import linkmodel
 from .peers import PEERS, peer_factory, peer_kv_bytes, peer_unavailable
 
@@ -303,7 +302,7 @@ def make_runners(loaded: LoadedModel, config: BenchConfig) -> tuple[list[Runner]
                 name,
                 "policy",
                 lambda c=policy_config: InfinikvCache(loaded.model, c, device=loaded.device),
-                overlapped=cls.before_attention is not BasePolicy.before_attention,
+                overlapped=cls.prefetches,
                 partial_ratio=float(policy_config.knobs().get("partial_ratio", 0.0)),
             )
         )
@@ -321,9 +320,9 @@ def make_runners(loaded: LoadedModel, config: BenchConfig) -> tuple[list[Runner]
 def run_bench(loaded: LoadedModel, config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run the grid; returns {"config", "model", "cells": [...]} (see ``summarise`` for each row's fields)."""
     if "infinigen" in config.policies:
-        from .. import skew
+        from ..policies.infinigen import ensure_skew
 
-        skew.ensure(loaded)  # InfiniGen needs the model's skewing matrices: calibrate once if none is cached
+        ensure_skew(loaded)  # InfiniGen needs the model's skewing matrices: calibrate once if none is cached
     runners, skipped_peers = make_runners(loaded, config)
     steps = config.gen - 1
     cells = []

@@ -24,9 +24,9 @@ def _floats(text: str) -> list[float]:
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
-    from ..cli import policy_knobs
     from ..models import load
     from ..policies import make_config
+    from ..policy_flags import policy_knobs
     from .ppl import PerplexityConfig, perplexity
 
     config = PerplexityConfig(args.text, args.context, args.prefill, args.windows)
@@ -47,9 +47,9 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 
 
 def cmd_retrieval(args: argparse.Namespace) -> int:
-    from ..cli import policy_knobs
     from ..models import load
     from ..policies import make_config
+    from ..policy_flags import policy_knobs
     from .retrieval import evaluate
     from .tasks import TASKS
 
@@ -144,8 +144,8 @@ def _pct(value: float | None) -> str:
 
 
 def register_cli(subparsers) -> None:
-    from ..cli import add_policy_arguments
     from ..models import DEFAULT_MODEL
+    from ..policy_flags import add_policy_arguments
     from .retrieval import DEFAULT_DEPTHS
 
     parser = subparsers.add_parser("eval", help="perplexity, retrieval accuracy, sweeps and reports")

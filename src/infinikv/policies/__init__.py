@@ -1,7 +1,9 @@
 """KV policies: what each attention layer sees and what crosses from the host pool to the device."""
 
-from .base import ModelSpec, Policy, PolicyConfig, Selection, resolve_budget
+from ..spec import ModelSpec
+from .base import HostPoolPolicy, Policy, PolicyConfig, Selection, knob, resolve_budget
 from .dense import DenseConfig, DensePolicy
+from .gather import GatherPolicy
 from .h2o import H2OConfig, H2OPolicy
 from .infinigen import InfiniGenConfig, InfiniGenPolicy
 from .offload import OffloadConfig, OffloadPolicy
@@ -25,7 +27,10 @@ __all__ = [
     "DensePolicy",
     "InfiniGenConfig",
     "InfiniGenPolicy",
+    "GatherPolicy",
+    "HostPoolPolicy",
     "ModelSpec",
+    "knob",
     "OffloadConfig",
     "OffloadPolicy",
     "OracleConfig",

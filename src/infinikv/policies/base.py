@@ -3,23 +3,29 @@
 A policy owns the KV cache of one generation run. The cache (``infinikv.cache``) calls it, per layer:
 
 * ``prefill(layer, k, v)`` with each prompt chunk's K/V; it stores them and returns the K/V the chunk
-  attends to (prefill attention is always dense, over everything stored so far);
-* ``before_attention(layer, x, position_ids)`` with layer ``layer``'s normalised input, before its q/k/v
-  projections (a look-ahead point: InfiniGen rehearses layer ``layer + 1`` here and starts its prefetch);
+  attends to (prefill attention is dense, over everything stored so far);
+* ``plan(layer, x, position_ids)``, only for policies that declare ``prefetches = True``: once per decode
+  step, from the previous layer's pre-attention hook (layer 0: its own), decide what ``layer`` will read and
+  start copying it from the host pool, so the copy overlaps the previous layer's compute. ``x`` is the
+  normalised input of the layer whose hook runs (InfiniGen rehearses ``layer``'s attention from it);
+* ``before_attention(layer, x, position_ids)`` with ``layer``'s own normalised input, before its q/k/v
+  projections (a policy that needs the layer's real query computes it here, as Quest does);
 * ``decode(layer, k_new, v_new)`` with the new token's K/V; it stores them and returns a :class:`Selection`,
   the K/V the layer attends to this step;
 * ``attend(layer, q, k, v, mask, scaling)``, the attention itself (SDPA unless the policy needs the
   attention weights, as H2O does).
 
-``stats()`` reports what the policy did. Policies never touch the engine, the tokenizer or the sampler.
-A new policy is one file in this package, a frozen dataclass config, and one line in ``registry.py``.
+:class:`HostPoolPolicy` is the base of every policy whose KV lives in the host pool: it owns the pool, the
+prompt storage and the prefetch bookkeeping, so a policy only says what to copy (``start_fetch``) and what
+to attend to. Configs are frozen dataclasses whose fields are declared with :func:`knob`: a docstring per
+knob and its valid range, checked once in :class:`PolicyConfig` for every policy. A new policy is one file
+in this package and one line in ``registry.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -27,43 +33,9 @@ import torch.nn.functional as F
 
 from ..errors import PolicyError
 from ..kvpool import KVPool
+from ..spec import ModelSpec
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What a policy needs to know about the model, independent of the transformers class."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    sliding_window: tuple[int | None, ...]  # per layer: window size for sliding-window layers, else None
-    attention: tuple[torch.nn.Module, ...] = field(repr=False, default=())  # per layer: the attention module
-    # rope(layer, x, position_ids) -> (cos, sin) for that layer's rotary embedding
-    rope: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = field(repr=False, default=None)
-    name: str = "model"
-    weights_id: str = ""  # LoadedModel.weights_id; keys per-model files such as InfiniGen's skew
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    def is_sliding(self, layer: int) -> bool:
-        return self.sliding_window[layer] is not None
-
-    def query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
-        """Post-RoPE query of ``layer`` [batch, heads, q, d] for normalised input x [batch, q, hidden]."""
-        attn = self.attention[layer]
-        q = attn.q_proj(x).view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):  # Gemma-3 normalises queries per head before RoPE
-            q = attn.q_norm(q)
-        cos, sin = self.rope(layer, x, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        half = q.shape[-1] // 2
-        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
-        return q * cos + rotated * sin
 
 
 @dataclass
@@ -72,38 +44,101 @@ class Selection:
 
     ``keys``/``values``: [batch, kv_heads, n, head_dim] on the compute device. ``positions``: None when they
     are all cached tokens in position order (then the model's mask applies as is); otherwise the token
-    positions [batch, kv_heads, n] of each row, used to pick the matching mask entries.
+    positions [batch, kv_heads, n] of each row, used to pick the matching mask entries. ``valid``: None, or
+    bool [batch, kv_heads, n] where False hides an entry (a batch's gather is as wide as its widest row; a
+    narrower row's extra entries are hidden, so its result does not depend on its batchmates).
     """
 
     keys: Tensor
     values: Tensor
     positions: Tensor | None = None
+    valid: Tensor | None = None
+
+
+# -- configs -------------------------------------------------------------------------------------------------
+def knob(
+    default: Any,
+    doc: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+    allow_inf: bool = False,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A policy knob: its default, what it means (shown by ``infinikv policies``) and its valid values.
+
+    ``low``/``high`` bound numbers (``open_low``: strictly above ``low``); numbers must be finite unless
+    ``allow_inf``; ``choices`` lists a string knob's values."""
+    meta = {"doc": doc, "low": low, "high": high, "open_low": open_low, "allow_inf": allow_inf}
+    return field(default=default, metadata={**meta, "choices": choices})
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Base of every policy's config. Subclasses add knobs with the shared names
-    (budget, alpha, partial_ratio, capacity, eviction, bits, group_size, n_sink, window, page_size)."""
+    """Base of every policy's config. Knobs share names across policies (budget, alpha, partial_ratio,
+    capacity, eviction, bits, group_size, n_sink, window, page_size, dense_layers, …) and are checked here,
+    from their :func:`knob` declarations, before any model work."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            _check_knob(f.name, f.type, getattr(self, f.name), f.metadata)
 
     def knobs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    @classmethod
+    def knob_docs(cls) -> dict[str, str]:
+        """Each knob's meaning, as declared."""
+        return {f.name: f.metadata.get("doc", "") for f in fields(cls)}
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: None if f.default is MISSING else f.default for f in fields(cls)}
+
     def prepare(self, loaded: Any) -> None:
         """Model-level work before a policy first runs on ``loaded`` (a LoadedModel), e.g. InfiniGen's
-        calibration. The Generator calls it; most policies need nothing."""
+        calibration. The drivers call it; most policies need nothing."""
 
 
-def resolve_budget(budget: float, context: int) -> int:
-    """``budget`` <= 1 is a fraction of ``context`` (1 = all of it); otherwise a token count. At least one
-    token."""
-    if budget <= 0:
+def _check_knob(name: str, kind: Any, value: Any, meta: Any) -> None:
+    kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise PolicyError(f"{name} must be true or false, got {value!r}")
+        return
+    if kind == "str":
+        choices = meta.get("choices")
+        if not isinstance(value, str) or (choices and value not in choices):
+            allowed = f"one of {', '.join(choices)}" if choices else "a string"
+            raise PolicyError(f"{name} must be {allowed}, got {value!r}")
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PolicyError(f"{name} must be a number, got {value!r}")
+    if kind == "int" and (isinstance(value, float) and not value.is_integer()):
+        raise PolicyError(f"{name} must be a whole number, got {value}")
+    if math.isnan(value) or (math.isinf(value) and not meta.get("allow_inf")):
+        raise PolicyError(f"{name} must be a finite number, got {value}")
+    low, high = meta.get("low"), meta.get("high")
+    if low is not None and (value <= low if meta.get("open_low") else value < low):
+        raise PolicyError(f"{name} must be {'>' if meta.get('open_low') else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise PolicyError(f"{name} must be <= {high}, got {value}")
+
+
+def resolve_budget(budget: float, context: int, capped: bool = True) -> int:
+    """Tokens a ``budget`` stands for: <= 1 is a fraction of ``context`` (1 = all of it, at least one token),
+    above 1 a token count. ``capped``: never more than ``context`` (False keeps a token count's meaning while
+    the context grows)."""
+    if not budget > 0:
         raise PolicyError(f"budget must be positive, got {budget}")
     tokens = math.ceil(budget * context) if budget <= 1 else int(budget)
-    return max(1, min(tokens, context))
+    return max(1, min(tokens, context) if capped or budget <= 1 else tokens)
 
 
+# -- policies ------------------------------------------------------------------------------------------------
 class Policy:
-    """Base class. The default behaviour is dense attention over KV kept on the compute device."""
+    """Base class: the seam, statistics, and no KV storage of its own."""
 
     name: ClassVar[str]
     config_class: ClassVar[type[PolicyConfig]]
@@ -112,6 +147,9 @@ class Policy:
     # over the prompt again. "dense": prompt attention is plain dense attention over the full-precision
     # K/V and the policy keeps what it is handed. None: never shared.
     prefill_family: ClassVar[str | None] = None
+    # True when plan() starts a copy of a layer's KV before that layer runs (overlapping the previous
+    # layer's compute); the cache calls plan() only then, and the bench's link model trusts it.
+    prefetches: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
         self.config = config
@@ -119,7 +157,6 @@ class Policy:
         self.device = torch.device(device)
         # Which cached positions are real tokens (not left padding): [batch, tokens], kept by the cache.
         self.key_valid: Tensor | None = None
-        self.decode_steps = 0
         self._attended_tokens = 0.0  # summed over layers and steps, averaged over batch and heads
         self._attended_calls = 0
 
@@ -134,8 +171,11 @@ class Policy:
     def restore_prefill_state(self, state: Any) -> None:
         """Take the ``prefill_state`` of a policy of the same family, after a replayed prefill."""
 
+    def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        """Look-ahead for ``layer`` (prefetching policies only): decide what it reads and start the copy."""
+
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        """Look-ahead hook; most policies need none."""
+        """``layer``'s own input, before its attention; most policies need nothing here."""
 
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
         raise NotImplementedError
@@ -154,6 +194,7 @@ class Policy:
         raise NotImplementedError
 
     def pool(self) -> KVPool | None:
+        """The pool whose counters hold this policy's copies (None: it moves nothing)."""
         return None
 
     def stats(self) -> dict[str, Any]:
@@ -183,7 +224,57 @@ class Policy:
         self._attended_tokens += float(n_tokens if window is None else min(n_tokens, window))
         self._attended_calls += 1
 
+    def past_valid(self, n_past: int, batch: int) -> Tensor:
+        """bool [batch, n_past]: which past positions hold real tokens (False = left padding)."""
+        if self.key_valid is None:
+            return torch.ones(batch, n_past, dtype=torch.bool, device=self.device)
+        return self.key_valid[:, :n_past].to(self.device)
 
+
+class HostPoolPolicy(Policy):
+    """KV in the host pool, copied to the compute device as each layer needs it.
+
+    Owns the pool and what every such policy repeats: prompt chunks are appended to the pool (and attend
+    densely to everything stored so far); ``plan`` (called by the cache for prefetching policies) starts a
+    subclass's ``start_fetch`` one layer ahead; ``take_fetch`` in ``decode`` picks it up, or starts it then.
+    """
+
+    def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device, overlap: str = "thread"):
+        super().__init__(config, spec, device)
+        self.host_pool = KVPool(spec.num_layers, device, host=True, overlap=overlap)
+        self._in_flight: dict[int, Any] = {}
+
+    def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Any:
+        """Begin copying what ``layer`` reads this step; returns what ``decode`` needs to finish it. ``x``
+        is the look-ahead input when called from ``plan``, None when called late from ``decode``."""
+        raise NotImplementedError
+
+    def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        self._in_flight[layer] = self.start_fetch(layer, x, position_ids)
+
+    def take_fetch(self, layer: int) -> Any:
+        """The copy ``plan`` started for ``layer``, or one started now."""
+        started = self._in_flight.pop(layer, None)
+        return started if started is not None else self.start_fetch(layer)
+
+    def seq_length(self, layer: int) -> int:
+        return self.host_pool.length(layer)
+
+    def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.host_pool.extend(layer, k, v)
+
+    def device_bytes(self) -> int:
+        """Bytes a subclass keeps on the compute device besides what it copies each step (metadata)."""
+        return 0
+
+    def kv_bytes(self) -> dict[str, int]:
+        return {"host": self.host_pool.nbytes(), "device": self.device_bytes()}
+
+    def pool(self) -> KVPool:
+        return self.host_pool
+
+
+# -- attention -----------------------------------------------------------------------------------------------
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
     """Scaled dot-product attention with grouped-query heads.
 

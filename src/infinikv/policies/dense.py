@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kvpool import KVPool
-from .base import ModelSpec, Policy, PolicyConfig, Selection
+from ..spec import ModelSpec
+from .base import Policy, PolicyConfig, Selection
 
 Tensor = torch.Tensor
 

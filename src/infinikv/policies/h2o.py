@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kvpool import KVPool, Transfer
-from .base import ModelSpec, Policy, PolicyConfig, Selection, attention, attention_weights
-from .selective import budget_tokens
+from ..kvpool import Transfer
+from ..spec import ModelSpec
+from .base import HostPoolPolicy, PolicyConfig, Selection, attention, attention_weights, knob, resolve_budget
 
 Tensor = torch.Tensor
 SCORE_ROWS = 256  # prefill query rows scored at once (bounds the [rows, tokens] weight block)
@@ -34,28 +34,23 @@ SCORE_ROWS = 256  # prefill query rows scored at once (bounds the [rows, tokens]
 
 @dataclass(frozen=True)
 class H2OConfig(PolicyConfig):
-    """budget: tokens attended per layer and step (<= 1: fraction of the prompt). heavy_ratio: share of the
-    budget held by heavy hitters; the rest is the recent window."""
-
-    budget: float = 0.2
-    heavy_ratio: float = 0.5
-
-    def __post_init__(self):
-        if self.budget <= 0:
-            raise ValueError(f"budget must be positive, got {self.budget}")
-        if not 0 <= self.heavy_ratio <= 1:
-            raise ValueError(f"heavy_ratio must be in [0, 1], got {self.heavy_ratio}")
+    budget: float = knob(
+        0.2, "tokens attended per layer and step (<= 1: fraction of the prompt)", low=0, open_low=True
+    )
+    heavy_ratio: float = knob(
+        0.5, "share of the budget held by heavy hitters; the rest is the recent window", low=0, high=1
+    )
 
 
-class H2OPolicy(Policy):
+class H2OPolicy(HostPoolPolicy):
     name = "h2o"
     config_class = H2OConfig
     prefill_family = "h2o"  # the prompt's attention scores do not depend on the knobs
+    prefetches = True
 
     def __init__(self, config: H2OConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
         layers = spec.num_layers
-        self.host_pool = KVPool(layers, device, host=True, overlap="thread")
         self.seen = [0] * layers  # tokens seen per layer (kept or evicted)
         self.score: list[Tensor | None] = [
             None
@@ -63,7 +58,6 @@ class H2OPolicy(Policy):
         self.slot_pos: list[Tensor | None] = [None] * layers  # token position of each slot, after the prompt
         self.limits: list[tuple[int, int] | None] = [None] * layers  # (budget, recent) in tokens
         self._new: dict[int, tuple[Tensor, Tensor]] = {}
-        self._in_flight: dict[int, Transfer] = {}
 
     def seq_length(self, layer: int) -> int:
         return self.seen[layer]
@@ -121,7 +115,7 @@ class H2OPolicy(Policy):
         if window is not None:
             budget, recent = window, window  # sliding layers: exactly their window, no heavy hitters
         else:
-            budget = budget_tokens(self.config.budget, n)
+            budget = resolve_budget(self.config.budget, n, capped=False)
             recent = budget - min(round(self.config.heavy_ratio * budget), budget - 1)
         self.limits[layer] = (budget, recent)
         heads = self.spec.num_kv_heads
@@ -137,16 +131,19 @@ class H2OPolicy(Policy):
             positions, score = keep, score.gather(2, keep)
         self.slot_pos[layer], self.score[layer] = positions, score
 
-    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        for target in (layer, layer + 1) if layer == 0 else (layer + 1,):
-            if target < self.spec.num_layers and self.slot_pos[target] is not None:
-                self._in_flight[target] = self.host_pool.fetch(target)
+    def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        if self.slot_pos[layer] is not None:  # from the second step on: the prompt is cut at the first
+            super().plan(layer, x, position_ids)
+
+    def start_fetch(
+        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Transfer:
+        return self.host_pool.fetch(layer)
 
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
         if self.slot_pos[layer] is None:
             self._compact(layer, k_new.shape[0])
-        transfer = self._in_flight.pop(layer, None) or self.host_pool.fetch(layer)
-        past_k, past_v = transfer.wait()
+        past_k, past_v = self.take_fetch(layer).wait()
         self._new[layer] = (k_new, v_new)
         slots = self.slot_pos[layer]
         positions = torch.cat([slots, slots.new_full((*slots.shape[:2], 1), self.seen[layer])], dim=2)
@@ -206,9 +203,3 @@ class H2OPolicy(Policy):
         batch = positions.shape[0]
         valid = self.key_valid.to(positions.device)
         return valid.gather(1, positions.reshape(batch, -1)).view_as(positions)
-
-    def kv_bytes(self) -> dict[str, int]:
-        return {"host": self.host_pool.nbytes(), "device": 0}
-
-    def pool(self) -> KVPool:
-        return self.host_pool

@@ -22,31 +22,28 @@ import torch
 
 from ..errors import PolicyError
 from ..kvpool import KVPool, Transfer
-from .base import ModelSpec, Policy, PolicyConfig, Selection
+from ..spec import ModelSpec
+from .base import HostPoolPolicy, PolicyConfig, Selection, knob
 
 Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
 class QuantConfig(PolicyConfig):
-    """bits: 8, 4, 2 (16 = no quantization). group_size: values per scale/minimum. scheme: "group" (per
-    token, groups along head_dim) or "kivi" (keys per channel over token groups, values per token).
-    residual: newest tokens kept in full precision (kivi only)."""
-
-    bits: int = 4
-    group_size: int = 64
-    scheme: str = "group"
-    residual: int = 128
+    bits: int = knob(4, "bits per value: 8, 4 or 2 (16 = stored unquantized)", low=2, high=16)
+    group_size: int = knob(64, "values per scale and minimum", low=1)
+    scheme: str = knob(
+        "group",
+        '"group": per token, groups along head_dim (FlexGen); "kivi": keys per channel over groups of '
+        "tokens, values per token (KIVI)",
+        choices=("group", "kivi"),
+    )
+    residual: int = knob(128, "kivi only: newest tokens kept in full precision on the device", low=0)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.bits not in (2, 4, 8, 16):
-            raise ValueError(f"bits must be 2, 4, 8 or 16, got {self.bits}")
-        if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
-        if self.scheme not in ("group", "kivi"):
-            raise ValueError(f"scheme must be 'group' or 'kivi', got '{self.scheme}'")
-        if self.residual < 0:
-            raise ValueError(f"residual must be >= 0, got {self.residual}")
+            raise PolicyError(f"bits must be 2, 4, 8 or 16, got {self.bits}")
 
 
 # -- codes ---------------------------------------------------------------------------------------------------
@@ -81,10 +78,11 @@ def dequantize(codes: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
     return codes.to(scale.dtype) * scale + minimum
 
 
-class QuantPolicy(Policy):
+class QuantPolicy(HostPoolPolicy):
     name = "quant"
     config_class = QuantConfig
     prefill_family = None  # later prompt chunks attend to K/V quantized with this config's knobs
+    prefetches = True
 
     def __init__(self, config: QuantConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
@@ -96,15 +94,12 @@ class QuantPolicy(Policy):
                 f"quant: group_size {config.group_size} does not divide head_dim {spec.head_dim}"
             )
         layers = spec.num_layers
-        self.codes = KVPool(
-            layers, device, host=True, overlap="thread"
-        )  # packed codes (or raw K/V at 16 bits)
+        self.codes = self.host_pool  # packed codes (or raw K/V at 16 bits)
         self.key_params = KVPool(layers, device, host=True, overlap="thread")  # key scale, key minimum
         self.value_params = KVPool(layers, device, host=True, overlap="thread")  # value scale, value minimum
         # One set of counters: bytes moved are the sum over the three pools.
         self.key_params.counters = self.value_params.counters = self.codes.counters
         self.tail: list[tuple[Tensor, Tensor] | None] = [None] * layers  # kivi: full-precision newest tokens
-        self._in_flight: dict[int, tuple[int, list[Transfer]]] = {}
 
     # -- storage -------------------------------------------------------------------------------------------
     def seq_length(self, layer: int) -> int:
@@ -151,6 +146,11 @@ class QuantPolicy(Policy):
         return self.key_valid[:, start : start + count].to(device)
 
     # -- loading -------------------------------------------------------------------------------------------
+    def start_fetch(
+        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> tuple[int, list[Transfer]]:
+        return self._start(layer)
+
     def _start(self, layer: int, whole: bool = False) -> tuple[int, list[Transfer]]:
         """Begin copying what ``layer``'s next token attends to (``whole``: everything) from the pool:
         returns (first position copied, transfers)."""
@@ -207,13 +207,8 @@ class QuantPolicy(Policy):
         self._store(layer, k, v)
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
-    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        for target in (layer, layer + 1) if layer == 0 else (layer + 1,):
-            if target < self.spec.num_layers:
-                self._in_flight[target] = self._start(target)
-
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
-        first, transfers = self._in_flight.pop(layer, None) or self._start(layer)
+        first, transfers = self.take_fetch(layer)
         past_k, past_v = self._load(layer, transfers, k_new.dtype)
         n_past = self.seq_length(layer)
         self._store(layer, k_new, v_new)
@@ -228,9 +223,6 @@ class QuantPolicy(Policy):
         host = self.codes.nbytes() + self.key_params.nbytes() + self.value_params.nbytes()
         device = sum(2 * t[0].numel() * t[0].element_size() for t in self.tail if t is not None)
         return {"host": host, "device": device}
-
-    def pool(self) -> KVPool:
-        return self.codes
 
     def close(self) -> None:
         for pool in (self.codes, self.key_params, self.value_params):

@@ -19,31 +19,26 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ModelSpec, PolicyConfig
-from .selective import SelectivePolicy, budget_tokens
+from ..spec import ModelSpec
+from .base import PolicyConfig, knob, resolve_budget
+from .gather import GatherPolicy
 
 Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
 class QuestConfig(PolicyConfig):
-    """budget: tokens attended per layer and step (<= 1: fraction of the context). page_size: tokens per page.
-    dense_layers: leading layers that attend to everything (the paper keeps the first two dense)."""
-
-    budget: float = 0.2
-    page_size: int = 16
-    dense_layers: int = 2
-
-    def __post_init__(self):
-        if self.budget <= 0:
-            raise ValueError(f"budget must be positive, got {self.budget}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.dense_layers < 0:
-            raise ValueError(f"dense_layers must be >= 0, got {self.dense_layers}")
+    budget: float = knob(
+        0.2,
+        "tokens attended per layer and step (<= 1: fraction of the current context)",
+        low=0,
+        open_low=True,
+    )
+    page_size: int = knob(16, "tokens per page", low=1)
+    dense_layers: int = knob(2, "leading layers that attend to everything (the paper keeps two)", low=0)
 
 
-class QuestPolicy(SelectivePolicy):
+class QuestPolicy(GatherPolicy):
     name = "quest"
     config_class = QuestConfig
 
@@ -105,7 +100,7 @@ class QuestPolicy(SelectivePolicy):
         n_pages = n_past // size
         partial = torch.arange(n_pages * size, n_past, device=self.device)
         query = self._query.pop(layer, None)
-        budget = budget_tokens(self.config.budget, n_past + 1)
+        budget = resolve_budget(self.config.budget, n_past + 1, capped=False)
         take = min(n_pages, max(0, (budget - partial.numel() - 1) // size))
         if query is None or take == n_pages:  # a dense layer, or every page fits
             return torch.arange(n_past, device=self.device).expand(batch, self.spec.num_kv_heads, -1)
@@ -127,9 +122,6 @@ class QuestPolicy(SelectivePolicy):
         bound = torch.where(real, bound, float("-inf"))
         return bound.topk(take, dim=-1).indices.sort(dim=-1).values
 
-    def kv_bytes(self) -> dict[str, int]:
-        device = 0
-        for meta in (*self.page_max, *self.page_min, *self._partial_max, *self._partial_min):
-            if meta is not None:
-                device += meta.numel() * meta.element_size()
-        return {"host": self.host_pool.nbytes(), "device": device}
+    def device_bytes(self) -> int:
+        metadata = (*self.page_max, *self.page_min, *self._partial_max, *self._partial_min)
+        return sum(meta.numel() * meta.element_size() for meta in metadata if meta is not None)

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from ..errors import PolicyError
-from .base import ModelSpec, Policy, PolicyConfig
+from ..spec import ModelSpec
+from .base import Policy, PolicyConfig
 from .dense import DensePolicy
 from .h2o import H2OPolicy
 from .infinigen import InfiniGenPolicy
@@ -52,8 +53,8 @@ def make_config(name: str, **knobs: Any) -> PolicyConfig:
         )
     try:
         return config_class(**given)
-    except (TypeError, ValueError) as exc:
-        raise PolicyError(f"policy '{name}': {exc}") from exc
+    except (TypeError, ValueError, PolicyError) as exc:
+        raise PolicyError(f"policy '{name}': {exc}") from None
 
 
 def make_policy(policy: PolicyConfig | str, spec: ModelSpec, device: torch.device, **knobs: Any) -> Policy:

@@ -21,31 +21,27 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ModelSpec, PolicyConfig
-from .selective import SelectivePolicy
+from ..spec import ModelSpec, rotate_half
+from .base import PolicyConfig, knob
+from .gather import GatherPolicy
 
 Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
 class StreamingConfig(PolicyConfig):
-    """n_sink: initial tokens always kept (the paper uses 4). window: recent tokens kept, the new token
-    included (the paper's 1,024-token cache = 4 sinks + 1,020 recent)."""
-
-    n_sink: int = 4
-    window: int = 1020
-
-    def __post_init__(self):
-        if self.n_sink < 0:
-            raise ValueError(f"n_sink must be >= 0, got {self.n_sink}")
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+    n_sink: int = knob(4, "initial tokens always kept (the paper uses 4)", low=0)
+    window: int = knob(
+        1020,
+        "recent tokens kept, the new token included (the paper's 1,024-token cache = 4 sinks + 1,020 recent)",
+        low=1,
+    )
 
 
-class StreamingPolicy(SelectivePolicy):
+class StreamingPolicy(GatherPolicy):
     name = "streaming"
     config_class = StreamingConfig
-    prefetch = True
+    prefetches = True
 
     def __init__(self, config: StreamingConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
@@ -76,6 +72,4 @@ class StreamingPolicy(SelectivePolicy):
         scale, _ = rope(layer, keys, torch.zeros_like(skipped[:, None]).to(keys.device))
         cos, sin = (cos / scale[..., :1]).unsqueeze(1), (sin / scale[..., :1]).unsqueeze(1)
         head = keys[:, :, :sinks]
-        half = head.shape[-1] // 2
-        rotated = torch.cat((-head[..., half:], head[..., :half]), dim=-1)
-        return torch.cat([head * cos + rotated * sin, keys[:, :, sinks:]], dim=2)
+        return torch.cat([head * cos + rotate_half(head) * sin, keys[:, :, sinks:]], dim=2)

@@ -1,8 +1,9 @@
 """``infinigen``: speculative KV selection and prefetch (Lee et al., OSDI 2024, https://arxiv.org/abs/2406.19707).
 
 The full K/V of every layer live in the host pool. Each layer that InfiniGen manages keeps, on the compute
-device, a *partial key cache*: its post-RoPE keys times the skewing matrix A (``infinikv.skew``), restricted
-to a few columns. In a decode step, inside layer i's pre-attention hook, the policy rehearses layer i+1:
+device, a *partial key cache*: its post-RoPE keys times the skewing matrix A (``calibration.py``), restricted
+to a few columns. In a decode step, from layer i's pre-attention hook (the cache calls ``plan(i+1)``), the
+policy rehearses layer i+1:
 
 1. speculative query q̂ = (RoPE(x W_q,i+1) A)[cols] from layer i's normalised input x;
 2. scores s = q̂ · K̃_i+1[:, cols]ᵀ · scale per query head, taken relative to that head's best score, then
@@ -22,8 +23,9 @@ scores are taken relative to its own best before the group's heads are combined 
 fetched once for the whole group, so it needs the union of what its query heads want; combining raw
 logits would let a head with large logits, e.g. on an attention sink, hide what the others need); the
 threshold count is averaged over the KV heads of each sequence; when the sequences of a batch get
-different n', all get the largest and a shorter row's extra entries are its next-best tokens (or, past its
-real tokens, left-padding slots that the mask hides).
+different n', the gather is as wide as the largest and each row's entries past its own n' are hidden
+(``Selection.valid``), so a sequence attends to exactly what it would attend to alone; the bytes counted
+are those copied, the tokens attended those each row sees.
 
 Host pool capacity (``capacity``): at most 1 is a fraction, above 1 a token count. After t tokens have been
 seen, a layer's pool holds at most ⌈capacity·t⌉ (or ``capacity``) tokens per sequence and KV head, counted
@@ -45,9 +47,13 @@ from typing import Any
 
 import torch
 
-from ..errors import PolicyError
-from ..kvpool import KVPool, Transfer
-from .base import ModelSpec, Policy, PolicyConfig, Selection, resolve_budget
+from ...errors import PolicyError
+from ...kvpool import Transfer
+from ...spec import ModelSpec
+from ..base import HostPoolPolicy, PolicyConfig, Selection, knob, resolve_budget
+from . import skewfile
+from .skewfile import Skew
+from .slots import SlotTable
 
 Tensor = torch.Tensor
 EVICTIONS = ("fifo", "lru", "counter")
@@ -56,142 +62,59 @@ _SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 
 
 @dataclass(frozen=True)
 class InfiniGenConfig(PolicyConfig):
-    """alpha: threshold in logit units (tokens within alpha of a head's best speculative score are counted;
-    inf = all); partial_ratio: share of head_dim columns used for speculation; budget: cap on tokens fetched
-    per layer (fraction of context if <= 1, else tokens); capacity: host pool size (fraction of the tokens
-    seen if <= 1, else tokens; 1 = no eviction); eviction: fifo | lru | counter; dense_layers: the first
-    layers that always load their full KV; skew: False uses the identity instead of the skewing matrices
-    (partial columns still chosen by the same rule)."""
-
-    alpha: float = 5.0
-    partial_ratio: float = 0.2
-    budget: float = 0.2
-    capacity: float = 1.0
-    eviction: str = "counter"
-    dense_layers: int = 2
-    skew: bool = True
-
-    def __post_init__(self):
-        if math.isnan(self.alpha) or self.alpha <= 0:
-            raise PolicyError(f"alpha must be positive (inf allowed), got {self.alpha}")
-        if not 0 < self.partial_ratio <= 1:
-            raise PolicyError(f"partial_ratio must be in (0, 1], got {self.partial_ratio}")
-        if not 0 < self.budget < math.inf:
-            raise PolicyError(f"budget must be positive and finite, got {self.budget}")
-        if not 0 < self.capacity < math.inf:
-            raise PolicyError(f"capacity must be positive and finite, got {self.capacity}")
-        if self.eviction not in EVICTIONS:
-            raise PolicyError(f"eviction must be one of {', '.join(EVICTIONS)}, got '{self.eviction}'")
-        if (
-            not isinstance(self.dense_layers, int)
-            or isinstance(self.dense_layers, bool)
-            or self.dense_layers < 0
-        ):
-            raise PolicyError(f"dense_layers must be a non-negative integer, got {self.dense_layers}")
-        if not isinstance(self.skew, bool):
-            raise PolicyError(f"skew must be true or false, got {self.skew!r}")
+    alpha: float = knob(
+        5.0,
+        "threshold in logit units: tokens within alpha of a head's best speculative score are counted "
+        "(inf = all, then the budget alone decides)",
+        low=0,
+        open_low=True,
+        allow_inf=True,
+    )
+    partial_ratio: float = knob(
+        0.2, "share of head_dim columns used for speculation", low=0, high=1, open_low=True
+    )
+    budget: float = knob(
+        0.2, "cap on tokens fetched per layer (<= 1: fraction of the context)", low=0, open_low=True
+    )
+    capacity: float = knob(
+        1.0,
+        "host pool size (<= 1: fraction of the tokens seen, else tokens; 1 = no eviction)",
+        low=0,
+        open_low=True,
+    )
+    eviction: str = knob("counter", "which slot a full pool overwrites", choices=EVICTIONS)
+    dense_layers: int = knob(2, "the first layers, which always load their full KV", low=0)
+    skew: bool = knob(
+        True, "false: the identity instead of the skewing matrices (partial columns by the same rule)"
+    )
 
     def prepare(self, loaded: Any) -> None:
-        from ..skew import ensure
+        from .calibration import ensure_skew
 
-        ensure(loaded)
-
-
-class _SlotPool(KVPool):
-    """The host pool plus compaction: keep only some slots of a layer (capacity cut when decoding starts)."""
-
-    def keep(self, layer: int, index: Tensor) -> None:
-        """Keep the slots ``index`` [batch, kv_heads, m] of ``layer``, in that order, as slots 0..m-1."""
-        index = index.to("cpu")[..., None].expand(-1, -1, -1, self._keys[layer].shape[-1])
-        for store in (self._keys, self._values):
-            kept = torch.gather(store[layer][:, :, : self._length[layer]], 2, index)
-            store[layer] = self._alloc(tuple(kept.shape), kept.dtype)
-            store[layer].copy_(kept)
-        self._length[layer] = index.shape[2]
+        ensure_skew(loaded)
 
 
-class _Slots:
-    """Per layer: what each pool slot holds (position, fetch count, last use) and its partial key."""
-
-    def __init__(self):
-        self.n = 0
-        self.pos: Tensor | None = None  # [batch, kv_heads, cap] mask column of the token in each slot
-        self.fetches: Tensor | None = None  # [batch, kv_heads, cap] times the slot was fetched
-        self.last: Tensor | None = None  # [batch, kv_heads, cap] step of the last fetch or store
-        # [batch, kv_heads, k, cap] partial skewed keys of managed layers, slots last: the rehearsal's
-        # q̂ · K̃ᵀ is then a plain matmul over a strided view, with no copy of the slots in use
-        self.partial: Tensor | None = None
-
-    def view(self, name: str) -> Tensor:
-        return getattr(self, name)[..., : self.n]
-
-    def append(self, pos: Tensor, partial: Tensor | None, step: int) -> None:
-        """Add tokens at ``pos`` [batch, kv_heads, q] with their partial keys [batch, kv_heads, q, k]."""
-        q = pos.shape[2]
-        if self.pos is None or self.pos.shape[2] < self.n + q:
-            self._grow(pos, partial, max(self.n + q, 2 * self.n, 256))
-        end = self.n + q
-        self.pos[:, :, self.n : end] = pos
-        self.fetches[:, :, self.n : end] = 0
-        self.last[:, :, self.n : end] = step
-        if partial is not None:
-            self.partial[..., self.n : end] = partial.transpose(2, 3)
-        self.n = end
-
-    def write(self, slots: Tensor, pos: int, partial: Tensor | None, step: int) -> None:
-        """Overwrite slot ``slots[b, h]`` of every (sequence, KV head) with a new token."""
-        index = slots[..., None]
-        self.pos.scatter_(2, index, torch.full_like(index, pos))
-        self.fetches.scatter_(2, index, torch.zeros_like(index))
-        self.last.scatter_(2, index, torch.full_like(index, step))
-        if partial is not None:
-            columns = index[:, :, None].expand(-1, -1, partial.shape[-1], 1)
-            self.partial.scatter_(3, columns, partial.transpose(2, 3))
-
-    def keep(self, index: Tensor) -> None:
-        for name in ("pos", "fetches", "last"):
-            setattr(self, name, torch.gather(self.view(name), 2, index))
-        if self.partial is not None:
-            columns = index[:, :, None].expand(-1, -1, self.partial.shape[2], -1)
-            self.partial = torch.gather(self.view("partial"), 3, columns)
-        self.n = index.shape[2]
-
-    def _grow(self, pos: Tensor, partial: Tensor | None, cap: int) -> None:
-        batch, heads = pos.shape[:2]
-
-        def grown(old: Tensor | None, like: Tensor, *rows: int) -> Tensor:
-            new = like.new_zeros(batch, heads, *rows, cap)
-            if old is not None:
-                new[..., : self.n] = old[..., : self.n]
-            return new
-
-        self.pos = grown(self.pos, pos)
-        self.fetches = grown(self.fetches, pos)
-        self.last = grown(self.last, pos)
-        if partial is not None:
-            self.partial = grown(self.partial, partial, partial.shape[-1])
-
-
-class InfiniGenPolicy(Policy):
+class InfiniGenPolicy(HostPoolPolicy):
     name = "infinigen"
     config_class = InfiniGenConfig
     prefill_family = "dense"
+    prefetches = True
 
-    def __init__(self, config: InfiniGenConfig, spec: ModelSpec, device: torch.device, skew: Any = None):
-        """``skew``: an ``infinikv.skew.Skew``; by default the cached calibration for ``spec.weights_id`` is
-        loaded when the first prompt arrives."""
+    def __init__(
+        self, config: InfiniGenConfig, spec: ModelSpec, device: torch.device, skew: Skew | None = None
+    ):
+        """``skew``: a calibration (``calibration.calibrate``); by default the cached calibration for
+        ``spec.weights_id`` is loaded when the first prompt arrives."""
         super().__init__(config, spec, device)
         if skew is not None:
             skew.check(spec)
         self._skew = skew
-        self.host_pool = _SlotPool(spec.num_layers, device, host=True)
         layers = range(spec.num_layers)
-        self._slots = [_Slots() for _ in layers]
+        self._slots = [SlotTable() for _ in layers]
         self._proj: list[Tensor | None] = [None] * spec.num_layers  # [kv_heads, d, k] for managed layers
         self._seen = [0] * spec.num_layers  # positions (mask columns) seen per layer
         self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
         self._padding: list[int] = []  # left-padding tokens per sequence, kept on the host (no sync per step)
-        self._pending: dict[int, tuple[Transfer, Tensor]] = {}
         self._step = 0
         # statistics
         # mean over the batch per decode step, left on the device until stats() (no host sync per step)
@@ -239,29 +162,28 @@ class InfiniGenPolicy(Policy):
             self._proj[layer] = self._proj[layer].to(k.device, k.dtype)
         return torch.matmul(k, self._proj[layer])  # [batch, kv_heads, tokens, k]
 
-    def _skew_data(self):
+    def _skew_data(self) -> Skew:
         if self._skew is None:
-            from ..skew import cached
-
-            self._skew = cached(self.spec)
+            self._skew = skewfile.cached_skew(self.spec)
             if self._skew is None:
                 raise PolicyError(
                     f"no InfiniGen calibration for these weights ({self.spec.weights_id[:12] or 'unknown'}); "
-                    "run `infinikv calibrate --model …` or infinikv.skew.calibrate(loaded), "
+                    "run `infinikv calibrate --model …` or calibration.calibrate(loaded), "
                     "or pass skew= to InfiniGenPolicy"
                 )
         return self._skew
 
     # -- decode: rehearsal and prefetch ----------------------------------------------------------------------
-    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if layer == 0:
+    def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        if layer == 0:  # the cache plans layer 0 first in every decode step
             self._step += 1
-            self._plan(0, x, position_ids)
-        if layer + 1 < self.spec.num_layers:
-            self._plan(layer + 1, x, position_ids)
+        super().plan(layer, x, position_ids)
 
-    def _plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        """Decide what ``layer`` reads this step and start copying it from the pool."""
+    def start_fetch(
+        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> tuple[Transfer, Tensor, Tensor | None]:
+        """Decide what ``layer`` reads this step and start copying it from the pool: (transfer, positions,
+        valid). Without a look-ahead input ``x`` a managed layer loads everything."""
         slots = self._slots[layer]
         cap = self.limit(layer, self._seen[layer] + 1)
         if slots.n > cap:  # first decode step with a prompt larger than the capacity: cut the pool
@@ -270,8 +192,9 @@ class InfiniGenPolicy(Policy):
             self.host_pool.keep(layer, keep)
             slots.keep(keep)
         window = self.spec.sliding_window[layer]
-        if self.managed(layer):
-            index = self._select(layer, x, position_ids)
+        valid = None
+        if self.managed(layer) and x is not None:
+            index, valid = self._select(layer, x, position_ids)
         elif window is not None:
             index = slots.view("pos").topk(min(window - 1, slots.n), dim=-1).indices
         else:
@@ -288,16 +211,17 @@ class InfiniGenPolicy(Policy):
         row_bytes = 2 * k.shape[-1] * k.element_size()
         self._decode_h2d += positions.numel() * row_bytes
         self._offload_h2d += k.shape[0] * k.shape[1] * self._seen[layer] * row_bytes
-        self._pending[layer] = (self.host_pool.fetch(layer, index, extra=1), positions)
+        return self.host_pool.fetch(layer, index, extra=1), positions, valid
 
-    def _select(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
-        """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, n'] to fetch."""
+    def _select(self, layer: int, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, and which of
+        them each row attends to (None: all)."""
         start = time.perf_counter()
         scores = self.speculate(layer, x, position_ids)
         index, per_row = self.choose(scores, self._real_tokens(layer))
         self._selected[layer].append(per_row.float().mean())
         self._rehearsal_s += time.perf_counter() - start
-        return index
+        return index, self.row_extras_hidden(index, per_row)
 
     def speculate(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
         """Speculative attention logits [batch, kv_heads, slots] of ``layer``, each query head's relative to
@@ -325,8 +249,21 @@ class InfiniGenPolicy(Policy):
         available = (scores > -math.inf).sum(dim=-1).amin(dim=-1)
         budget = torch.tensor([resolve_budget(self.config.budget, max(n, 1)) for n in real_tokens])
         per_row = torch.minimum(torch.minimum(within, available), budget.to(within.device)).clamp(min=0)
-        top = int(per_row.max()) if per_row.numel() else 0  # the gather's size: one host sync per layer
-        return scores.topk(top, dim=-1, sorted=False).indices, per_row
+        counts = per_row.tolist()  # the gather's size: one host sync per layer
+        top = max(counts, default=0)
+        # Rows that take fewer than ``top`` need their own top-n' first (sorted), to hide the rest.
+        ragged = min(counts, default=0) < top
+        return scores.topk(top, dim=-1, sorted=ragged).indices, per_row
+
+    @staticmethod
+    def row_extras_hidden(index: Tensor, per_row: Tensor) -> Tensor | None:
+        """bool [batch, kv_heads, n]: False on the entries past each row's own n' (the gather is as wide as
+        the widest row of the batch; a row attends only to its own choice). None when no row is narrower."""
+        width = index.shape[-1]
+        if not bool((per_row < width).any()):
+            return None
+        rank = torch.arange(width, device=index.device)
+        return (rank < per_row.to(index.device)[:, None])[:, None, :].expand(-1, index.shape[1], -1)
 
     def _has_padding(self) -> bool:
         return any(self._padding)
@@ -350,21 +287,18 @@ class InfiniGenPolicy(Policy):
 
     # -- decode: attend and store ----------------------------------------------------------------------------
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
-        if layer not in self._pending:  # no hook ran for this layer (not expected): fetch everything
-            self._plan_full(layer)
-        transfer, positions = self._pending.pop(layer)
+        transfer, positions, valid = self.take_fetch(layer)
         keys, values = transfer.wait()  # the selected rows plus a spare last slot for the new token
         keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
         position = self._seen[layer]
         self._store(layer, k_new, v_new, position)
         self._seen[layer] = position + 1
-        self.record_attended(layer, positions.shape[2] + 1)
+        attended = positions.shape[2] if valid is None else valid.sum(dim=-1).float().mean().item()
+        self.record_attended(layer, attended + 1)
         newest = torch.full_like(positions[:, :, :1], position)
-        return Selection(keys, values, torch.cat([positions, newest], dim=2))
-
-    def _plan_full(self, layer: int) -> None:
-        slots = self._slots[layer]
-        self._pending[layer] = (self.host_pool.fetch(layer, extra=1), slots.view("pos").clone())
+        if valid is not None:
+            valid = torch.cat([valid, torch.ones_like(valid[:, :, :1])], dim=2)
+        return Selection(keys, values, torch.cat([positions, newest], dim=2), valid)
 
     def _store(self, layer: int, k: Tensor, v: Tensor, position: int) -> None:
         slots = self._slots[layer]
@@ -394,14 +328,10 @@ class InfiniGenPolicy(Policy):
         return (tier * _SHIFT + value.clamp(max=_SHIFT - 1)) * _SHIFT + pos
 
     # -- reporting -------------------------------------------------------------------------------------------
-    def kv_bytes(self) -> dict[str, int]:
-        device = sum(
+    def device_bytes(self) -> int:
+        return sum(
             s.view("partial").numel() * s.partial.element_size() for s in self._slots if s.partial is not None
         )
-        return {"host": self.host_pool.nbytes(), "device": device}
-
-    def pool(self) -> KVPool:
-        return self.host_pool
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

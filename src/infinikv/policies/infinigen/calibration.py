@@ -1,0 +1,152 @@
+"""InfiniGen calibration: per-KV-head skewing matrices and partial-column scores, cached per model.
+
+InfiniGen (Lee et al., OSDI 2024, https://arxiv.org/abs/2406.19707) rehearses layer i+1's attention during
+layer i with a few columns of its query and key. An orthogonal change of basis ("skewing") first moves most
+of the energy of Q and K into few columns, so that those columns approximate QKᵀ well.
+
+Calibration runs the model once over a calibration text (default: the first ``tokens`` tokens of the
+``austen`` corpus, see ``infinikv.data``) and captures each layer's normalised input with a forward
+pre-hook on its attention module; the layer's post-RoPE queries and keys are recomputed from it
+(``ModelSpec.query``/``key``: the same projections, norms and rotary embedding the attention applies). For
+each KV head it stacks the post-RoPE queries of the query heads that share it (g·n rows × d) and takes their
+SVD, Q = UΣVᵀ; the skewing matrix is A = V (columns by descending singular value). A is orthogonal, so
+(QA)(KA)ᵀ = QKᵀ; with grouped-query attention one A per KV head is the only choice that keeps the shared
+keys consistent. RoPE does not commute with A, so A is applied only on the speculation path (to post-RoPE
+queries and keys); the model's own attention is never changed.
+
+Partial columns follow the paper's rule: the k = ⌈partial_ratio·d⌉ columns with the largest
+Σ_tokens |Q̃| + Σ_tokens |K̃| (Q̃ summed over all query heads of the group). The public artifact differs:
+its accuracy path takes the union of the top-k columns by |Q̃| and by |K̃| (up to 2k columns), and its
+speed path the top-k by |Q̃| of the prompt itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from ...errors import InputError
+from ...spec import ModelSpec
+from . import skewfile
+from .skewfile import Skew, skew_path
+
+if TYPE_CHECKING:
+    from ...models import LoadedModel
+
+Tensor = torch.Tensor
+DEFAULT_CORPUS = "austen"
+DEFAULT_TOKENS = 2048
+
+
+def ensure_skew(loaded: LoadedModel) -> Skew:
+    """The cached calibration of ``loaded``, calibrating (with the defaults) if there is none."""
+    found = skewfile.cached_skew(loaded.spec)
+    if found is not None:
+        return found
+    print(f"calibrating InfiniGen skew for {loaded.name} (once per model)", file=sys.stderr)
+    return calibrate(loaded)
+
+
+# -- calibration ---------------------------------------------------------------------------------------------
+class _Capture:
+    """Turns each layer's post-RoPE queries and keys into its skewing matrices and column scores."""
+
+    def __init__(self, spec: ModelSpec, bar: tqdm):
+        self.spec = spec
+        d = spec.head_dim
+        shape = (spec.num_layers, spec.num_kv_heads)
+        self.matrices = torch.zeros(*shape, d, d)
+        self.scores = torch.zeros(*shape, d)
+        self.identity_scores = torch.zeros(*shape, d)
+        self.bar = bar
+
+    def hook(self, layer: int):
+        """A forward pre-hook for ``layer``'s attention module: its input is the normalised hidden state."""
+
+        def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+            self.add(layer, self.spec.query(layer, x, positions), self.spec.key(layer, x, positions))
+
+        return capture
+
+    def add(self, layer: int, q: Tensor, k: Tensor) -> None:
+        group = self.spec.group_size
+        for head in range(self.spec.num_kv_heads):
+            queries = q[0, head * group : (head + 1) * group].reshape(-1, q.shape[-1]).double()
+            keys = k[0, head].double()
+            # Right singular vectors of the group's stacked queries, by descending singular value.
+            basis = torch.linalg.svd(queries, full_matrices=False).Vh.mT
+            self.matrices[layer, head] = basis.float().cpu()
+            self.scores[layer, head] = (
+                ((queries @ basis).abs().sum(0) + (keys @ basis).abs().sum(0)).float().cpu()
+            )
+            self.identity_scores[layer, head] = (queries.abs().sum(0) + keys.abs().sum(0)).float().cpu()
+        self.bar.update(1)
+
+
+def calibration_ids(loaded: LoadedModel, text: str | None, tokens: int) -> tuple[Tensor, str]:
+    """Token ids [1, n] of the calibration text and the source tag that names it."""
+    if tokens < 2:
+        raise InputError(f"calibration needs at least 2 tokens, got {tokens}")
+    tokens = min(tokens, loaded.max_context)
+    if text is None:
+        from ...data import load_corpus
+
+        text, source = load_corpus(DEFAULT_CORPUS), DEFAULT_CORPUS
+    else:
+        source = "text:" + hashlib.sha256(text.encode()).hexdigest()[:12]
+    # Tokenise only a prefix long enough for ``tokens`` (no tokenizer makes more than 1 token per character).
+    ids = loaded.tokenizer(text[: 16 * tokens], return_tensors="pt")["input_ids"][:, :tokens]
+    if ids.shape[1] < 2:
+        raise InputError("calibration text is too short (fewer than 2 tokens)")
+    return ids, source
+
+
+@torch.inference_mode()
+def calibrate(
+    loaded: LoadedModel, text: str | None = None, tokens: int = DEFAULT_TOKENS, save: bool = True
+) -> Skew:
+    """Compute ``loaded``'s skewing matrices and column scores over ``tokens`` tokens of ``text`` (default:
+    the austen corpus); write them to the skew cache unless ``save`` is False."""
+    ids, source = calibration_ids(loaded, text, tokens)
+    spec = loaded.spec
+    with tqdm(total=spec.num_layers, desc="calibrate", unit="layer", leave=False) as bar:
+        capture = _Capture(spec, bar)
+        hooks = [
+            attention.register_forward_pre_hook(capture.hook(layer), with_kwargs=True)
+            for layer, attention in enumerate(spec.attention)
+        ]
+        try:
+            loaded.model(input_ids=ids.to(loaded.device), use_cache=False, logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    skew = Skew(
+        weights_id=loaded.weights_id,
+        model=loaded.name,
+        source=source,
+        tokens=int(ids.shape[1]),
+        matrices=capture.matrices,
+        scores=capture.scores,
+        identity_scores=capture.identity_scores,
+    )
+    if save:
+        skew.save(skew_path(loaded.weights_id, source, skew.tokens))
+    return skew
+
+
+def concentration(skew: Skew, ratio: float, skewed: bool = True) -> float:
+    """Share of Σ|Q̃|+Σ|K̃| held by the partial columns, averaged over layers and KV heads.
+
+    This is the paper's column rule, in L1, and skewing need not raise it: the L1 norm is not invariant
+    under rotation, and A (from Q alone) does not diagonalise K. What the SVD guarantees (Ky Fan) is the L2
+    energy of Q in its leading columns, so judge skewing by the partial QKᵀ, not by this share."""
+    scores = skew.scores if skewed else skew.identity_scores
+    k = max(1, math.ceil(ratio * scores.shape[-1]))
+    return float((scores.topk(k, dim=-1).values.sum(-1) / scores.sum(-1)).mean())

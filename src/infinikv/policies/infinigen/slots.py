@@ -1,0 +1,75 @@
+"""What each slot of InfiniGen's host pool holds, per layer.
+
+With a capacity below the tokens seen, the pool overwrites slots in place (eviction), so a slot is not a
+position: the table keeps, per (sequence, KV head) and slot, the token position (mask column) it holds,
+how often and when it was last fetched (the ``counter`` and ``lru`` eviction rules), and, for layers the
+policy rehearses, the token's partial skewed key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class SlotTable:
+    """Per layer: what each pool slot holds (position, fetch count, last use) and its partial key."""
+
+    def __init__(self):
+        self.n = 0
+        self.pos: Tensor | None = None  # [batch, kv_heads, cap] mask column of the token in each slot
+        self.fetches: Tensor | None = None  # [batch, kv_heads, cap] times the slot was fetched
+        self.last: Tensor | None = None  # [batch, kv_heads, cap] step of the last fetch or store
+        # [batch, kv_heads, k, cap] partial skewed keys of managed layers, slots last: the rehearsal's
+        # q̂ · K̃ᵀ is then a plain matmul over a strided view, with no copy of the slots in use
+        self.partial: Tensor | None = None
+
+    def view(self, name: str) -> Tensor:
+        return getattr(self, name)[..., : self.n]
+
+    def append(self, pos: Tensor, partial: Tensor | None, step: int) -> None:
+        """Add tokens at ``pos`` [batch, kv_heads, q] with their partial keys [batch, kv_heads, q, k]."""
+        q = pos.shape[2]
+        if self.pos is None or self.pos.shape[2] < self.n + q:
+            self._grow(pos, partial, max(self.n + q, 2 * self.n, 256))
+        end = self.n + q
+        self.pos[:, :, self.n : end] = pos
+        self.fetches[:, :, self.n : end] = 0
+        self.last[:, :, self.n : end] = step
+        if partial is not None:
+            self.partial[..., self.n : end] = partial.transpose(2, 3)
+        self.n = end
+
+    def write(self, slots: Tensor, pos: int, partial: Tensor | None, step: int) -> None:
+        """Overwrite slot ``slots[b, h]`` of every (sequence, KV head) with a new token."""
+        index = slots[..., None]
+        self.pos.scatter_(2, index, torch.full_like(index, pos))
+        self.fetches.scatter_(2, index, torch.zeros_like(index))
+        self.last.scatter_(2, index, torch.full_like(index, step))
+        if partial is not None:
+            columns = index[:, :, None].expand(-1, -1, partial.shape[-1], 1)
+            self.partial.scatter_(3, columns, partial.transpose(2, 3))
+
+    def keep(self, index: Tensor) -> None:
+        for name in ("pos", "fetches", "last"):
+            setattr(self, name, torch.gather(self.view(name), 2, index))
+        if self.partial is not None:
+            columns = index[:, :, None].expand(-1, -1, self.partial.shape[2], -1)
+            self.partial = torch.gather(self.view("partial"), 3, columns)
+        self.n = index.shape[2]
+
+    def _grow(self, pos: Tensor, partial: Tensor | None, cap: int) -> None:
+        batch, heads = pos.shape[:2]
+
+        def grown(old: Tensor | None, like: Tensor, *rows: int) -> Tensor:
+            new = like.new_zeros(batch, heads, *rows, cap)
+            if old is not None:
+                new[..., : self.n] = old[..., : self.n]
+            return new
+
+        self.pos = grown(self.pos, pos)
+        self.fetches = grown(self.fetches, pos)
+        self.last = grown(self.last, pos)
+        if partial is not None:
+            self.partial = grown(self.partial, partial, partial.shape[-1])

@@ -1,0 +1,99 @@
+"""What the policies and the calibration need to know about a model, independent of its transformers class.
+
+:class:`ModelSpec` sits below both the loader (``infinikv.models``) and the policies, so neither imports the
+other: the loader builds one with :func:`model_spec`, the cache hands it to the policy it creates.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+Tensor = torch.Tensor
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """RoPE's rotation partner of ``x`` along the last axis: (x1, x2) -> (-x2, x1)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model's attention layers as the policies see them."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: tuple[int | None, ...]  # per layer: window size for sliding-window layers, else None
+    attention: tuple[torch.nn.Module, ...] = field(repr=False, default=())  # per layer: the attention module
+    # rope(layer, x, position_ids) -> (cos, sin) for that layer's rotary embedding
+    rope: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = field(repr=False, default=None)
+    name: str = "model"
+    weights_id: str = ""  # LoadedModel.weights_id; keys per-model files such as InfiniGen's skew
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        return self.sliding_window[layer] is not None
+
+    def query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
+        """Post-RoPE query of ``layer`` [batch, heads, q, d] for normalised input x [batch, q, hidden]."""
+        attn = self.attention[layer]
+        return self._rotated(layer, attn.q_proj(x), getattr(attn, "q_norm", None), x, position_ids)
+
+    def key(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
+        """Post-RoPE key of ``layer`` [batch, kv_heads, q, d] for normalised input x [batch, q, hidden]."""
+        attn = self.attention[layer]
+        return self._rotated(layer, attn.k_proj(x), getattr(attn, "k_norm", None), x, position_ids)
+
+    def _rotated(self, layer: int, projected: Tensor, norm, x: Tensor, position_ids: Tensor) -> Tensor:
+        heads = projected.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        if norm is not None:  # Gemma-3 normalises queries and keys per head before RoPE
+            heads = norm(heads)
+        cos, sin = self.rope(layer, x, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return heads * cos + rotate_half(heads) * sin
+
+
+def model_spec(model: PreTrainedModel) -> ModelSpec:
+    """Describe ``model``'s attention for the policies (cached on the model; the loader sets
+    ``model._infinikv_weights_id`` so the spec carries the weights id)."""
+    weights_id = getattr(model, "_infinikv_weights_id", "")
+    spec = getattr(model, "_infinikv_spec", None)
+    if spec is not None and spec.weights_id == weights_id:
+        return spec
+    config = model.config.get_text_config()
+    decoder = model.get_decoder()
+    attention = tuple(layer.self_attn for layer in decoder.layers)
+    layer_types = getattr(config, "layer_types", None)
+    rotary = decoder.rotary_emb
+    # A signature, not __code__: some transformers versions wrap forward (torch.no_grad) and hide it.
+    per_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def rope(layer: int, x: Tensor, position_ids: Tensor):
+        if layer_types is not None and per_layer_type:
+            return rotary(x, position_ids, layer_types[layer])
+        return rotary(x, position_ids)
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    spec = ModelSpec(
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        sliding_window=tuple(getattr(a, "sliding_window", None) for a in attention),
+        attention=attention,
+        rope=rope,
+        name=getattr(config, "_name_or_path", "model") or "model",
+        weights_id=weights_id,
+    )
+    model._infinikv_spec = spec
+    return spec

@@ -1,0 +1,68 @@
+"""The GPU check's smoke run (``scripts/gpu_check.sh OUT --tiny``): the same code path as on a GPU machine,
+on a tiny dummy model and tiny contexts, so the check cannot rot between GPU runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infinikv import gpucheck
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+
+
+def test_tiny_check_writes_every_row(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [str(SCRIPT), str(out), "--tiny", "--no-tests"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    plan = report["plan"]
+    assert report["label"] == "dummy weights" and report["contexts"] == [{"context": 96, "status": "ok"}]
+    rows = {(r["batch"], r["name"]): r for r in report["rows"]}
+    assert set(rows) == {(b, p) for b in plan["batches"] for p in plan["policies"]}
+    for row in rows.values():
+        assert row["decode_steps"] == plan["steps"] and row["decode_tokens_per_s"] > 0
+        assert row["projected_step_s_h200"]["h200/pcie5"] > 0
+    for batch in plan["batches"]:
+        offload, infinigen = rows[batch, "offload"], rows[batch, "infinigen"]
+        assert rows[batch, "dense"]["bytes_h2d_per_step"] == 0
+        # dummy:tiny has 4 layers; InfiniGen loads the first 2 whole (dense_layers=2) and at most a tenth
+        # (budget 0.1) plus the new token of the others: between 2/4 and (2 + 2 x 0.2)/4 of offload's bytes
+        share = infinigen["bytes_h2d_per_step"] / offload["bytes_h2d_per_step"]
+        assert 0.5 < share < 0.6
+    markdown = (out / "gpu_check.md").read_text()
+    assert "dummy weights" in markdown and markdown.count("| 96 |") == len(rows)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "smollm2-135m"],
+        ["--model", "dummy:nope"],
+        ["--batches", "8,x"],
+        ["--batches", "0,8"],
+        ["--contexts", "8"],
+        ["--contexts", "200000"],
+        ["--policies", "dense,nope"],
+        ["--steps", "0"],
+    ],
+)
+def test_bad_plan_is_one_line(args, capsys):
+    assert gpucheck.main(["check", "/tmp/unused", *args]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_skipped_rows_are_reported():
+    report = {
+        "plan": {"model": "dummy:llama-3-8b", "budget": 0.1, "steps": 8},
+        "rows": [{"batch": 16, "context": 32768, "name": "dense", "skipped": "device memory: ~160 GiB"}],
+    }
+    assert "skipped: device memory: ~160 GiB" in gpucheck.render(report)
