@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from infinikv import skew
 from infinikv.eval import ppl
 from infinikv.eval.speculation import SpeculationConfig, SpeculationProbe, calibrate_alpha, probe, write
 from infinikv.policies import InfiniGenConfig, make_config
+from infinikv.policies.infinigen import calibration, skewfile
 
 TEXT = "She had a lively, playful disposition, which delighted in anything ridiculous. " * 12
 LAYER = 2  # managed: the tiny Llama has 4 global layers, the first 2 dense
@@ -18,7 +18,7 @@ LAYER = 2  # managed: the tiny Llama has 4 global layers, the first 2 dense
 
 @pytest.fixture(scope="module")
 def tiny_skew(tiny):
-    return skew.calibrate(tiny, text=TEXT, tokens=256, save=False)
+    return calibration.calibrate(tiny, text=TEXT, tokens=256, save=False)
 
 
 def _constructed(tiny, tiny_skew, monkeypatch, attend_query_noise: float) -> SpeculationProbe:
@@ -32,7 +32,7 @@ def _constructed(tiny, tiny_skew, monkeypatch, attend_query_noise: float) -> Spe
     policy.prefill(LAYER, k, k.clone())
     query = 3 * torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=gen)
     monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
-    policy.before_attention(LAYER - 1, torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
+    policy.plan(LAYER, torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))  # from layer 1's hook
     new = torch.randn(1, spec.num_kv_heads, 1, spec.head_dim, generator=gen)
     selection = policy.decode(LAYER, new, new.clone())
     real_query = query + attend_query_noise * torch.randn(query.shape, generator=gen)
@@ -78,7 +78,7 @@ def test_calibrated_alpha_is_the_smallest_reaching_the_target():
 
 def test_probe_run_is_an_infinigen_run(tiny, tiny_skew, monkeypatch, tmp_path):
     """Attending to InfiniGen's selection, the probe's perplexity is InfiniGen's, and it writes its files."""
-    monkeypatch.setattr(skew, "cached", lambda spec: tiny_skew)
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: tiny_skew)
     text = tmp_path / "t.txt"
     text.write_text(TEXT, encoding="utf-8")
     knobs = InfiniGenConfig(alpha=3.0, budget=0.3)

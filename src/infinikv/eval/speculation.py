@@ -42,8 +42,7 @@ from tqdm import tqdm
 from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import InfiniGenConfig, InfiniGenPolicy, resolve_budget
-from ..policies.base import attention
-from ..policies.oracle import group_relative_max
+from ..policies.base import attention, group_relative_max
 from .ppl import PerplexityConfig, make_windows
 from .runner import DecodeRun
 

@@ -29,50 +29,28 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import PolicyError
-from .base import ModelSpec, PolicyConfig, resolve_budget
-from .selective import SelectivePolicy
+from ..spec import ModelSpec
+from .base import PolicyConfig, group_relative_max, knob, resolve_budget
+from .gather import GatherPolicy
 
 Tensor = torch.Tensor
 
 
-def group_relative_max(scores: Tensor, group: int) -> Tensor:
-    """[batch, heads, n] logits -> [batch, kv_heads, n]: each query head's logits minus its own best (so
-    <= 0), then the max over the ``group`` query heads that share a KV head. -inf stays -inf."""
-    batch, heads, n = scores.shape
-    grouped = scores.reshape(batch, heads // group, group, n)
-    best = grouped.amax(dim=-1, keepdim=True)
-    return (grouped - best.masked_fill(best == -math.inf, 0)).amax(dim=2)
-
-
 @dataclass(frozen=True)
 class OracleConfig(PolicyConfig):
-    """budget: past tokens attended per managed layer and step (fraction of the real past tokens if <= 1,
-    else a count), as InfiniGen's cap; dense_layers: the first layers that load their full KV; n_sink /
-    window: the first real tokens / the most recent past tokens always among the budget's tokens (0: pure
-    top-k)."""
-
-    budget: float = 0.2
-    dense_layers: int = 2
-    n_sink: int = 0
-    window: int = 0
-
-    def __post_init__(self):
-        if not 0 < self.budget < math.inf:
-            raise PolicyError(f"budget must be positive and finite, got {self.budget}")
-        if (
-            not isinstance(self.dense_layers, int)
-            or isinstance(self.dense_layers, bool)
-            or self.dense_layers < 0
-        ):
-            raise PolicyError(f"dense_layers must be a non-negative integer, got {self.dense_layers}")
-        for name in ("n_sink", "window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise PolicyError(f"{name} must be a non-negative integer, got {value}")
+    budget: float = knob(
+        0.2,
+        "past tokens attended per managed layer and step (<= 1: fraction of the real past tokens), as "
+        "InfiniGen's cap",
+        low=0,
+        open_low=True,
+    )
+    dense_layers: int = knob(2, "the first layers, which load their full KV (as InfiniGen's)", low=0)
+    n_sink: int = knob(0, "first real tokens always among the budget's tokens", low=0)
+    window: int = knob(0, "most recent past tokens always among the budget's tokens", low=0)
 
 
-class OraclePolicy(SelectivePolicy):
+class OraclePolicy(GatherPolicy):
     name = "oracle"
     config_class = OracleConfig
 
