@@ -95,12 +95,12 @@ def cmd_speculation(args: argparse.Namespace) -> int:
 def _infinigen_knob_arguments(parser: argparse.ArgumentParser) -> None:
     from dataclasses import fields
 
-    from ..cli import _parse_bool, _parse_number
     from ..policies import InfiniGenConfig
+    from ..policy_flags import parse_bool, parse_number
 
     group = parser.add_argument_group("InfiniGen knobs (default: the policy's)")
     for f in fields(InfiniGenConfig):
-        parse = {bool: _parse_bool, int: int, float: _parse_number}.get(type(f.default), str)
+        parse = {bool: parse_bool, int: int, float: parse_number}.get(type(f.default), str)
         group.add_argument(
             f"--{f.name.replace('_', '-')}", dest=f.name, type=parse, help=f"default {f.default}"
         )
