@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from infinikv.eval import ppl
-from infinikv.eval.speculation import SpeculationConfig, SpeculationProbe, calibrate_alpha, probe, write
+from infinikv.eval.speculation import SpeculationConfig, SpeculationProbe, probe, write
 from infinikv.policies import InfiniGenConfig, make_config
-from infinikv.policies.infinigen import calibration, skewfile
+from infinikv.policies.infinigen import calibration, skewfile, tuning
 
 TEXT = "She had a lively, playful disposition, which delighted in anything ridiculous. " * 12
 LAYER = 2  # managed: the tiny Llama has 4 global layers, the first 2 dense
@@ -68,14 +68,6 @@ def test_alpha_grid_reproduces_the_configured_alpha(tiny, tiny_skew, monkeypatch
     assert kept == sorted(kept)  # a larger alpha never keeps less
 
 
-def test_calibrated_alpha_is_the_smallest_reaching_the_target():
-    rows = [
-        {"alpha": a, "mass_kept": m, "fetched": 0.0} for a, m in ((1, 0.5), (2, 0.8), (4, 0.93), (8, 0.97))
-    ]
-    assert calibrate_alpha(rows, 0.9) == 4
-    assert calibrate_alpha(rows, 0.99) == 8
-
-
 def test_probe_run_is_an_infinigen_run(tiny, tiny_skew, monkeypatch, tmp_path):
     """Attending to InfiniGen's selection, the probe's perplexity is InfiniGen's, and it writes its files."""
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: tiny_skew)
@@ -95,3 +87,54 @@ def test_probe_run_is_an_infinigen_run(tiny, tiny_skew, monkeypatch, tmp_path):
     assert math.isfinite(dense["layers"][0]["recall_budget"])
     paths = write(result, tmp_path / "out")
     assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+
+
+def test_prompt_coverage_is_the_probe_on_the_dense_trajectory(tiny, tiny_skew, monkeypatch, tmp_path):
+    """Calibration's one-pass alpha curve (each prompt position as a decode step) equals the probe's, measured
+    through the decode path with every layer attending densely."""
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: tiny_skew)
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    knobs = InfiniGenConfig(budget=0.3)
+    result = probe(tiny, knobs, SpeculationConfig(str(text), context=160, scored=41, attend="dense"))
+    ids = ppl.make_windows(tiny, ppl.PerplexityConfig(str(text), 160, 119))[:, :159]  # 40 decode steps
+
+    spec, inputs = tiny.spec, {}
+    hooks = [
+        attention.register_forward_pre_hook(
+            lambda _m, args, kwargs, layer=layer: inputs.__setitem__(layer, kwargs["hidden_states"]),
+            with_kwargs=True,
+        )
+        for layer, attention in enumerate(spec.attention)
+    ]
+    with torch.inference_mode():
+        tiny.model(input_ids=ids, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    positions = torch.arange(ids.shape[1])[None]
+    curves = []
+    with torch.inference_mode():
+        for layer in (2, 3):
+            x, previous = inputs[layer], inputs[layer - 1]
+            curves.append(
+                tuning.prompt_coverage(
+                    spec.query(layer, x, positions)[0, :, -40:],
+                    spec.key(layer, x, positions)[0],
+                    spec.query(layer, previous, positions)[0, :, -40:],
+                    tiny_skew.projection(layer, knobs.partial_ratio, True),
+                    spec.attention[layer].scaling,
+                    knobs.budget,
+                )
+            )
+    kept = [curve[0] for curve in curves]
+    fetched = [curve[1] for curve in curves]
+    expected = [row["mass_kept"] for row in result["alphas"]]
+    torch.testing.assert_close(torch.stack(kept).mean(0), torch.tensor(expected), atol=1e-4, rtol=1e-4)
+    expected = [row["fetched"] for row in result["alphas"]]
+    torch.testing.assert_close(torch.stack(fetched).mean(0), torch.tensor(expected), atol=1e-4, rtol=1e-4)
+
+
+def test_pick_alpha_is_the_smallest_reaching_the_target():
+    kept = [0.5, 0.8, 0.93, 0.97]
+    assert tuning.pick_alpha(kept, (1.0, 2.0, 4.0, 8.0), target=0.9) == 4.0
+    assert tuning.pick_alpha(kept, (1.0, 2.0, 4.0, 8.0), target=0.99) == 8.0

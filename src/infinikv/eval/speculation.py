@@ -20,7 +20,7 @@ teacher-forced decode steps, with :class:`~infinikv.eval.runner.DecodeRun`):
 * ``sink_mass`` / ``sink_kept``: real attention on the first ``n_sink`` tokens and the share of them
   InfiniGen fetches; ``recent_mass`` / ``recent_kept``: the same for the last ``n_recent`` past tokens;
 * per threshold ``alpha`` of a grid: the mean attention kept and bytes fetched, had InfiniGen used that
-  alpha in the same steps (the basis of the calibrated alpha, ``calibrate_alpha``).
+  alpha in the same steps (calibration picks InfiniGen's alpha the same way, ``infinigen.tuning``).
 
 Real scores use the layer's real query and every cached key, combined per KV group as InfiniGen and the
 oracle combine them (each head relative to its own best, max over the group). With ``attend="dense"`` each
@@ -43,11 +43,11 @@ from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import InfiniGenConfig, InfiniGenPolicy, resolve_budget
 from ..policies.base import attention, group_relative_max
+from ..policies.infinigen.tuning import ALPHAS, coverage_by_alpha
 from .ppl import PerplexityConfig, make_windows
 from .runner import DecodeRun
 
 Tensor = torch.Tensor
-ALPHAS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0)
 ATTEND = ("infinigen", "dense")
 N_SINK, N_RECENT = 4, 64  # the spans whose attention and fetch share are reported
 METRICS = (
@@ -70,73 +70,6 @@ METRICS = (
 def _top(scores: Tensor, k: int) -> Tensor:
     """bool mask [..., n] of the k highest ``scores`` along the last axis."""
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(k, dim=-1).indices, True)
-
-
-def coverage_by_alpha(
-    speculated: Tensor, mass: Tensor, new_mass: Tensor, budget: Tensor, alphas: tuple[float, ...]
-) -> tuple[Tensor, Tensor]:
-    """What InfiniGen's count rule keeps at each alpha: per leading index (a step, a sequence, a query
-    position), the attention share [..., alphas] of its fetched set plus the new token, and the count
-    [..., alphas].
-
-    ``speculated`` [..., kv_heads, n]: speculated scores, group-relative (-inf: never fetched); ``mass``
-    [..., kv_heads, n]: real attention weight of each past token (mean over the group's query heads);
-    ``new_mass`` [..., kv_heads]: the new token's; ``budget`` [...]: the cap on the count. The count is
-    InfiniGen's: tokens within alpha of each head's best, averaged over the KV heads, rounded up, capped."""
-    order = speculated.sort(dim=-1, descending=True)
-    kept = torch.cumsum(torch.gather(mass, -1, order.indices), dim=-1)  # best-speculated first
-    best = order.values[..., :1]
-    shares, counts = [], []
-    for alpha in alphas:
-        within = (speculated > best - alpha).sum(-1).float().mean(-1).ceil().long()
-        count = torch.minimum(within.clamp(min=1), budget)
-        index = (count - 1)[..., None, None].expand(*kept.shape[:-1], 1)
-        shares.append((torch.gather(kept, -1, index)[..., 0] + new_mass).mean(-1))
-        counts.append(count)
-    return torch.stack(shares, dim=-1), torch.stack(counts, dim=-1)
-
-
-def prompt_coverage(
-    q: Tensor,
-    k: Tensor,
-    q_speculative: Tensor,
-    projection: Tensor,
-    scaling: float,
-    budget: float,
-    alphas: tuple[float, ...],
-    queries: int,
-) -> tuple[Tensor, Tensor]:
-    """``coverage_by_alpha`` for one layer from a dense pass over a prompt, as if its last ``queries``
-    positions were decode steps on the dense trajectory: query position t has past tokens 0..t-1 and is
-    itself the new token. Returns the mean attention kept [alphas] and the mean share of past tokens
-    fetched [alphas] over those positions.
-
-    ``q`` [1, heads, n, d] and ``k`` [1, kv_heads, n, d]: the layer's real post-RoPE queries and keys;
-    ``q_speculative`` [1, heads, n, d]: the same layer's query projection applied to the previous layer's
-    input (InfiniGen's rehearsal); ``projection`` [kv_heads, d, c]: its partial skewed columns."""
-    kv_heads, n = k.shape[1], k.shape[2]
-    group = q.shape[1] // kv_heads
-    first = max(1, n - queries)
-    t = torch.arange(first, n, device=k.device)  # query positions
-    future = torch.arange(n, device=k.device)[None, :] > t[:, None]  # [P, n]: not yet seen at t
-    grouped = q[0, :, first:].reshape(kv_heads, group, len(t), -1).float()
-    logits = torch.matmul(grouped, k[0].float()[:, None].transpose(-1, -2)) * scaling  # [kv, g, P, n]
-    mass = torch.softmax(logits.masked_fill(future, -math.inf), dim=-1).mean(dim=1)  # [kv, P, n]
-    new_mass = mass.gather(-1, t[None, :, None].expand(kv_heads, -1, 1))[..., 0]  # [kv, P]
-    past = torch.arange(n, device=k.device)[None, :] < t[:, None]  # [P, n]
-    proj = projection.float()
-    partial_q = torch.matmul(
-        q_speculative[0, :, first:].reshape(kv_heads, group, len(t), -1).float(), proj[:, None]
-    )
-    partial_k = torch.matmul(k[0].float(), proj)  # [kv, n, c]
-    scores = torch.matmul(partial_q * scaling, partial_k[:, None].transpose(-1, -2))  # [kv, g, P, n]
-    scores = scores.masked_fill(~past, -math.inf)
-    rel = group_relative_max(scores.permute(2, 0, 1, 3).reshape(len(t), kv_heads * group, n), group)
-    budgets = torch.tensor([resolve_budget(budget, int(p)) for p in t.tolist()], device=k.device)
-    kept, counts = coverage_by_alpha(
-        rel, (mass * past).transpose(0, 1), new_mass.transpose(0, 1), budgets, alphas
-    )
-    return kept.mean(0), (counts.float() / t[:, None].float()).mean(0)
 
 
 class SpeculationProbe(InfiniGenPolicy):
@@ -324,15 +257,6 @@ def probe(
         "layers": probe_policy.layer_report(),
         "alphas": probe_policy.alpha_report(),
     }
-
-
-def calibrate_alpha(alpha_rows: list[dict[str, float]], target: float) -> float:
-    """The smallest alpha of the grid whose speculated sets keep at least ``target`` of the attention on
-    average over the managed layers; the largest alpha when none does."""
-    for row in alpha_rows:
-        if row["mass_kept"] >= target:
-            return row["alpha"]
-    return alpha_rows[-1]["alpha"]
 
 
 # -- output --------------------------------------------------------------------------------------------------
