@@ -25,7 +25,7 @@ def _constructed(tiny, tiny_skew, monkeypatch, attend_query_noise: float) -> Spe
     """A probe whose layer 2 holds 40 random keys and is rehearsed with query Q; layer 2 then attends with
     Q plus ``attend_query_noise`` times another random query."""
     spec = tiny.spec
-    config = InfiniGenConfig(alpha=5.0, budget=8, partial_ratio=1.0, skew=False)
+    config = InfiniGenConfig(alpha=5.0, budget=8, partial_ratio=1.0, skew=False, n_sink=0, window=0)
     policy = SpeculationProbe(config, spec, torch.device("cpu"), skew=tiny_skew)
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, spec.num_kv_heads, 40, spec.head_dim, generator=gen)

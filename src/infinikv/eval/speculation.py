@@ -20,7 +20,8 @@ teacher-forced decode steps, with :class:`~infinikv.eval.runner.DecodeRun`):
 * ``sink_mass`` / ``sink_kept``: real attention on the first ``n_sink`` tokens and the share of them
   InfiniGen fetches; ``recent_mass`` / ``recent_kept``: the same for the last ``n_recent`` past tokens;
 * per threshold ``alpha`` of a grid: the mean attention kept and bytes fetched, had InfiniGen used that
-  alpha in the same steps (calibration picks InfiniGen's alpha the same way, ``infinigen.tuning``).
+  alpha (the count rule alone, without the reserved sinks and window) in the same steps (calibration
+  picks InfiniGen's alpha from the same curve, ``policies.infinigen.tuning``).
 
 Real scores use the layer's real query and every cached key, combined per KV group as InfiniGen and the
 oracle combine them (each head relative to its own best, max over the group). With ``attend="dense"`` each
@@ -97,7 +98,9 @@ class SpeculationProbe(InfiniGenPolicy):
         self.alphas = alphas
         self.n_sink, self.n_recent = n_sink, n_recent
         self._speculated: dict[int, Tensor] = {}
-        self._choice: dict[int, tuple[Tensor, list[int]]] = {}
+        # per layer: n' per row, the real tokens per row, and the scores InfiniGen ranks by (the speculated
+        # ones, reserved sinks and window first)
+        self._choice: dict[int, tuple[Tensor, list[int], Tensor]] = {}
         self._layer = -1
         layers = spec.num_layers
         self.sums: list[dict[str, float]] = [dict.fromkeys(METRICS, 0.0) for _ in range(layers)]
@@ -113,9 +116,12 @@ class SpeculationProbe(InfiniGenPolicy):
         self._speculated[layer] = scores
         return scores
 
-    def choose(self, scores: Tensor, real_tokens: list[int]) -> tuple[Tensor, Tensor]:
-        index, per_row = super().choose(scores, real_tokens)
-        self._choice[self._layer] = (per_row, list(real_tokens))
+    def choose(
+        self, scores: Tensor, real_tokens: list[int], reserved: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        index, per_row = super().choose(scores, real_tokens, reserved)
+        ranked = scores if reserved is None else scores.masked_fill(reserved, math.inf)
+        self._choice[self._layer] = (per_row, list(real_tokens), ranked)
         return index, per_row
 
     def attend(
@@ -132,7 +138,7 @@ class SpeculationProbe(InfiniGenPolicy):
 
     @torch.no_grad()
     def _measure(self, layer: int, speculated: Tensor, q: Tensor, scaling: float) -> None:
-        per_row, real_tokens = self._choice.pop(layer)
+        per_row, real_tokens, ranked = self._choice.pop(layer)
         n = speculated.shape[-1]  # past slots; the pool now also holds the new token, in slot n
         batch, kv_heads, group, dim = q.shape[0], self.spec.num_kv_heads, self.spec.group_size, q.shape[-1]
         query = q[:, :, -1].reshape(batch, kv_heads, group, dim).float()
@@ -151,7 +157,7 @@ class SpeculationProbe(InfiniGenPolicy):
             available = int(real[row, 0, :n].sum())
             budget = min(resolve_budget(self.config.budget, max(real_tokens[row], 1)), available)
             fetched = int(per_row[row])
-            spec_row, real_row, mass_row = speculated[row].float(), real_scores[row], past_mass[row]
+            spec_row, real_row, mass_row = ranked[row].float(), real_scores[row], past_mass[row]
             for tag, count in (("budget", budget), ("fetched", fetched)):
                 chosen, best = _top(spec_row, count), _top(real_row, count)
                 sums[f"recall_{tag}"] += float(((chosen & best).sum(-1) / count).mean())
@@ -171,7 +177,8 @@ class SpeculationProbe(InfiniGenPolicy):
             ):
                 sums[f"{tag}_mass"] += float(mass_row[:, span].sum(-1).mean())
                 sums[f"{tag}_kept"] += float(kept[:, span].float().mean())
-            self._alpha_curve(layer, spec_row, mass_row, new_mass[row], budget, available)
+            raw = speculated[row].float()  # the count rule alone, without reserved tokens
+            self._alpha_curve(layer, raw, mass_row, new_mass[row], budget, available)
         self.samples[layer] += batch
 
     def _alpha_curve(
