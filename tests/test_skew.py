@@ -161,6 +161,9 @@ def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["tokens"] == 96 and report["layers"] == 4 and report["kv_heads"] == 2
     assert (tmp_path / "cache" / "skew").is_dir() and report["path"].endswith(".safetensors")
+    assert report["alpha"] in calibration.tuning.ALPHAS and len(report["alpha_curve"]) == len(
+        calibration.tuning.ALPHAS
+    )
     assert main(["calibrate", "--model", str(model_dir), "--text", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read calibration text" in capsys.readouterr().err
     assert main([*args, "--tokens", "1"]) == 2
