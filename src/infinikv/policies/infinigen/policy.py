@@ -9,9 +9,15 @@ policy rehearses layer i+1:
 2. scores s = q̂ · K̃_i+1[:, cols]ᵀ · scale per query head, taken relative to that head's best score, then
    combined over the heads of a KV group by max (a token counts if any head of the group wants it);
 3. per KV head the count of tokens with s > max(s) − alpha, averaged over KV heads: n' (per sequence,
-   capped by ``budget``); the rows fetched are each head's top-n' scores;
+   capped by ``budget``); the rows fetched are each head's top-n' scores. The first ``n_sink`` real tokens
+   (attention sinks) and the last ``window`` past tokens are always among them and counted in n' (later
+   selectors keep both; the paper keeps neither: ``--n-sink 0 --window 0``);
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
    overlaps the rest of layer i; layer i+1 attends with its real query over [selected; newest token].
+
+``alpha`` 0 (the default) uses the model's calibrated threshold, stored with its skew (``tuning.py``: the
+smallest alpha whose count rule keeps 90 % of the dense attention on the calibration text); the paper's
+constant for Llama-family models is ``--alpha 5``. ``stats()`` reports the alpha used and where it came from.
 
 Layers below ``dense_layers`` load their full KV (nothing rehearses layer 0). Sliding-window layers
 (Gemma-3) attend to their window, fetched from the pool; the policy rehearses the global layers, each in
