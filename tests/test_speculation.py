@@ -138,3 +138,5 @@ def test_pick_alpha_is_the_smallest_reaching_the_target():
     kept = [0.5, 0.8, 0.93, 0.97]
     assert tuning.pick_alpha(kept, (1.0, 2.0, 4.0, 8.0), target=0.9) == 4.0
     assert tuning.pick_alpha(kept, (1.0, 2.0, 4.0, 8.0), target=0.99) == 8.0
+    capped = [0.5, 0.79, 0.7935, 0.7936]  # the budget cap binds below the target: no need to go further
+    assert tuning.pick_alpha(capped, (1.0, 2.0, 4.0, 8.0), target=0.9) == 4.0

@@ -27,10 +27,12 @@ Tensor = torch.Tensor
 ALPHAS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0)
 TARGET = 0.9  # share of the dense attention the calibrated alpha keeps, on average over the managed layers
 POSITIONS = 256  # query positions (the last ones of the calibration text) that play decode steps
+SLACK = 0.001  # when the budget cap keeps less than the target: alphas this close to the cap's share tie
 RULE = (
-    "smallest alpha of {alphas} whose count rule keeps >= {target:.0%} of the dense attention, averaged over "
-    "the managed layers (dense_layers {dense_layers}, budget {budget}) and the last {positions} positions "
-    "of the calibration text"
+    "smallest alpha of {alphas} whose count rule keeps >= {target:.0%} of the dense attention (or, when the "
+    "budget cap keeps less, within 0.1 point of what the cap keeps), averaged over the managed layers "
+    "(dense_layers {dense_layers}, budget {budget}) and the last {positions} positions of the calibration "
+    "text"
 )
 
 
@@ -96,6 +98,7 @@ def prompt_coverage(
 
 
 def pick_alpha(kept: list[float], alphas: tuple[float, ...] = ALPHAS, target: float = TARGET) -> float:
-    """The smallest alpha keeping ``target`` (``kept``: the mean over managed layers, per alpha); the
-    largest when none does."""
-    return next((alpha for alpha, share in zip(alphas, kept, strict=True) if share >= target), alphas[-1])
+    """The smallest alpha keeping ``target`` (``kept``: the mean over managed layers, per alpha); when no
+    alpha does (the budget cap binds first), the smallest within ``SLACK`` of the most any alpha keeps."""
+    reachable = min(target, max(kept) - SLACK)
+    return next(alpha for alpha, share in zip(alphas, kept, strict=True) if share >= reachable)
