@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from infinikv.bench import BenchConfig, StepTraffic, run_bench
-from infinikv.bench.linkmodel import Device, Link, crossover_bandwidth, project
-from infinikv.bench.runner import add_ratios, shared_prefill
+from infinikv.bench.linkmodel import DEVICES, LINKS, Device, Link, crossover_bandwidth, project
+from infinikv.bench.measure import make_entries, prefill, record_shared_prefills
+from infinikv.bench.prompts import prompt_ids
+from infinikv.bench.summary import add_ratios
 from infinikv.cli import main
+from infinikv.driver import PrefillMemo
 from infinikv.errors import InputError
 
 ROW_FIELDS = {
@@ -102,11 +106,55 @@ def test_add_ratios_on_hand_made_rows():
 
 
 def test_shared_prefill_keeps_no_autograd_graph(tiny):
-    # A graph held by the cached keys would keep every layer's activations alive: 18 GB at 8k tokens.
+    # A graph held by the recorded keys would keep every layer's activations alive: 18 GB at 8k tokens.
     ids = tiny.tokenizer(["a prompt long enough for two chunks"], return_tensors="pt")["input_ids"]
-    shared = shared_prefill(tiny, ids, chunk=8)
-    assert all(k.grad_fn is None and not k.requires_grad for k in shared.keys + shared.values)
-    assert shared.keys[0].shape[2] == ids.shape[1]
+    entries, _ = make_entries(tiny, {"dense": {}}, ())
+    memo = PrefillMemo(per_config=True)
+    record_shared_prefills(tiny, entries, ids, chunk=8, memo=memo)
+    recorded = memo.get(memo.key(tiny.name, "dense", ids, 8))
+    tensors = [t for _, k, v, _ in recorded.calls for t in (k, v)]
+    assert all(t.grad_fn is None and not t.requires_grad for t in tensors)
+    assert sum(k.shape[2] for layer, k, _, _ in recorded.calls if layer == 0) == ids.shape[1]
+
+
+def test_shared_prefill_builds_h2o_prompt_scores_as_its_own_prefill_does(tiny):
+    # H2O scores the prompt in its attention; a shared prefill that only hands it K/V would leave no scores.
+    ids, _ = prompt_ids(tiny, 40, 1, None)
+    entries, _ = make_entries(tiny, {"dense": {}, "h2o": {"budget": 0.5}}, ())
+    memo = PrefillMemo(per_config=True)
+    record_shared_prefills(tiny, entries, ids, chunk=16, memo=memo)
+    h2o = entries[1]
+    with h2o.driver(tiny) as shared:
+        prefill(tiny, shared, ids, batch=2, chunk=16, memo=memo)
+        assert shared.replayed is not None  # the shared path, not a prefill of its own
+        scores = shared.policy.prefill_state()
+    with h2o.driver(tiny) as own:
+        own.prefill(ids.expand(2, -1), chunk=16)
+        reference = own.policy.prefill_state()
+    assert len(scores) == tiny.spec.num_layers and all(s is not None for s in scores)
+    for layer, (score, expected) in enumerate(zip(scores, reference, strict=True)):
+        torch.testing.assert_close(score, expected, msg=f"layer {layer}")
+
+
+def test_only_policies_that_prefetch_are_projected_as_overlapped(tiny):
+    # Quest computes its query in the look-ahead hook but starts no copy: its gather is exposed.
+    config = BenchConfig(
+        policies=("offload", "streaming", "quest"),
+        batches=(1,),
+        contexts=(24,),
+        gen=3,
+        repeats=1,
+        warmup=0,
+        prefill_chunk=16,
+        knobs=(("budget", 0.5), ("page_size", 4)),
+        corpus=None,
+    )
+    rows = {r["name"]: r for r in run_bench(tiny, config, progress=False)["cells"][0]["rows"]}
+    assert rows["offload"]["traffic"]["overlapped"] and rows["streaming"]["traffic"]["overlapped"]
+    quest = rows["quest"]
+    assert quest["traffic"]["overlapped"] is False and quest["bytes_h2d_per_step"] > 0
+    projection = project(StepTraffic(**quest["traffic"]), LINKS["pcie3"], DEVICES["a6000"])
+    assert quest["projected_step_s"]["a6000/pcie3"] == pytest.approx(projection.link_s + projection.device_s)
 
 
 def test_link_model_arithmetic():

@@ -17,8 +17,6 @@ feeds exactly one token per sequence.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -90,7 +88,7 @@ class InfinikvCache(Cache):
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, spec, device, **knobs)
         self._selections: dict[int, Selection] = {}
-        # When a list: every prefill call (layer, K, V, key_valid) is appended, for replay_prefill.
+        # When a list: every prefill call (layer, K, V, key_valid) is appended, for driver.PrefillMemo.
         self.prefill_log: list[tuple[int, Tensor, Tensor, Tensor | None]] | None = None
         layers = [_PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)]
         super().__init__(layers=layers)
@@ -120,15 +118,6 @@ class InfinikvCache(Cache):
         if self.prefill_log is not None:
             self.prefill_log.append((layer, k, v, self.policy.key_valid))
         return self.policy.prefill(layer, k, v)
-
-    def replay_prefill(self, log: list[tuple[int, Tensor, Tensor, Tensor | None]], state: Any) -> None:
-        """Hand the policy a prefill recorded (``prefill_log`` and ``policy.prefill_state()``) by another
-        cache of the same model, in the same order, without running the model. Equals running the prefill
-        when both policies are of the same ``Policy.prefill_family``."""
-        for layer, k, v, key_valid in log:
-            self.policy.key_valid = key_valid
-            self.update(k, v, layer)
-        self.policy.restore_prefill_state(state)
 
     def _is_decode(self, layer: int, q_len: int) -> bool:
         return q_len == 1 and self.policy.seq_length(layer) > 0

@@ -237,11 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Subcommands that live beside their feature (calibrate, data, eval, bench)."""
+    """Subcommands that live beside their feature (data, eval, bench, serve), and calibrate."""
     from . import bench, data
     from .eval import cli as eval_cli
+    from .serve import cli as serve_cli
 
-    return [data.register_cli, register_calibrate, bench.register_cli, eval_cli.register_cli]
+    return [
+        data.register_cli,
+        register_calibrate,
+        bench.register_cli,
+        eval_cli.register_cli,
+        serve_cli.register_cli,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,10 +3,10 @@
 Read top to bottom, one request batch goes like this:
 
 1. ``_encode`` tokenises the prompts, left-pads them, and checks they fit the model's context.
-2. ``_prefill`` feeds the prompts in chunks through the model; the ``InfinikvCache`` hands each layer's K/V
-   to the policy, which stores it (host pool, device, side structures).
-3. ``generate``'s loop samples a token per sequence, streams its text, and feeds it back as a decode step;
-   in each step every layer asks the policy which K/V to attend to.
+2. A :class:`~infinikv.driver.Driver` prefills the prompts in chunks; the ``InfinikvCache`` hands each
+   layer's K/V to the policy, which stores it (host pool, device, side structures).
+3. ``generate``'s loop samples a token per sequence, streams its text, and feeds it back through
+   ``Driver.step``; in each step every layer asks the policy which K/V to attend to.
 4. Each finished sequence becomes a :class:`RequestResult` with its text, token ids and statistics.
 """
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from .cache import InfinikvCache, chunk_bounds
+from .cache import InfinikvCache
+from .driver import Driver
 from .errors import InputError
 from .models import LoadedModel
 from .policies import PolicyConfig, make_config
@@ -53,7 +53,7 @@ class RequestResult:
     prompt: str
     text: str
     token_ids: list[int]
-    finish_reason: str  # "eos", "stop" or "length"
+    finish_reason: str  # "eos", "stop", "length" or "cancelled"
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -76,23 +76,24 @@ class Generator:
         config: GenerationConfig = GenerationConfig(),
         on_text: Callable[[int, str], None] | None = None,
         progress: bool = False,
+        cancelled: Callable[[int], bool] | None = None,
     ) -> list[RequestResult]:
-        """Generate for each prompt; ``on_text(row, piece)`` receives text as it is produced."""
+        """Generate for each prompt; ``on_text(row, piece)`` receives text as it is produced.
+        ``cancelled(row)`` is asked each decode step for each running row; True ends that row there."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         model = self.loaded.model
         input_ids, attention_mask, prompt_lengths = self._encode(prompts, config.max_new_tokens)
         batch = input_ids.shape[0]
-        cache = InfinikvCache(model, self.policy_config, device=self.loaded.device)
+        driver = Driver(self.loaded, InfinikvCache(model, self.policy_config, device=self.loaded.device))
         generator = torch.Generator(device="cpu")
         if config.seed is not None:
             generator.manual_seed(config.seed)
 
         try:
             start = self._now()
-            logits = self._prefill(cache, input_ids, attention_mask, config.prefill_chunk, progress)
+            logits = driver.prefill(input_ids, attention_mask, config.prefill_chunk, progress=progress)
             prefill_s = self._now() - start
 
-            positions = attention_mask.sum(dim=1, keepdim=True) - 1  # last prompt position per row
             generated: list[list[int]] = [[] for _ in range(batch)]
             texts = [""] * batch
             emitted = [0] * batch  # characters of each text already streamed
@@ -100,10 +101,13 @@ class Generator:
             decode_forwards = 0
             start = self._now()
             for step in range(config.max_new_tokens):
-                next_tokens = self._sample(logits[:, -1], config, generator)
+                next_tokens = self._sample(logits, config, generator)
                 last_step = step == config.max_new_tokens - 1
                 for row, token in enumerate(next_tokens.tolist()):
                     if finish[row] is not None:
+                        continue
+                    if cancelled is not None and cancelled(row):
+                        finish[row] = "cancelled"
                         continue
                     finish[row] = self._advance(row, token, generated, texts, config)
                     if on_text is not None:
@@ -115,21 +119,12 @@ class Generator:
                             emitted[row] = end
                 if all(reason is not None for reason in finish) or last_step:
                     break
-                positions = positions + 1
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
-                logits = model(
-                    input_ids=next_tokens[:, None].to(self.loaded.device),
-                    attention_mask=attention_mask,
-                    position_ids=positions,
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                ).logits
+                logits = driver.step(next_tokens)
                 decode_forwards += 1
             decode_s = self._now() - start
-            policy_stats = cache.stats()
+            policy_stats = driver.stats()
         finally:
-            cache.close()
+            driver.close()
 
         results = []
         per_s = decode_forwards / decode_s if decode_s > 0 else 0.0
@@ -168,30 +163,6 @@ class Generator:
         encoded = tokenizer(prompts, return_tensors="pt", padding=True)
         device = self.loaded.device
         return encoded["input_ids"].to(device), encoded["attention_mask"].to(device), lengths
-
-    def _prefill(
-        self, cache: InfinikvCache, input_ids: Tensor, attention_mask: Tensor, chunk: int, progress: bool
-    ) -> Tensor:
-        """Feed the prompt in chunks; returns the logits of the last position. Positions follow the padding
-        mask, as transformers' own generate does."""
-        total = input_ids.shape[1]
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits = None
-        bar = tqdm(
-            total=total, desc="prefill", unit="tok", disable=not progress or total < 2 * chunk, leave=False
-        )
-        for begin, end in chunk_bounds(total, chunk):
-            logits = self.loaded.model(
-                input_ids=input_ids[:, begin:end],
-                attention_mask=attention_mask[:, :end],
-                position_ids=position_ids[:, begin:end],
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits
-            bar.update(end - begin)
-        bar.close()
-        return logits
 
     def _sample(self, logits: Tensor, config: GenerationConfig, generator: torch.Generator) -> Tensor:
         if config.temperature == 0:

@@ -8,7 +8,7 @@
 3. **benchmark**: a model of a real size with random weights (``dummy:llama-3-8b``, see ``infinikv.dummy``;
    every figure is labelled "dummy weights") over batch x context cells, each context in its own subprocess
    with a timeout. Each context is prefilled once at batch 1 and every policy ingests that prompt's K/V
-   repeated over the batch (the benchmark's shared prefill, ``infinikv.bench.runner``), then decodes a few
+   repeated over the batch (the benchmark's shared prefill, ``infinikv.bench.measure``), then decodes a few
    greedy steps. Per policy: decode tok/s, TPOT, bytes host -> device, the copy stream's time per step and
    how much of it the compute stream waited for (CUDA events: hidden = copy - stalled), the host time spent
    issuing fetches (the row gather into pinned memory), peak device memory, peak pinned host memory, and the
@@ -284,15 +284,11 @@ def run_context(args: argparse.Namespace) -> None:
     """Child process: prefill one context once, then every (batch, policy) cell; rows go to rows.jsonl."""
     import torch
 
-    from .bench.runner import (
-        BenchConfig,
-        kv_token_bytes,
-        make_runners,
-        prompt_ids,
-        run_once,
-        shared_prefill,
-        summarise,
-    )
+    from .bench.grid import BenchConfig
+    from .bench.measure import make_entries, record_shared_prefills, run_once
+    from .bench.prompts import prompt_ids
+    from .bench.summary import kv_token_bytes, summarise_runs
+    from .driver import PrefillMemo
     from .models import load
 
     plan = Plan(**json.loads(args.plan))
@@ -321,15 +317,18 @@ def run_context(args: argparse.Namespace) -> None:
     # sized for the prompt (pinned blocks of 2^k bytes, used whole) never grows while decoding.
     prompt = context - plan.steps
     ids, source = prompt_ids(loaded, prompt, 1, None)
-    shared = shared_prefill(loaded, ids, plan.prefill_chunk)
-    log(f"context {context}: batch-1 prefill of {prompt} tokens {shared.forward_s:.2f} s")
+    entries, _ = make_entries(loaded, {name: config.policy_knobs(name) for name in config.policies}, ())
+    memo = PrefillMemo(per_config=True)  # one batch-1 prefill per prefill family, replayed over the batch
+    prefill_start = time.perf_counter()
+    record_shared_prefills(loaded, entries, ids, plan.prefill_chunk, memo)
+    prefill_s = time.perf_counter() - prefill_start
+    log(f"context {context}: batch-1 prefills of {prompt} tokens {prefill_s:.2f} s")
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     host_ratio = args.host_ratio
     for batch in plan.batches:
         cell_start = time.perf_counter()
         kv = kv_token_bytes(loaded) * batch * context
-        runners, _ = make_runners(loaded, config)
-        for runner in runners:
+        for runner in entries:
             base = {"batch": batch, "context": context, "prompt_tokens": prompt, "name": runner.name}
             base["label"] = LABEL
             reason = _cannot_run(runner.name, kv, weights, host_ratio, device)
@@ -350,10 +349,11 @@ def run_context(args: argparse.Namespace) -> None:
                 sample = run_once(
                     loaded,
                     dataclasses.replace(runner, make_cache=make_cache),
-                    ids[:1].expand(batch, -1),
-                    shared,
+                    ids,
+                    batch,
+                    memo,
                     plan.steps,
-                    prompt,  # the prompt's K/V is ingested in one chunk: one allocation, no fetch
+                    plan.prefill_chunk,
                 )
             except torch.OutOfMemoryError as exc:
                 made.clear()
@@ -367,7 +367,7 @@ def run_context(args: argparse.Namespace) -> None:
                 _release_pinned()
                 _emit(rows_path, {**base, "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 continue
-            row = summarise(loaded, runner, [sample], batch, prompt)
+            row = summarise_runs(loaded, runner, [sample], batch, prompt)
             row.update(base)
             row["tpot_mean_s"] = sum(sample.step_s) / len(sample.step_s)
             row["steady_decode_tokens_per_s"] = batch / row["tpot_p50_s"] if row["tpot_p50_s"] else None
@@ -378,7 +378,7 @@ def run_context(args: argparse.Namespace) -> None:
                 host_ratio = max(host_ratio, row["pinned_per_pool_byte"])
             row["projected_step_s_h200"] = _projections(row, args.h2d)
             row["prompt_source"], row["skew"] = source, skew_source if runner.name == "infinigen" else None
-            row["prefill_forward_s_batch1"] = shared.forward_s
+            row["prefill_s_batch1_all_families"] = prefill_s
             made.clear()
             _emit(rows_path, row)
             log(

@@ -3,11 +3,14 @@ link model that projects the step time of a PCIe-attached GPU (InfiniGen's setti
 https://arxiv.org/abs/2406.19707).
 
 ``infinikv bench`` runs a grid of batch sizes x context lengths, writes JSON, a Markdown report and plots.
+Modules by job: ``prompts`` (token ids), ``measure`` (one timed run through the model driver, shared
+prefill), ``grid`` (the cells), ``summary`` (rows, ratios, crossovers), ``linkmodel`` (GPU projection),
+``peers`` (transformers' caches), ``report`` (Markdown and plots), ``cli``.
 """
 
 from .cli import register_cli
+from .grid import BenchConfig, run_bench
 from .linkmodel import DEVICES, LINKS, Device, Link, StepTraffic, crossover_bandwidth, project
-from .runner import BenchConfig, run_bench
 
 __all__ = [
     "DEVICES",

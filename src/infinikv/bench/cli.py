@@ -37,8 +37,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..models import load
     from ..policies import POLICIES
     from ..policy_flags import policy_knobs
-    from .report import environment, write_plots, write_report
-    from .runner import BenchConfig, run_bench
+    from .grid import BenchConfig, run_bench
+    from .report import bench_environment, write_bench_report, write_plots
 
     config = BenchConfig(
         policies=_names(args.policies, list(POLICIES)),
@@ -60,11 +60,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     loaded = load(args.model, device=args.device)
     command = "infinikv " + shlex.join(sys.argv[1:])
     result = run_bench(loaded, config, progress=not args.quiet)
-    result["environment"] = environment(loaded, command)
+    result["environment"] = bench_environment(loaded, command)
     if args.plot:
         result["plots"] = write_plots(result, Path(args.plot))
     if args.report:
-        write_report(result, Path(args.report))
+        write_bench_report(result, Path(args.report))
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -92,6 +92,11 @@ def with_bandwidth(link: Link, bandwidth: float) -> Link:
     return Link(f"{bandwidth / 1e9:.3g} GB/s", bandwidth, link.latency, "swept")
 
 
+def speedup(fast: StepTraffic, slow: StepTraffic, link: Link, device: Device) -> float:
+    """Projected step time of ``slow`` over that of ``fast`` behind ``link`` on ``device``."""
+    return project(slow, link, device).step_s / project(fast, link, device).step_s
+
+
 def crossover_bandwidth(
     fast: StepTraffic,
     slow: StepTraffic,
@@ -109,8 +114,7 @@ def crossover_bandwidth(
     """
 
     def gain(bw: float) -> float:
-        link = Link("swept", bw, latency, "swept")
-        return project(slow, link, device).step_s - (1 + margin) * project(fast, link, device).step_s
+        return speedup(fast, slow, Link("swept", bw, latency, "swept"), device) - (1 + margin)
 
     if gain(low) <= 0:
         return low

@@ -20,6 +20,7 @@ import transformers
 from ..models import LoadedModel
 from ..reporting import write_keeping_notes
 from . import linkmodel
+from .summary import against_offload
 
 MIB = 2**20
 
@@ -53,7 +54,8 @@ def _git_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def environment(loaded: LoadedModel, command: str) -> dict[str, Any]:
+def bench_environment(loaded: LoadedModel, command: str) -> dict[str, Any]:
+    """Where and with what a benchmark ran: the command, hardware, versions and commit."""
     device = loaded.device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
@@ -213,19 +215,9 @@ def _crossover_plot(result: dict[str, Any], directory: Path, plt, finish) -> str
     bandwidths = np.logspace(9, 12.5, 120)
     plotted = False
     for cell in result["cells"]:
-        rows = {r["name"]: r for r in cell["rows"]}
-        if "offload" not in rows:
-            continue
-        slow = linkmodel.StepTraffic(**rows["offload"]["traffic"])
-        for name, r in rows.items():
-            if r["kind"] != "policy" or name in ("dense", "offload") or not r["bytes_h2d_per_step"]:
-                continue
-            fast = linkmodel.StepTraffic(**r["traffic"])
+        for name, fast, slow in against_offload(cell["rows"]):
             speedup = [
-                linkmodel.project(slow, linkmodel.with_bandwidth(linkmodel.LINKS["pcie3"], bw), device).step_s
-                / linkmodel.project(
-                    fast, linkmodel.with_bandwidth(linkmodel.LINKS["pcie3"], bw), device
-                ).step_s
+                linkmodel.speedup(fast, slow, linkmodel.with_bandwidth(linkmodel.LINKS["pcie3"], bw), device)
                 for bw in bandwidths
             ]
             ax.plot(bandwidths / 1e9, speedup, label=f"{name} b{cell['batch']} ctx{cell['context']}")
@@ -256,7 +248,8 @@ def _crossover_plot(result: dict[str, Any], directory: Path, plt, finish) -> str
 
 
 # -- Markdown ------------------------------------------------------------------------------------------------
-def write_report(result: dict[str, Any], path: Path) -> None:
+def write_bench_report(result: dict[str, Any], path: Path) -> None:
+    """docs/benchmarks.md: setup, measured table, plots, GPU projection and crossover (notes kept)."""
     env = result["environment"]
     config = result["config"]
     skipped = {(s["name"], s["reason"]) for c in result["cells"] for s in c["skipped"]}
@@ -279,8 +272,10 @@ def write_report(result: dict[str, Any], path: Path) -> None:
         "steps, runs interleaved across caches; medians over the runs.",
         f"- Prefill mode `{config['prefill']}`"
         + (
-            ": each context is prefilled once at batch 1 and every cache ingests that prompt K/V repeated "
-            "over the batch, so TTFT = measured batch-1 forward × batch + the cache's measured ingest time "
+            ": each context is prefilled once at batch 1 per prefill family (through the real prefill of "
+            "one cache of the family, recorded; the transformers caches take the dense one) and every run "
+            "replays that recording repeated over the batch, K/V and prefill state (H2O's prompt scores) "
+            "alike, so TTFT = recorded batch-1 forward × batch + the cache's measured replay time "
             "(an estimate)."
             if config["prefill"] == "shared"
             else ": every run prefills its own batch through the model; TTFT is measured."
@@ -311,8 +306,9 @@ def write_report(result: dict[str, Any], path: Path) -> None:
         "",
         "Projected decode-step time in ms from the measured bytes moved, copy calls and tokens attended "
         "(`infinikv.bench.linkmodel`): link time = bytes / bandwidth + copies × 10 µs; device time = "
-        "(weights + attended K/V + partial keys read) / device memory bandwidth; prefetching policies "
-        "overlap the two layer by layer. Figures are public theoretical peaks:",
+        "(weights + attended K/V + partial keys read) / device memory bandwidth; policies that declare "
+        "`prefetches` (their look-ahead starts the next layer's copy) overlap the two layer by layer, the "
+        "others wait for the copy. Figures are public theoretical peaks:",
         "",
     ]
     parts += [

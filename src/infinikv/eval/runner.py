@@ -3,27 +3,25 @@
 The engine prefills a whole prompt and then samples. Evaluation needs more control: teacher forcing (feed a
 known token at every decode step, so the policy's selection decides every scored prediction) and feeding a
 question through the decode path before the answer is generated. :class:`DecodeRun` does exactly that with
-the same pieces the engine uses: an :class:`~infinikv.cache.InfinikvCache` and plain model forward calls.
+the engine's own :class:`~infinikv.driver.Driver` over an :class:`~infinikv.cache.InfinikvCache`.
 
 It also measures what the policy moved: the bytes it copied from the host pool during decode, compared with
 what full offload would move for the same steps (every layer's whole cache, every step).
 
-A long prompt's prefill costs as much as hundreds of decode steps, and most policies build the same state
-from a prompt (``Policy.prefill_family``: plain dense attention for most; H2O's prompt scores do not depend
-on its budget). A :class:`PrefillMemo` shared between runs records the first prefill of a prompt in each
-family and replays it into the next runs of that family, so a sweep runs the model over each prompt once
-per family, not once per policy. The replayed cache holds exactly what the policy's own prefill would have
-built.
+A :class:`~infinikv.driver.PrefillMemo` shared between runs records the first prefill of a prompt in each
+prefill family and replays it into the next runs of that family, so a sweep runs the model over each prompt
+once per family, not once per policy. The replayed cache holds exactly what the policy's own prefill would
+have built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..cache import InfinikvCache, chunk_bounds
+from ..cache import InfinikvCache
+from ..driver import Driver, PrefillMemo
 from ..models import LoadedModel
 from ..policies import POLICIES, Policy, PolicyConfig
 
@@ -33,42 +31,6 @@ Tensor = torch.Tensor
 def policy_name(config: PolicyConfig) -> str:
     """The registered name of the policy that ``config`` configures."""
     return next(name for name, cls in POLICIES.items() if cls.config_class is type(config))
-
-
-@dataclass
-class RecordedPrefill:
-    """One prompt's prefill as the cache saw it: (layer, K, V, key_valid) per call, what else the policy
-    kept (``Policy.prefill_state``) and the last logits."""
-
-    calls: list[tuple[int, Tensor, Tensor, Tensor | None]]
-    state: Any
-    logits: Tensor
-
-
-class PrefillMemo:
-    """Prefills recorded by one :class:`DecodeRun` and replayed by the next ones on the same prompt.
-
-    A run records or replays only within its policy's ``prefill_family``; a policy of no family runs its
-    own prefill. Holds every recorded prompt's K/V: keep one per group of runs that share prompts and
-    ``clear`` it between groups.
-    """
-
-    def __init__(self):
-        self._recorded: dict[tuple, RecordedPrefill] = {}
-        self.replays = 0
-
-    @staticmethod
-    def key(model: str, family: str, input_ids: Tensor, chunk: int) -> tuple:
-        return model, family, chunk, tuple(input_ids.shape), input_ids.cpu().numpy().tobytes()
-
-    def get(self, key: tuple) -> RecordedPrefill | None:
-        return self._recorded.get(key)
-
-    def put(self, key: tuple, recorded: RecordedPrefill) -> None:
-        self._recorded[key] = recorded
-
-    def clear(self) -> None:
-        self._recorded.clear()
 
 
 class DecodeRun:
@@ -87,13 +49,11 @@ class DecodeRun:
         """``policy``: a config, or a policy object built for this model (then its config's ``prepare``
         is the caller's)."""
         self.loaded = loaded
-        self.model = loaded.model
         if isinstance(policy, PolicyConfig):
             policy.prepare(loaded)  # e.g. InfiniGen's calibration, once per model
-        self.cache = InfinikvCache(loaded.model, policy, device=loaded.device)
+        self.driver = Driver(loaded, InfinikvCache(loaded.model, policy, device=loaded.device))
         self.prefill_chunk = prefill_chunk
-        self.family = self.cache.policy.prefill_family
-        self.memo = memo if self.family is not None else None
+        self.memo = memo
         self.length = 0  # tokens fed so far
         self.batch = 0
         self._h2d_after_prefill = 0
@@ -112,40 +72,16 @@ class DecodeRun:
         self.close()
 
     def close(self) -> None:
-        self.cache.close()
+        self.driver.close()
 
-    @torch.inference_mode()
     def prefill(self, input_ids: Tensor) -> Tensor:
         """Feed ``input_ids`` [batch, tokens] densely (in chunks); return the last position's logits."""
         self.batch, total = input_ids.shape
-        input_ids = input_ids.to(self.loaded.device)
-        logits = self._forward_chunks(input_ids) if self.memo is None else self._prefill_via_memo(input_ids)
+        logits = self.driver.prefill(input_ids, chunk=self.prefill_chunk, memo=self.memo)
         self.length = total
-        self._h2d_after_prefill = self.cache.stats()["bytes_h2d"]
-        return logits
+        self._h2d_after_prefill = self.driver.stats()["bytes_h2d"]
+        return logits.float()
 
-    def _prefill_via_memo(self, input_ids: Tensor) -> Tensor:
-        """Replay this prompt's recorded prefill, or run it and record it for the next runs."""
-        key = self.memo.key(self.loaded.name, self.family, input_ids, self.prefill_chunk)
-        recorded = self.memo.get(key)
-        if recorded is None:
-            self.cache.prefill_log = []
-            logits = self._forward_chunks(input_ids)
-            recorded = RecordedPrefill(self.cache.prefill_log, self.cache.policy.prefill_state(), logits)
-            self.cache.prefill_log = None
-            self.memo.put(key, recorded)
-        else:
-            self.cache.replay_prefill(recorded.calls, recorded.state)
-            self.memo.replays += 1
-        return recorded.logits
-
-    def _forward_chunks(self, input_ids: Tensor) -> Tensor:
-        logits = None
-        for begin, end in chunk_bounds(input_ids.shape[1], self.prefill_chunk):
-            logits = self._forward(input_ids[:, begin:end], begin)
-        return logits[:, -1].float()
-
-    @torch.inference_mode()
     def step(self, tokens: Tensor) -> Tensor:
         """Feed one token per row ([batch]) through the decode path; return next-token logits [batch, V]."""
         self._offload_bytes += self._bytes_per_token * self.batch * self.length
@@ -153,22 +89,9 @@ class DecodeRun:
         attendable = [seen if window is None else min(seen, window) for window in self._windows]
         self._context_sum += sum(attendable) / len(attendable)
         self._steps += 1
-        logits = self._forward(tokens.reshape(self.batch, 1).to(self.loaded.device), self.length)
+        logits = self.driver.step(tokens)
         self.length += 1
-        return logits[:, -1].float()
-
-    def _forward(self, input_ids: Tensor, start: int) -> Tensor:
-        end = start + input_ids.shape[1]
-        positions = torch.arange(start, end, device=input_ids.device).expand(self.batch, -1)
-        mask = torch.ones(self.batch, end, dtype=torch.long, device=input_ids.device)
-        return self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits
+        return logits.float()
 
     def stats(self) -> dict[str, Any]:
         """The policy's statistics plus the fractions of the KV cache it moved and attended during decode.
@@ -179,7 +102,7 @@ class DecodeRun:
         (all cached tokens, or its window on a sliding-window layer).
         ``kv_fraction``: the first when defined, else the second (dense: 1.0) — the x axis of the plots.
         """
-        stats = dict(self.cache.stats())
+        stats = dict(self.driver.stats())
         moved = stats["bytes_h2d"] - self._h2d_after_prefill
         host = stats.get("kv_bytes_host", 0) > 0
         fetched = moved / self._offload_bytes if host and self._offload_bytes else None

@@ -1,0 +1,238 @@
+"""The one place that runs the model over a KV cache: a chunked prefill, then one decode step at a time.
+
+:class:`Driver` holds one cache (an :class:`~infinikv.cache.InfinikvCache`, or a transformers cache for the
+benchmark's peers), the attention mask and the next positions. ``prefill`` feeds a prompt batch in chunks
+(``cache.chunk_bounds``) with positions taken from its padding mask, as transformers' own generate does;
+``step`` feeds one token per row, growing the mask by one column. Both return the last position's logits.
+Everything around it stays with its user: sampling, stop strings and streaming in ``engine.Generator``,
+teacher forcing in ``eval.runner.DecodeRun``, timing in the benchmark.
+
+A long prompt's prefill costs as much as hundreds of decode steps, and most policies build the same state
+from a prompt (``Policy.prefill_family``: plain dense attention for most; H2O's prompt scores do not depend
+on its budget). A :class:`PrefillMemo` shared between drivers records the first prefill of a prompt in each
+family (every K/V the cache was handed, in order, plus ``Policy.prefill_state``) and replays it into the
+next caches of that family through the same ``Cache.update`` calls the model makes, so the replayed cache
+holds exactly what its own prefill would have built. A recording can also be replayed repeated over the
+rows (``repeat``), which is how the benchmark fills a batch from one prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers.cache_utils import Cache
+
+from .cache import InfinikvCache, chunk_bounds
+from .models import LoadedModel
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class RecordedPrefill:
+    """One prompt's prefill as the cache saw it: (layer, K, V, key_valid) per call, what else the policy
+    kept (``Policy.prefill_state``), the last position's logits and how long the forward passes took."""
+
+    calls: list[tuple[int, Tensor, Tensor, Tensor | None]]
+    state: Any
+    logits: Tensor
+    forward_s: float
+
+
+class PrefillMemo:
+    """Prefills recorded by one :class:`Driver` and replayed by the next ones on the same prompt.
+
+    A driver records or replays only within its cache's prefill family. A policy of no family runs its own
+    prefill, unless ``per_config``: then each exact policy configuration is a family of its own (worth it
+    when one configuration runs the same prompt many times, as in the benchmark). Holds every recorded
+    prompt's K/V: keep one per group of runs that share prompts and ``clear`` it between groups.
+    """
+
+    def __init__(self, per_config: bool = False):
+        self.per_config = per_config
+        self._recorded: dict[tuple, RecordedPrefill] = {}
+        self.replays = 0
+
+    @staticmethod
+    def key(model: str, family: Hashable, input_ids: Tensor, chunk: int) -> tuple:
+        return model, family, chunk, tuple(input_ids.shape), input_ids.cpu().numpy().tobytes()
+
+    def get(self, key: tuple) -> RecordedPrefill | None:
+        return self._recorded.get(key)
+
+    def put(self, key: tuple, recorded: RecordedPrefill) -> None:
+        self._recorded[key] = recorded
+
+    def clear(self) -> None:
+        self._recorded.clear()
+
+
+def _repeat_rows(value: Any, repeat: int) -> Any:
+    """``value`` (a tensor, or lists / tuples / dicts of them, batch first) with each row repeated."""
+    if repeat == 1 or value is None:
+        return value
+    if isinstance(value, Tensor):
+        return value.repeat_interleave(repeat, dim=0)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_repeat_rows(v, repeat) for v in value)
+    if isinstance(value, dict):
+        return {k: _repeat_rows(v, repeat) for k, v in value.items()}
+    raise TypeError(f"cannot repeat the rows of a {type(value).__name__}")
+
+
+class Driver:
+    """Prefill and decode steps of ``loaded``'s model over one cache. Not thread-safe; :meth:`close` (or use
+    it as a context manager) releases the policy's pool.
+
+    ``family``: the prefill family a foreign (transformers) cache may replay; an ``InfinikvCache`` takes
+    its policy's ``prefill_family``.
+    """
+
+    def __init__(self, loaded: LoadedModel, cache: Cache, family: Hashable | None = None):
+        self.loaded = loaded
+        self.cache = cache
+        self.policy = cache.policy if isinstance(cache, InfinikvCache) else None
+        self.family = self.policy.prefill_family if self.policy is not None else family
+        self.attention_mask: Tensor | None = None  # [batch, tokens fed so far]
+        self.replayed: RecordedPrefill | None = None  # what the last prefill replayed (None: ran the model)
+        self._next_positions: Tensor | None = None  # [batch, 1]
+
+    def __enter__(self) -> Driver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.policy is not None:
+            self.cache.close()
+
+    def stats(self) -> dict[str, Any]:
+        """The policy's statistics (none for a foreign cache)."""
+        return self.cache.stats() if self.policy is not None else {}
+
+    @property
+    def length(self) -> int:
+        """Tokens fed so far (padding included)."""
+        return 0 if self.attention_mask is None else self.attention_mask.shape[1]
+
+    # -- prefill -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        chunk: int = 2048,
+        memo: PrefillMemo | None = None,
+        repeat: int = 1,
+        progress: bool = False,
+    ) -> Tensor:
+        """Feed ``input_ids`` [batch, tokens] (left padding marked by ``attention_mask``; None: no padding),
+        each row ``repeat`` times, in chunks of at most ``chunk`` tokens; return the last position's logits
+        [batch * repeat, vocab].
+
+        With a ``memo``: replay this prompt's recording of the cache's family if there is one (repeated
+        over the rows), else run the model and, when ``repeat`` is 1, record it for the next drivers."""
+        device = self.loaded.device
+        input_ids = input_ids.to(device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(device)
+        family = self._memo_family(memo)
+        key = None if family is None else memo.key(self.loaded.name, family, input_ids, chunk)
+        recorded = None if key is None else memo.get(key)
+        self.replayed = recorded
+        if recorded is not None:
+            self._replay(recorded, repeat)
+            memo.replays += 1
+            logits = _repeat_rows(recorded.logits, repeat)
+        elif key is not None and repeat == 1 and self.policy is not None:
+            logits = self._record(key, memo, input_ids, attention_mask, chunk, progress)
+        else:
+            input_ids = _repeat_rows(input_ids, repeat)
+            logits = self._forward_chunks(input_ids, _repeat_rows(attention_mask, repeat), chunk, progress)
+        self.attention_mask = _repeat_rows(attention_mask, repeat)
+        self._next_positions = self.attention_mask.sum(dim=1, keepdim=True)
+        return logits
+
+    def _memo_family(self, memo: PrefillMemo | None) -> Hashable | None:
+        if memo is None:
+            return None
+        if self.family is None and memo.per_config and self.policy is not None:
+            return type(self.policy.config).__name__, self.policy.config
+        return self.family
+
+    def _record(
+        self,
+        key: tuple,
+        memo: PrefillMemo,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        chunk: int,
+        progress: bool,
+    ) -> Tensor:
+        self.cache.prefill_log = []
+        start = self._now()
+        logits = self._forward_chunks(input_ids, attention_mask, chunk, progress)
+        forward_s = self._now() - start
+        memo.put(key, RecordedPrefill(self.cache.prefill_log, self.policy.prefill_state(), logits, forward_s))
+        self.cache.prefill_log = None
+        return logits
+
+    def _replay(self, recorded: RecordedPrefill, repeat: int) -> None:
+        """Hand the cache every recorded call, as the model's prefill would, without running the model."""
+        for layer, k, v, key_valid in recorded.calls:
+            if self.policy is not None:
+                self.policy.key_valid = _repeat_rows(key_valid, repeat)
+            self.cache.update(_repeat_rows(k, repeat), _repeat_rows(v, repeat), layer)
+        if self.policy is not None:
+            self.policy.restore_prefill_state(_repeat_rows(recorded.state, repeat))
+
+    def _forward_chunks(
+        self, input_ids: Tensor, attention_mask: Tensor, chunk: int, progress: bool
+    ) -> Tensor:
+        total = input_ids.shape[1]
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = None
+        bar = tqdm(
+            total=total, desc="prefill", unit="tok", disable=not progress or total < 2 * chunk, leave=False
+        )
+        for begin, end in chunk_bounds(total, chunk):
+            logits = self._forward(
+                input_ids[:, begin:end], attention_mask[:, :end], position_ids[:, begin:end]
+            )
+            bar.update(end - begin)
+        bar.close()
+        return logits
+
+    # -- decode --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed one token per row (``tokens``: [batch]) through the decode path; return the next-token
+        logits [batch, vocab]."""
+        batch = self.attention_mask.shape[0]
+        self.attention_mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(batch, 1)], dim=1)
+        positions = self._next_positions
+        self._next_positions = positions + 1
+        input_ids = tokens.reshape(batch, 1).to(self.loaded.device)
+        return self._forward(input_ids, self.attention_mask, positions)
+
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+        return self.loaded.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+
+    def _now(self) -> float:
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
+        return time.perf_counter()

@@ -1,0 +1,110 @@
+"""``infinikv serve`` (the OpenAI-compatible server) and ``infinikv bench-serve`` (its load generator)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from ..errors import InputError, ModelError
+from ..models import DEFAULT_MODEL
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'")
+    return value
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..models import load
+    from ..policies import make_config
+    from ..policy_flags import policy_knobs
+    from .app import ServerSettings, create_app
+
+    knobs = policy_knobs(args)
+    make_config(args.policy, **knobs)  # a bad policy or knob fails before the model loads
+    if not 0 < args.port < 65536:
+        raise InputError(f"--port must be in 1..65535, got {args.port}")
+    settings = ServerSettings(
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens,
+        served_name=args.served_model_name,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    server: uvicorn.Server | None = None
+    load_error: list[str] = []
+
+    def stop_on_load_error(message: str) -> None:
+        load_error.append(message)
+        server.should_exit = True
+
+    app = create_app(
+        lambda: load(args.model, device=args.device),
+        policy=args.policy,
+        knobs=knobs,
+        settings=settings,
+        on_load_error=stop_on_load_error,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.graceful_timeout,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if load_error:
+        raise ModelError(load_error[0])
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from .loadgen import run_from_args
+
+    return run_from_args(args)
+
+
+def register_cli(subparsers) -> None:
+    from ..policy_flags import add_policy_arguments
+
+    serve = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server; each request picks its KV policy"
+    )
+    serve.add_argument(
+        "--model", default=DEFAULT_MODEL, help="registered name, .gguf file, HF directory or hub id"
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: --model's name)"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it; see docs)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch", type=_positive, default=8, help="requests per generate call")
+    serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before 429")
+    serve.add_argument(
+        "--default-max-tokens", type=_positive, default=256, help="chat requests without max_tokens"
+    )
+    serve.add_argument(
+        "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown"
+    )
+    serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    serve.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    add_policy_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    from .loadgen import add_arguments
+
+    bench = subparsers.add_parser(
+        "bench-serve", help="load test of a server: concurrent streaming clients, TTFT and per-token latency"
+    )
+    add_arguments(bench)
+    bench.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,454 @@
+"""``infinikv serve``: the OpenAI-compatible endpoints, per-request KV policies, batching, bad input,
+back-pressure and client disconnects, on a tiny random model served in-process on a free loopback port
+(and one end-to-end test on SmolLM2)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from infinikv import GenerationConfig, Generator
+from infinikv.serve.app import ServerSettings, create_app
+from infinikv.testing import tiny_model
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+# Prompts of different lengths; on the tiny model none of them meets </s> within 3,000 greedy tokens, so a
+# long request really runs long.
+PROMPTS = [
+    "hello",
+    "The quick brown fox",
+    "Once upon a time",
+    "x y z",
+    "a much longer prompt with several words in it, more than the others",
+    "Tell me",
+]
+
+
+@contextmanager
+def serving(loaded_or_loader, **kwargs) -> Iterator[tuple[str, object]]:
+    """Run the app with uvicorn in a thread on a free loopback port; yields (base url, app)."""
+    app = create_app(loaded_or_loader, **kwargs)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "the server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def model():
+    loaded = tiny_model("llama")
+    loaded.tokenizer.chat_template = CHAT_TEMPLATE
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with serving(model, settings=ServerSettings(max_batch=8, max_queue=16)) as (url, app):
+        yield url, app
+
+
+@pytest.fixture()
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+def metric(app, name: str, **labels: str) -> float:
+    return app.state.infinikv.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def alone(model, prompt: str, max_tokens: int, policy: str = "dense") -> str:
+    return Generator(model, policy).generate(prompt, GenerationConfig(max_new_tokens=max_tokens))[0].text
+
+
+# -- the endpoints -------------------------------------------------------------------------------------------
+def test_health_and_models(server, client):
+    url, _ = server
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+
+
+def test_health_is_503_while_loading(model):
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(30)
+        return model
+
+    with serving(slow_load) as (url, _):
+        assert httpx.get(f"{url}/health").status_code == 503
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "loading"
+        release.set()
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_completion_matches_the_generator(model, client):
+    response = client.completions.create(model="tiny-llama", prompt=PROMPTS[1], max_tokens=12, temperature=0)
+    assert response.object == "text_completion"
+    assert response.choices[0].text == alone(model, PROMPTS[1], 12)
+    assert response.choices[0].finish_reason == "length"
+    prompt_tokens = len(model.tokenizer(PROMPTS[1])["input_ids"])
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == 12
+    assert response.usage.total_tokens == prompt_tokens + 12
+    kv = response.model_extra["kv"]
+    assert kv["policy"] == "dense" and kv["stats"]["batch_size"] >= 1
+
+
+def test_streamed_completion_equals_the_whole_one(client):
+    whole = client.completions.create(model="tiny-llama", prompt=PROMPTS[2], max_tokens=20, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model="tiny-llama",
+            prompt=PROMPTS[2],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_chat_uses_the_template_and_streams(model, client):
+    messages = [{"role": "user", "content": "Say something."}]
+    whole = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=10, temperature=0
+    )
+    templated = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == alone(model, templated, 10)
+    stream = client.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_raw_stream_ends_with_done(server):
+    url, _ = server
+    body = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["kv"]["policy"] == "dense"
+
+
+def test_sampling_with_a_seed_repeats(client):
+    def draw() -> str:
+        args = dict(model="tiny-llama", prompt=PROMPTS[3], max_tokens=16, temperature=0.9, top_p=0.9, seed=7)
+        return client.completions.create(**args).choices[0].text
+
+    assert draw() == draw()
+
+
+def test_stop_string_cuts_the_text(model, client):
+    full = alone(model, PROMPTS[1], 30)
+    stop = full[10:13]
+    response = client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[1], max_tokens=30, temperature=0, stop=[stop]
+    )
+    assert response.choices[0].text == full[: full.find(stop)]
+    assert response.choices[0].finish_reason == "stop"
+
+
+# -- the per-request KV policy -------------------------------------------------------------------------------
+def test_extra_body_chooses_the_policy_and_its_knobs(model, client):
+    offload = client.completions.create(
+        model="tiny-llama",
+        prompt=PROMPTS[4],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"kv_policy": "offload"},
+    )
+    kv = offload.model_extra["kv"]
+    assert kv["policy"] == "offload" and kv["stats"]["bytes_h2d"] > 0
+    assert offload.choices[0].text == alone(model, PROMPTS[4], 8)  # offload is exact
+    quest = client.completions.create(
+        model="tiny-llama",
+        prompt=PROMPTS[4],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"kv_policy": "quest", "kv_budget": 0.25, "kv_page_size": 4},
+    )
+    kv = quest.model_extra["kv"]
+    assert kv["policy"] == "quest" and kv["knobs"]["budget"] == 0.25 and kv["knobs"]["page_size"] == 4
+    assert kv["stats"]["mean_tokens_attended"] > 0
+
+
+# -- bad input -----------------------------------------------------------------------------------------------
+BAD = {
+    "malformed JSON": '{"prompt": "hi", ',
+    "not an object": "[1, 2]",
+    "missing prompt": {"max_tokens": 4},
+    "prompt of the wrong type": {"prompt": 42},
+    "empty prompt": {"prompt": "   "},
+    "two prompts": {"prompt": ["a", "b"]},
+    "prompt over the context": {"prompt": "a" * 5000, "max_tokens": 4},
+    "max_tokens zero": {"prompt": "hi", "max_tokens": 0},
+    "max_tokens absurd": {"prompt": "hi", "max_tokens": 10**9},
+    "max_tokens a float": {"prompt": "hi", "max_tokens": 4.5},
+    "temperature a string": {"prompt": "hi", "temperature": "hot"},
+    "temperature too high": {"prompt": "hi", "temperature": 7},
+    "temperature NaN": '{"prompt": "hi", "temperature": NaN}',
+    "top_p zero": {"prompt": "hi", "top_p": 0},
+    "top_p infinite": '{"prompt": "hi", "top_p": Infinity}',
+    "n above one": {"prompt": "hi", "n": 2},
+    "stream not a bool": {"prompt": "hi", "stream": "yes"},
+    "stop too many": {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]},
+    "unknown model": {"prompt": "hi", "model": "gpt-9"},
+    "logprobs": {"prompt": "hi", "logprobs": 3},
+    "unknown policy": {"prompt": "hi", "kv_policy": "magic"},
+    "unknown knob": {"prompt": "hi", "kv_policy": "quest", "kv_alpha": 3},
+    "knob out of range": {"prompt": "hi", "kv_policy": "quest", "kv_budget": -1},
+    "knob of the wrong type": {"prompt": "hi", "kv_policy": "quest", "kv_page_size": "big"},
+}
+BAD_CHAT = {
+    "no messages": {"messages": []},
+    "message without content": {"messages": [{"role": "user"}]},
+    "unknown role": {"messages": [{"role": "wizard", "content": "hi"}]},
+    "both token limits": {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "max_completion_tokens": 2,
+    },
+}
+
+
+def _post(url: str, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/completions", b) for b in BAD.values()] + [("/v1/chat/completions", b) for b in BAD_CHAT.values()],
+    ids=list(BAD) + list(BAD_CHAT),
+)
+def test_bad_input_is_a_4xx_with_an_openai_error(server, path, body):
+    url, _ = server
+    response = _post(url, path, body)
+    assert response.status_code == (404 if "gpt-9" in str(body) else 400), response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == "invalid_request_error"
+    # ... and the server still answers.
+    assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_bad_knob_names_its_parameter(server):
+    response = _post(server[0], "/v1/completions", {"prompt": "hi", "kv_policy": "quest", "kv_alpha": 3})
+    assert response.json()["error"]["param"] == "kv_alpha"
+    assert "has no knob 'alpha'" in response.json()["error"]["message"]
+
+
+# -- batching, back-pressure, disconnects --------------------------------------------------------------------
+async def _wait_for(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+class _Blocker:
+    """A long streaming request that holds the worker until ``close`` (its client leaves)."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str, max_tokens: int = 3000):
+        body = {"prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+        self.request = http.stream("POST", f"{url}/v1/completions", json=body)
+
+    async def start(self) -> _Blocker:
+        """Wait for the first text, so the worker is busy with this request."""
+        response = await self.request.__aenter__()
+        # Keep the line iterator: if it were garbage-collected, closing it would close the connection.
+        self.lines = response.aiter_lines()
+        async for line in self.lines:
+            if line.startswith("data: "):
+                break
+        return self
+
+    async def close(self) -> None:
+        await self.request.__aexit__(None, None, None)
+
+
+def test_concurrent_requests_are_batched_and_equal_alone(server, client):
+    url, app = server
+    max_tokens = 24
+    reference = [
+        client.completions.create(model="tiny-llama", prompt=p, max_tokens=max_tokens, temperature=0)
+        .choices[0]
+        .text
+        for p in PROMPTS
+    ]
+    count0 = metric(app, "infinikv_batch_size_count", policy="dense")
+    sum0 = metric(app, "infinikv_batch_size_sum", policy="dense")
+
+    async def scenario() -> list[str]:
+        async_client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        async with httpx.AsyncClient(timeout=60) as http:
+            blocker = await _Blocker(http, url).start()
+            tasks = [
+                asyncio.create_task(
+                    async_client.completions.create(
+                        model="tiny-llama", prompt=p, max_tokens=max_tokens, temperature=0
+                    )
+                )
+                for p in PROMPTS
+            ]
+            await _wait_for(lambda: metric(app, "infinikv_queue_length") == len(PROMPTS))
+            await blocker.close()  # the blocker's client leaves: its row is cancelled
+            responses = await asyncio.gather(*tasks)
+        return [r.choices[0].text for r in responses]
+
+    assert asyncio.run(scenario()) == reference
+    # Two batches: the cancelled blocker alone, then all six requests together.
+    assert metric(app, "infinikv_batch_size_count", policy="dense") - count0 == 2
+    assert metric(app, "infinikv_batch_size_sum", policy="dense") - sum0 == 1 + len(PROMPTS)
+
+
+def test_disconnect_cancels_the_generation(server):
+    url, app = server
+    scheduler = app.state.infinikv.scheduler
+    generated0 = metric(app, "infinikv_generation_tokens_total", policy="dense")
+    cancelled0 = metric(app, "infinikv_requests_total", policy="dense", status="499")
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            blocker = await _Blocker(http, url).start()
+            await blocker.close()
+        await _wait_for(lambda: scheduler.in_flight == 0)
+
+    asyncio.run(scenario())
+    assert metric(app, "infinikv_requests_total", policy="dense", status="499") - cancelled0 == 1
+    assert metric(app, "infinikv_generation_tokens_total", policy="dense") - generated0 < 3000
+    assert metric(app, "infinikv_requests_running") == 0 and metric(app, "infinikv_queue_length") == 0
+
+
+def test_full_queue_is_429_with_retry_after(model):
+    with serving(model, settings=ServerSettings(max_batch=1, max_queue=1)) as (url, app):
+
+        async def scenario() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=60) as http:
+                running = await _Blocker(http, url).start()
+                waiting = http.stream(
+                    "POST", f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True}
+                )
+                await waiting.__aenter__()  # headers arrive once the request is queued
+                refused = await http.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+                await waiting.__aexit__(None, None, None)
+                await running.close()
+            await _wait_for(lambda: app.state.infinikv.scheduler.in_flight == 0)
+            return refused
+
+        refused = asyncio.run(scenario())
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_metrics_are_prometheus_text(server, client):
+    url, _ = server
+    client.completions.create(
+        model="tiny-llama", prompt="hi", max_tokens=2, extra_body={"kv_policy": "offload"}
+    )
+    text = httpx.get(f"{url}/metrics").text
+    for name in (
+        'infinikv_requests_total{policy="offload",status="200"}',
+        'infinikv_prompt_tokens_total{policy="offload"}',
+        'infinikv_generation_tokens_total{policy="offload"}',
+        "infinikv_queue_length ",
+        'infinikv_batch_size_count{policy="offload"}',
+        'infinikv_decode_tokens_per_second{policy="offload"}',
+        'infinikv_kv_bytes{policy="offload",where="host"}',
+        'infinikv_bytes_h2d_total{policy="offload"}',
+    ):
+        assert name in text, name
+
+
+# -- end to end on SmolLM2 -----------------------------------------------------------------------------------
+@pytest.mark.real_model
+def test_smollm2_end_to_end(smollm2):
+    with serving(smollm2) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+        answers = {}
+        for policy in ("dense", "offload"):
+            response = client.chat.completions.create(
+                model=smollm2.name,
+                messages=messages,
+                max_tokens=12,
+                temperature=0,
+                extra_body={"kv_policy": policy},
+            )
+            assert response.model_extra["kv"]["policy"] == policy
+            answers[policy] = response.choices[0].message.content
+        assert "Paris" in answers["dense"]
+        assert answers["offload"] == answers["dense"]
+        infinigen = client.chat.completions.create(
+            model=smollm2.name,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            extra_body={"kv_policy": "infinigen", "kv_budget": 0.5},
+        ).model_extra["kv"]
+        assert infinigen["knobs"]["budget"] == 0.5
+        assert 0 < infinigen["stats"]["kv_fetch_fraction"] < 1
+        stream = client.completions.create(
+            model=smollm2.name, prompt="The capital of Italy is", max_tokens=8, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream if c.choices)
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["serve", "--policy", "magic"], "unknown policy 'magic'"),
+        (["serve", "--policy", "dense", "--budget", "0.5"], "has no knob budget"),
+        (["serve", "--port", "70000"], "--port must be in 1..65535"),
+        (["bench-serve", "--url", "http://127.0.0.1:1", "--requests", "0"], "must be positive"),
+    ],
+)
+def test_cli_mistakes_are_one_line(capsys, argv, message):
+    from infinikv.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
