@@ -14,6 +14,7 @@ FULL = [
     ("h2o", {"budget": 100_000}),
     ("streaming", {"window": 100_000}),
     ("quest", {"budget": 1.0, "dense_layers": 0, "page_size": 4}),
+    ("oracle", {"budget": 1.0, "dense_layers": 0}),
     ("quant", {"bits": 16}),
     ("quant", {"bits": 16, "scheme": "kivi"}),
 ]
