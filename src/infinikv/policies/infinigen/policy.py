@@ -95,7 +95,10 @@ class InfiniGenConfig(PolicyConfig):
         True, "false: the identity instead of the skewing matrices (partial columns by the same rule)"
     )
     n_sink: int = knob(
-        4, "first real tokens always fetched on managed layers (attention sinks; paper: 0)", low=0
+        0,
+        "first real tokens always fetched on managed layers (attention sinks; on SmolLM2 the sink is already "
+        "every sink head's best token, and 4 changed nothing)",
+        low=0,
     )
     window: int = knob(32, "most recent past tokens always fetched on managed layers (paper: 0)", low=0)
 
