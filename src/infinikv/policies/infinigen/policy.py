@@ -9,9 +9,9 @@ policy rehearses layer i+1:
 2. scores s = q̂ · K̃_i+1[:, cols]ᵀ · scale per query head, taken relative to that head's best score, then
    combined over the heads of a KV group by max (a token counts if any head of the group wants it);
 3. per KV head the count of tokens with s > max(s) − alpha, averaged over KV heads: n' (per sequence,
-   capped by ``budget``); the rows fetched are each head's top-n' scores. The first ``n_sink`` real tokens
-   (attention sinks) and the last ``window`` past tokens are always among them and counted in n' (later
-   selectors keep both; the paper keeps neither: ``--n-sink 0 --window 0``);
+   capped by ``budget``); the rows fetched are each head's top-n' scores. The last ``window`` past tokens
+   (default 32) and the first ``n_sink`` real tokens (attention sinks, default none) are always among them
+   and counted in n' (later selectors keep both; the paper keeps neither: ``--window 0``);
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
    overlaps the rest of layer i; layer i+1 attends with its real query over [selected; newest token].
 
