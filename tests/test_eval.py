@@ -10,7 +10,7 @@ import torch
 
 from infinikv.cli import main
 from infinikv.errors import InputError
-from infinikv.eval import ppl, retrieval, scoring, sweep, tasks
+from infinikv.eval import ppl, report, retrieval, scoring, sweep, tasks
 from infinikv.eval.runner import DecodeRun, PrefillMemo
 from infinikv.policies import POLICIES, make_config
 
@@ -190,7 +190,8 @@ def test_sweep_resumes_without_recomputing(tiny, tmp_path, monkeypatch):
         return real(cell, *args)
 
     monkeypatch.setattr(sweep, "run_cell", counting)
-    summary = sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    summary = report.write_outputs(config)
     assert len(calls) == 4 and summary["measured"] == 4 and not summary["missing"]
     assert summary["unavailable_policies"] == ["no_such_policy"]
     for name in ("cells.jsonl", "summary.json", "tables.md", "accuracy_vs_kv.png", "ppl_vs_kv.png"):
@@ -201,7 +202,8 @@ def test_sweep_resumes_without_recomputing(tiny, tmp_path, monkeypatch):
     lines = log.read_text().splitlines()
     log.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
     calls.clear()
-    summary = sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    summary = report.write_outputs(config)
     assert calls == [json.loads(lines[-1])["key"]] and summary["measured"] == 4
     calls.clear()
     sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
@@ -251,3 +253,22 @@ def test_a_model_entry_can_name_its_own_tasks(tmp_path):
     path.write_text(path.read_text().replace("niah_single_2", "bogus"))
     with pytest.raises(InputError, match="unknown tasks bogus"):
         sweep.read_config(path)
+
+
+def test_a_model_entry_can_name_its_own_samples_and_other_counts_are_remeasured(tmp_path):
+    path = tmp_path / "sweep.toml"
+    path.write_text(
+        'models = [{name = "a", contexts = [300], samples = 8}, {name = "b", contexts = [300]}]\n'
+        '[policies]\ndense = {}\n[retrieval]\ntasks = ["passkey"]\nsamples = 4\n'
+        '[ppl]\ntexts = ["austen"]\n'
+    )
+    config = sweep.read_config(path)
+    planned = {(c.model, c.kind): c for c in sweep.cells(config)}
+    assert planned["a", "retrieval"].samples == 8 and planned["b", "retrieval"].samples == 4
+    assert planned["a", "ppl"].samples is None
+    # The key leaves the sample count out; a cell recorded with 4 samples does not stand for 8.
+    four = {planned["a", "retrieval"].key: {"result": {"samples": 4}}}
+    assert not sweep.is_measured(planned["a", "retrieval"], four)
+    eight = {planned["a", "retrieval"].key: {"result": {"samples": 8}}}
+    assert sweep.is_measured(planned["a", "retrieval"], eight)
+    assert "8 for a, 4 for b" in report._retrieval_setup(config)

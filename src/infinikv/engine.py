@@ -12,6 +12,7 @@ Read top to bottom, one request batch goes like this:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,14 +39,39 @@ class GenerationConfig:
     prefill_chunk: int = 2048  # prompt tokens per prefill forward pass
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
+        # Every sampling parameter is checked here, once, before any model work: a NaN or an infinity
+        # would otherwise surface mid-generation (NaN) or silently sample uniformly (inf).
+        _check_int("max_new_tokens", self.max_new_tokens, low=1)
+        _check_int("prefill_chunk", self.prefill_chunk, low=2)
+        if self.seed is not None:
+            _check_int("seed", self.seed, low=0, high=2**64 - 1)  # torch's generator takes 64 bits
+        temperature = _check_finite("temperature", self.temperature)
+        if temperature < 0:
             raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        top_p = _check_finite("top_p", self.top_p)
+        if not 0 < top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.prefill_chunk < 2:
-            raise InputError(f"prefill_chunk must be at least 2, got {self.prefill_chunk}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise InputError(f"stop must be a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise InputError("stop strings must not be empty (an empty string would stop before any text)")
+
+
+def _check_finite(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InputError(f"{name} must be a finite number, got {value}")
+    return float(value)
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{name} must be a whole number, got {value!r}")
+    if value < low:
+        raise InputError(f"{name} must be at least {low}, got {value}")
+    if high is not None and value > high:
+        raise InputError(f"{name} must be at most {high}, got {value}")
 
 
 @dataclass

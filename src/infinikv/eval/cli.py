@@ -107,10 +107,12 @@ def _infinigen_knob_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from .report import write_outputs
     from .sweep import parse_shard, read_config, run_sweep
 
     config = read_config(args.config)
-    summary = run_sweep(config, shard=parse_shard(args.shard))
+    run_sweep(config, shard=parse_shard(args.shard))
+    summary = write_outputs(config)
     print(
         f"{summary['measured']} cells measured, {len(summary['missing'])} missing; outputs in {config.out}",
         file=sys.stderr,
@@ -124,15 +126,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .report import write_outputs, write_report
-    from .sweep import finished, policy_variants, read_config, run_sweep
+    from .sweep import read_config, run_sweep
 
     config = read_config(args.config)
     if config.report is None:
         raise InputError(f"sweep config {args.config} names no report path (add: report = 'docs/results.md')")
-    if args.no_run:  # only what is already measured
-        summary = write_outputs(config, finished(config.out), policy_variants(config)[1])
-    else:
-        summary = run_sweep(config)
+    if not args.no_run:  # --no-run: only what is already measured
+        run_sweep(config)
+    summary = write_outputs(config)
     notes = config.raw.get("notes", "")
     path = write_report(config, summary, f"infinikv eval report --config {args.config}", notes)
     print(path)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..reporting import write_keeping_notes
-from .sweep import Cell, SweepConfig, cells, policy_label, policy_variants
+from .sweep import Cell, SweepConfig, cells, finished, is_measured, policy_label, policy_variants
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -26,8 +26,8 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 def _selected(config: SweepConfig, done: dict[str, dict]) -> tuple[list[dict], list[Cell]]:
     planned = list(cells(config))
-    measured = [done[c.key] for c in planned if c.key in done]
-    missing = [c for c in planned if c.key not in done]
+    measured = [done[c.key] for c in planned if is_measured(c, done)]
+    missing = [c for c in planned if not is_measured(c, done)]
     return measured, missing
 
 
@@ -121,9 +121,11 @@ def plot(records: list[dict], kind: str, path: Path) -> bool:
     return True
 
 
-def write_outputs(config: SweepConfig, done: dict[str, dict], unavailable: list[str]) -> dict[str, Any]:
-    """summary.json, tables.md and the PNG plots in ``config.out``; returns the summary."""
-    measured, missing = _selected(config, done)
+def write_outputs(config: SweepConfig) -> dict[str, Any]:
+    """summary.json, tables.md and the PNG plots in ``config.out`` from every finished cell (every shard's);
+    returns the summary."""
+    measured, missing = _selected(config, finished(config.out))
+    unavailable = policy_variants(config)[1]
     plots = [
         name
         for kind, name in (("retrieval", "accuracy_vs_kv.png"), ("ppl", "ppl_vs_kv.png"))
@@ -239,11 +241,17 @@ def _missing_lines(keys: list[str], variants: int) -> list[str]:
 
 def _retrieval_setup(config: SweepConfig) -> str:
     depths = ", ".join(str(d) for d in config.depths)
-    last_seed = config.seed + config.samples - 1
+    per_model = {c.model: c.samples for c in cells(config) if c.kind == "retrieval"}
+    if len(set(per_model.values())) == 1:
+        samples = next(iter(per_model.values()))
+        count = f"{samples} samples per task and context (seeds {config.seed}..{config.seed + samples - 1}, "
+    else:
+        each = ", ".join(f"{n} for {model}" for model, n in per_model.items())
+        count = f"samples per task and context: {each} (sample i has seed {config.seed} + i, "
     return (
-        f"{config.samples} samples per task and context (seeds {config.seed}..{last_seed}, "
-        f"needle depths cycling through {depths}); question decoded through the policy, answer greedy; "
-        f"chat template: {config.chat}. Scores 0-100 (passkey: exact match; others: RULER string_match_all)."
+        f"{count}needle depths cycling through {depths}); question decoded through the policy, answer "
+        f"greedy; chat template: {config.chat}. Scores 0-100 (passkey: exact match; others: RULER "
+        "string_match_all)."
     )
 
 

@@ -9,6 +9,7 @@ A sweep is described by one TOML or JSON file (see ``configs/``)::
     name = "smollm2-135m"
     contexts = [2048, 4096]
     tasks = ["passkey"]                   # optional: this model's retrieval tasks instead of [retrieval]'s
+    samples = 8                           # optional: this model's samples per retrieval cell
     [policies]                            # knob lists expand to every combination
     dense = {}
     quest = { budget = [0.05, 0.1, 0.2, 0.4] }
@@ -29,12 +30,16 @@ Cells of one model, context and target run one after another and share a
 policies that prefill densely; H2O at every budget), not once per policy.
 
 Every finished cell is appended to ``cells.jsonl`` at once, so an interrupted sweep restarts where it
-stopped: cells already in the file are skipped. Policies not registered in this build are reported as
+stopped: cells already in the file are skipped (a retrieval cell recorded with another number of samples
+than the config now asks for is measured again). Policies not registered in this build are reported as
 unavailable and skipped. Perplexity cells of a policy reuse the dense cell of the same model, text and
 context (same windows) as their reference.
 
 ``--shard I/N`` measures only every N-th group of cells (a group = one model, context and target, all its
 policies), starting at the I-th, so N processes can share one sweep; they append to the same ``cells.jsonl``.
+
+This module plans and measures; :mod:`infinikv.eval.report` reads the finished cells and writes the summary,
+tables, plots and results document (it imports this module, never the reverse).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class Cell:
     target: str  # task name or text name
     policy: str
     knobs: tuple[tuple[str, Any], ...] = ()
+    samples: int | None = None  # retrieval samples; not in the key (see is_measured)
 
     @property
     def key(self) -> str:
@@ -89,11 +95,12 @@ def policy_label(policy: str, knobs: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class SweepModel:
-    """A model's entry: its contexts, and its own retrieval tasks (None: the sweep's)."""
+    """A model's entry: its contexts, and its own retrieval tasks and samples (None: the sweep's)."""
 
     name: str
     contexts: tuple[int, ...]
     tasks: tuple[str, ...] | None = None
+    samples: int | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,7 @@ def read_config(path: str | Path) -> SweepConfig:
                 m["name"],
                 tuple(int(c) for c in m["contexts"]),
                 tuple(m["tasks"]) if "tasks" in m else None,
+                int(m["samples"]) if "samples" in m else None,
             )
             for m in raw["models"]
         )
@@ -211,7 +219,7 @@ def cells(config: SweepConfig, shard: tuple[int, int] = (0, 1)) -> Iterator[Cell
     variants, _ = policy_variants(config)
     index, count = shard
     groups = [
-        (model.name, context, kind, target)
+        (model.name, context, kind, target, _samples(config, model) if kind == "retrieval" else None)
         for model in config.models
         for context in model.contexts
         for kind, targets in (
@@ -220,9 +228,13 @@ def cells(config: SweepConfig, shard: tuple[int, int] = (0, 1)) -> Iterator[Cell
         )
         for target in targets
     ]
-    for model, context, kind, target in groups[index::count]:
+    for model, context, kind, target, samples in groups[index::count]:
         for policy, knobs in variants:
-            yield Cell(model, context, kind, target, policy, _frozen(knobs, context))
+            yield Cell(model, context, kind, target, policy, _frozen(knobs, context), samples)
+
+
+def _samples(config: SweepConfig, model: SweepModel) -> int:
+    return config.samples if model.samples is None else model.samples
 
 
 def _ppl_texts(config: SweepConfig, context: int) -> tuple[str, ...]:
@@ -247,6 +259,13 @@ def finished(out: Path) -> dict[str, dict[str, Any]]:
     return done
 
 
+def is_measured(cell: Cell, done: dict[str, dict[str, Any]]) -> bool:
+    """Whether ``done`` holds ``cell``, measured as planned: a retrieval cell's sample count must match
+    (the key leaves it out, so raising the samples of a finished grid re-measures it, not reuses it)."""
+    record = done.get(cell.key)
+    return record is not None and (cell.kind != "retrieval" or record["result"]["samples"] == cell.samples)
+
+
 def run_cell(
     cell: Cell, loaded: LoadedModel, config: SweepConfig, done: dict[str, dict], memo: PrefillMemo
 ) -> dict[str, Any]:
@@ -258,7 +277,7 @@ def run_cell(
         reference = done.get(dense_key, {}).get("result")
         return ppl.perplexity(loaded, policy, ppl_config, reference=reference, progress=True, memo=memo)
     return retrieval.evaluate(
-        loaded, policy, cell.target, cell.context, config.samples, config.depths, config.seed, config.chat,
+        loaded, policy, cell.target, cell.context, cell.samples, config.depths, config.seed, config.chat,
         progress=True, memo=memo,
     )  # fmt: skip
 
@@ -268,15 +287,15 @@ def run_sweep(
     loader: Callable[[str], LoadedModel] = load,
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
-) -> dict[str, Any]:
-    """Measure every cell (of ``shard``) not yet in ``cells.jsonl``; then write summary.json, tables.md and
-    the plots from every finished cell."""
+) -> None:
+    """Measure every cell (of ``shard``) not yet in ``cells.jsonl``, appending each as it finishes.
+    :func:`infinikv.eval.report.write_outputs` turns the finished cells into tables and plots."""
     config.out.mkdir(parents=True, exist_ok=True)
     done = finished(config.out)
     _, unavailable = policy_variants(config)
     for name in unavailable:
         print(f"sweep: policy '{name}' is not in this build; its cells are skipped", file=sys.stderr)
-    todo = [c for c in cells(config, shard) if c.key not in done]
+    todo = [c for c in cells(config, shard) if not is_measured(c, done)]
     loaded: LoadedModel | None = None
     memo, memo_group = PrefillMemo(), None
     path = config.out / "cells.jsonl"
@@ -299,9 +318,6 @@ def run_sweep(
             log.write(json.dumps(record) + "\n")
             log.flush()
             done[cell.key] = record
-    from .report import write_outputs  # matplotlib only when there is something to draw
-
-    return write_outputs(config, finished(config.out), unavailable)  # with other shards' cells
 
 
 def parse_shard(text: str) -> tuple[int, int]:

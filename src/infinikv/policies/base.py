@@ -216,7 +216,7 @@ class Policy:
         out["bytes_d2h"] = counters.bytes_d2h if counters else 0
         out["prefetch_wait_s"] = round(counters.wait_s, 6) if counters else 0.0
         out["mean_tokens_attended"] = (
-            self._attended_tokens / self._attended_calls if self._attended_calls else 0.0
+            float(self._attended_tokens) / self._attended_calls if self._attended_calls else 0.0
         )
         return out
 
@@ -226,11 +226,15 @@ class Policy:
             pool.close()
 
     # -- helpers for subclasses ----------------------------------------------------------------------------
-    def record_attended(self, layer: int, n_tokens: float) -> None:
+    def record_attended(self, layer: int, n_tokens: float | Tensor) -> None:
         """Count how many tokens a layer attended to in a decode step (mean over batch and heads). A
         sliding-window layer sees at most its window, whatever it was handed (the mask hides the rest)."""
         window = self.spec.sliding_window[layer]
-        self._attended_tokens += float(n_tokens if window is None else min(n_tokens, window))
+        if isinstance(n_tokens, Tensor):  # kept on the device until stats(): no host sync per step
+            tokens = n_tokens.float() if window is None else n_tokens.float().clamp(max=window)
+        else:
+            tokens = float(n_tokens if window is None else min(n_tokens, window))
+        self._attended_tokens = self._attended_tokens + tokens
         self._attended_calls += 1
 
     def past_valid(self, n_past: int, batch: int) -> Tensor:

@@ -27,8 +27,15 @@ class GatherPolicy(HostPoolPolicy):
 
     prefill_family = "dense"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Per layer, set by ``select`` when rows take fewer slots than the gather is wide: bool
+        # [batch, kv_heads, m], False hides a row's extra slot (as Selection.valid).
+        self.selected_valid: dict[int, Tensor] = {}
+
     def select(self, layer: int, n_past: int, batch: int) -> Tensor:
-        """Past slots ``layer`` attends to this step: LongTensor [batch, kv_heads, m], sorted, < n_past."""
+        """Past slots ``layer`` attends to this step: LongTensor [batch, kv_heads, m], sorted, < n_past. A
+        subclass whose rows take different numbers of slots puts which are real in ``selected_valid``."""
         raise NotImplementedError
 
     def adjust_keys(self, layer: int, index: Tensor, keys: Tensor) -> Tensor:
@@ -37,7 +44,7 @@ class GatherPolicy(HostPoolPolicy):
 
     def start_fetch(
         self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
-    ) -> tuple[Tensor, Transfer]:
+    ) -> tuple[Tensor, Tensor | None, Transfer]:
         n_past, batch = self.host_pool.length(layer), self.host_pool.keys(layer).shape[0]
         window = self.spec.sliding_window[layer]
         if window is not None:
@@ -46,16 +53,25 @@ class GatherPolicy(HostPoolPolicy):
             index = index.expand(batch, self.spec.num_kv_heads, -1)
         else:
             index = self.select(layer, n_past, batch)
-        return index, self.host_pool.fetch(layer, index)
+        return index, self.selected_valid.pop(layer, None), self.host_pool.fetch(layer, index)
 
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
         n_past = self.host_pool.length(layer)
-        index, transfer = self.take_fetch(layer)
+        index, valid, transfer = self.take_fetch(layer)
         past_k, past_v = transfer.wait()
         self.host_pool.append(layer, k_new, v_new)
         index = index.to(k_new.device)
         past_k = self.adjust_keys(layer, index, past_k)
         new_position = index.new_full((*index.shape[:2], 1), n_past)
         positions = torch.cat([index, new_position], dim=2)
-        self.record_attended(layer, positions.shape[2])
-        return Selection(torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2), positions)
+        keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
+        if valid is not None:
+            valid = torch.cat([valid.to(k_new.device), valid.new_ones(*valid.shape[:2], 1)], dim=2)
+        # Tokens attended: what each row really sees (not its left padding, nor slots it hides).
+        batch = index.shape[0]
+        real = self.past_valid(n_past, batch).to(index.device)
+        real = torch.cat([real, real.new_ones(batch, 1)], dim=1)  # the new token is real
+        seen = real.gather(1, positions.flatten(1)).view_as(positions)
+        seen = seen if valid is None else seen & valid
+        self.record_attended(layer, seen.sum(dim=-1).float().mean())
+        return Selection(keys, values, positions, valid)

@@ -8,7 +8,8 @@ evicts the lowest-scoring token outside the recent window to make room for the n
 
 * Budget: ``budget`` tokens are attended per layer and step, the new token included (so the pool keeps
   ``budget - 1`` between steps); ``budget`` <= 1 is a fraction of the prompt length at the end of prefill
-  (the padded length, i.e. the longest prompt of the batch), so the kept set never grows while generating
+  (each row's own real length, so a row's result does not depend on its batchmates; a narrower row's
+  extra slots are dead and hidden with ``Selection.valid``), so the kept set never grows while generating
   (budget 1 holds the cache at the prompt's size; a token count above the final length is dense).
   ``heavy_ratio`` of it goes to heavy hitters, the rest (at least the new token) to the recent window.
 * Prefill scores: prefill attention stays SDPA, and the policy also computes the softmax weights of the
@@ -56,7 +57,10 @@ class H2OPolicy(HostPoolPolicy):
             None
         ] * layers  # accumulated attention per slot [batch, kv_heads, m]
         self.slot_pos: list[Tensor | None] = [None] * layers  # token position of each slot, after the prompt
-        self.limits: list[tuple[int, int] | None] = [None] * layers  # (budget, recent) in tokens
+        # (budget, recent) in tokens, per row [batch]: a fraction refers to each row's own prompt
+        self.limits: list[tuple[Tensor, Tensor] | None] = [None] * layers
+        self.alive: list[Tensor | None] = [None] * layers  # bool per slot; False: a dead slot, hidden
+        self.capacity = [0] * layers  # slots kept between steps: the widest row's budget - 1
         self._new: dict[int, tuple[Tensor, Tensor]] = {}
 
     def seq_length(self, layer: int) -> int:
@@ -109,27 +113,42 @@ class H2OPolicy(HostPoolPolicy):
 
     # -- decode --------------------------------------------------------------------------------------------
     def _compact(self, layer: int, batch: int) -> None:
-        """End of prefill for this layer: set its limits and evict the prompt down to the kept set."""
+        """End of prefill for this layer: set each row's limits and evict the prompt down to the kept set.
+
+        Each row's budget refers to its own prompt (its real tokens, not the batch's padded length). The
+        pool is as wide as the widest row's kept set; a narrower row's extra slots are dead (``alive``
+        False): hidden from attention, never evicted, and reused for new tokens first, so a row keeps and
+        attends to what it would alone."""
         n = self.host_pool.length(layer)
         window = self.spec.sliding_window[layer]
-        if window is not None:
-            budget, recent = window, window  # sliding layers: exactly their window, no heavy hitters
+        if window is not None:  # sliding layers: exactly their window, no heavy hitters
+            budget = torch.full((batch,), window, device=self.device)
+            recent = budget
         else:
-            budget = resolve_budget(self.config.budget, n, capped=False)
-            recent = budget - min(round(self.config.heavy_ratio * budget), budget - 1)
+            lengths = self.past_valid(n, batch).sum(dim=1).tolist()
+            rows = [resolve_budget(self.config.budget, max(1, real), capped=False) for real in lengths]
+            budget = torch.tensor(rows, device=self.device)
+            heavy = torch.tensor(
+                [min(round(self.config.heavy_ratio * b), b - 1) for b in rows], device=self.device
+            )
+            recent = budget - heavy
         self.limits[layer] = (budget, recent)
+        capacity = self.capacity[layer] = int(budget.max()) - 1  # slots the pool keeps between steps
         heads = self.spec.num_kv_heads
         positions = torch.arange(n, device=self.device).expand(batch, heads, n)
         score = self.score[layer]
         if score is None:
             score = torch.zeros(batch, heads, n, device=self.device)
-        if n > budget - 1:
-            valid = None if window is not None else self._valid(positions)
-            keep = self._priority(layer, score, positions, n, valid).topk(budget - 1, dim=-1).indices
-            keep = keep.sort(dim=-1).values
+        valid = None if window is not None else self._valid(positions)
+        priority = self._priority(layer, score, positions, n, valid)
+        if n > capacity:
+            keep = priority.topk(capacity, dim=-1).indices.sort(dim=-1).values
             self.host_pool.keep(layer, keep)
-            positions, score = keep, score.gather(2, keep)
-        self.slot_pos[layer], self.score[layer] = positions, score
+            positions, score, priority = keep, score.gather(2, keep), priority.gather(2, keep)
+        # A row keeps its budget - 1 best slots; padding (priority -inf) is never alive.
+        rank = priority.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        alive = (rank < (budget - 1)[:, None, None]) & (priority > float("-inf"))
+        self.slot_pos[layer], self.score[layer], self.alive[layer] = positions, score, alive
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if self.slot_pos[layer] is not None:  # from the second step on: the prompt is cut at the first
@@ -147,9 +166,12 @@ class H2OPolicy(HostPoolPolicy):
         self._new[layer] = (k_new, v_new)
         slots = self.slot_pos[layer]
         positions = torch.cat([slots, slots.new_full((*slots.shape[:2], 1), self.seen[layer])], dim=2)
+        alive = self.alive[layer]
+        valid = torch.cat([alive, alive.new_ones(*alive.shape[:2], 1)], dim=2)
         self.seen[layer] += 1
-        self.record_attended(layer, positions.shape[2])
-        return Selection(torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2), positions)
+        self.record_attended(layer, valid.sum(dim=-1).float().mean())  # what each row really sees
+        keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
+        return Selection(keys, values, positions, valid)
 
     def _attend_decode(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
@@ -164,29 +186,34 @@ class H2OPolicy(HostPoolPolicy):
         return out
 
     def _store_new(self, layer: int, score: Tensor, k: Tensor, v: Tensor) -> None:
-        """Keep the new token: append it while the pool has room, else evict one slot per KV head for it."""
+        """Keep the new token: a row over its budget marks its lowest-priority live slot dead; the new token
+        takes a new slot while the pool has room, else a dead one (it may be itself: then nothing moves)."""
         k_new, v_new = self._new.pop(layer)
         budget, _ = self.limits[layer]
-        slots = self.slot_pos[layer]
+        slots, alive, capacity = self.slot_pos[layer], self.alive[layer], self.capacity[layer]
+        if capacity == 0:  # nothing is kept between steps: the new token goes at once
+            return
         candidates = torch.cat([slots, slots.new_full((*slots.shape[:2], 1), self.seen[layer] - 1)], dim=2)
-        if candidates.shape[2] <= budget - 1:
+        alive = torch.cat([alive, alive.new_ones(*alive.shape[:2], 1)], dim=2)
+        over = alive.sum(dim=-1) > (budget - 1)[:, None]  # [batch, kv_heads]
+        priority = self._priority(layer, score, candidates, self.seen[layer], None)
+        victim = torch.where(alive, priority, float("inf")).argmin(dim=-1, keepdim=True)
+        alive = alive & ~(over[..., None] & (torch.arange(alive.shape[2], device=alive.device) == victim))
+        if slots.shape[2] < capacity:
             self.host_pool.append(layer, k_new, v_new)
-            self.slot_pos[layer], self.score[layer] = candidates, score
+            self.slot_pos[layer], self.score[layer], self.alive[layer] = candidates, score, alive
             return
-        if budget == 1:  # nothing is kept between steps: the new token goes at once
-            return
-        sliding = self.spec.is_sliding(layer)
-        valid = None if sliding else self._valid(candidates)
-        victim = self._priority(layer, score, candidates, self.seen[layer], valid).argmin(dim=-1)
         newest = candidates.shape[2] - 1
-        # A victim that is the new token itself: rewrite slot 0 with its own content (a no-op).
-        evict_new = victim == newest
-        slot = torch.where(evict_new, 0, victim)[..., None]
+        dead = (~alive).float().argmax(dim=-1)  # every row has one: it keeps at most capacity live slots
+        # A dead slot that is the new token itself: rewrite slot 0 with its own content (a no-op).
+        evict_new = dead == newest
+        slot = torch.where(evict_new, 0, dead)[..., None]
         source = torch.where(evict_new, 0, newest)[..., None]
         pick = source[..., None].expand(-1, -1, 1, k.shape[-1])
         self.host_pool.write_slots(layer, slot[..., 0], k.gather(2, pick), v.gather(2, pick))
         self.slot_pos[layer] = slots.scatter(2, slot, candidates.gather(2, source))
         self.score[layer] = score[..., :newest].scatter(2, slot, score.gather(2, source))
+        self.alive[layer] = alive[..., :newest].scatter(2, slot, alive.gather(2, source))
 
     def _priority(
         self, layer: int, score: Tensor, positions: Tensor, seen: int, valid: Tensor | None
@@ -194,7 +221,8 @@ class H2OPolicy(HostPoolPolicy):
         """Eviction order: the recent window (+inf) last, padding (-inf) first, the rest by score."""
         _, recent = self.limits[layer]
         # Between steps the window holds recent - 1 tokens: the next step's token completes it.
-        priority = torch.where(positions >= seen - (recent - 1), float("inf"), score)
+        in_window = positions >= seen - (recent[:, None, None] - 1)
+        priority = torch.where(in_window, float("inf"), score)
         return priority if valid is None else torch.where(valid, priority, float("-inf"))
 
     def _valid(self, positions: Tensor) -> Tensor | None:

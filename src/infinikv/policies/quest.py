@@ -8,9 +8,13 @@ and the newest (partial) page is always attended.
 
 GQA: pages are chosen per KV head, which serves a group of query heads; a page's bound for the KV head is the
 max of its query heads' bounds (a page goes in if any head of the group might need it). ``budget`` counts
-tokens (the partial page and the new token included); a fraction (<= 1) refers to the current context, so 1
-attends to everything. As in the paper, the first ``dense_layers`` layers attend to everything. Pages that
-hold only left padding are never chosen; padding inside a chosen page is masked by the model's mask.
+tokens (the partial page and the new token included); a fraction (<= 1) refers to each row's current context
+(its real tokens, not the batch's padded length), so 1 attends to everything. As in the paper, the first
+``dense_layers`` layers attend to everything.
+
+Batches: a row's pages start at its own first real token (left padding is never paged), so they hold the
+tokens they hold when the row runs alone; rows with fewer pages, or a shorter budget, than their batchmates
+hide the extra slots of the gather (``Selection.valid``), so a row's selection does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -45,40 +49,74 @@ class QuestPolicy(GatherPolicy):
     def __init__(self, config: QuestConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
         layers = spec.num_layers
-        # Per layer: [batch, kv_heads, pages, head_dim] key max / min of the full pages (padding excluded:
-        # -inf / +inf), and the keys of the partial page prepared for max / min.
+        # Per layer, each row's pages start at its own first real token (its left padding is never paged),
+        # so a row's pages are the ones it has alone. Rows differ in how many pages they have:
+        # page_max / page_min [batch, kv_heads, most pages, head_dim], a row's missing pages at -inf / +inf;
+        # n_pages [batch]; partial [batch, kv_heads, page_size, head_dim] holds the keys of each row's
+        # unfinished page, n_partial [batch] of them; first_real [batch] the slot of each row's first real
+        # token (-1: none yet).
         self.page_max: list[Tensor | None] = [None] * layers
         self.page_min: list[Tensor | None] = [None] * layers
-        self._partial_max: list[Tensor | None] = [None] * layers
-        self._partial_min: list[Tensor | None] = [None] * layers
+        self.n_pages: list[Tensor | None] = [None] * layers
+        self.partial: list[Tensor | None] = [None] * layers
+        self.n_partial: list[Tensor | None] = [None] * layers
+        self.first_real: list[Tensor | None] = [None] * layers
         self._query: dict[int, Tensor] = {}
 
     # -- page metadata -------------------------------------------------------------------------------------
     def _add_keys(self, layer: int, k: Tensor) -> None:
+        """Append a chunk's real keys to each row's partial page and close the pages that fill up."""
         if self.spec.is_sliding(layer):
             return
-        n_past = self.host_pool.length(layer) - k.shape[2]  # called after the append
-        valid = self.key_valid
-        if valid is not None:
-            valid = valid[:, n_past : n_past + k.shape[2]].to(k.device)[:, None, :, None]
-        inf = torch.tensor(float("inf"), dtype=k.dtype, device=k.device)
-        for_max = k if valid is None else torch.where(valid, k, -inf)
-        for_min = k if valid is None else torch.where(valid, k, inf)
-        if self._partial_max[layer] is not None:
-            for_max = torch.cat([self._partial_max[layer], for_max], dim=2)
-            for_min = torch.cat([self._partial_min[layer], for_min], dim=2)
-        size = self.config.page_size
-        full = for_max.shape[2] // size * size
-        batch, heads, _, dim = k.shape
-        if full:
-            new_max = for_max[:, :, :full].reshape(batch, heads, -1, size, dim).amax(dim=3)
-            new_min = for_min[:, :, :full].reshape(batch, heads, -1, size, dim).amin(dim=3)
-            if self.page_max[layer] is not None:
-                new_max = torch.cat([self.page_max[layer], new_max], dim=2)
-                new_min = torch.cat([self.page_min[layer], new_min], dim=2)
-            self.page_max[layer], self.page_min[layer] = new_max, new_min
-        self._partial_max[layer] = for_max[:, :, full:]
-        self._partial_min[layer] = for_min[:, :, full:]
+        batch, heads, count, dim = k.shape
+        size, device = self.config.page_size, k.device
+        start = self.host_pool.length(layer) - count  # called after the append
+        # Left padding: a row's real tokens are the chunk's last n_real. The counts live on the host, so a
+        # decode step (every row's token is real) never waits for the device.
+        if count == 1:
+            n_real = torch.ones(batch, dtype=torch.long)
+        else:
+            n_real = self.past_valid(start + count, batch)[:, start:].sum(dim=1).cpu()
+        if self.partial[layer] is None:
+            self.page_max[layer] = k.new_empty(batch, heads, 0, dim)
+            self.page_min[layer] = k.new_empty(batch, heads, 0, dim)
+            self.partial[layer] = k.new_zeros(batch, heads, size, dim)
+            self.n_pages[layer] = torch.zeros(batch, dtype=torch.long)
+            self.n_partial[layer] = torch.zeros(batch, dtype=torch.long)
+            self.first_real[layer] = torch.full((batch,), -1, dtype=torch.long)
+        first = self.first_real[layer]
+        self.first_real[layer] = torch.where((first < 0) & (n_real > 0), start + count - n_real, first)
+        # Row r's unfinished content: its partial keys, then its real chunk keys, gathered to the front.
+        held, width = self.n_partial[layer], size + count
+        at = torch.arange(width)
+        source = torch.where(at < held[:, None], at, size + count - n_real[:, None] + at - held[:, None])
+        source = source.clamp(0, width - 1).to(device)
+        joined = torch.cat([self.partial[layer], k], dim=2)
+        joined = joined.gather(2, source[:, None, :, None].expand(batch, heads, width, dim))
+        total = held + n_real
+        closed = total // size  # pages each row completes now
+        if int(closed.max()) > 0:
+            blocks = joined[:, :, : width // size * size].unflatten(2, (-1, size))
+            self._append_pages(layer, blocks.amax(dim=3), blocks.amin(dim=3), closed)
+        # What is left after the closed pages goes to the front of the partial buffer.
+        rest = (closed[:, None] * size + torch.arange(size)).clamp(max=width - 1).to(device)
+        self.partial[layer] = joined.gather(2, rest[:, None, :, None].expand(batch, heads, size, dim))
+        self.n_partial[layer] = total - closed * size
+
+    def _append_pages(self, layer: int, new_max: Tensor, new_min: Tensor, closed: Tensor) -> None:
+        """Put row r's first ``closed[r]`` of ``new_max``/``new_min`` after its ``n_pages[r]`` pages."""
+        old_max, old_min, have = self.page_max[layer], self.page_min[layer], self.n_pages[layer]
+        batch, heads, _, dim = new_max.shape
+        most = int((have + closed).max())
+        at = torch.arange(most)
+        source = torch.where(at >= have[:, None], old_max.shape[2] + at - have[:, None], at)
+        source = source.clamp(0, old_max.shape[2] + new_max.shape[2] - 1).to(new_max.device)
+        pick = source[:, None, :, None].expand(batch, heads, most, dim)
+        inf = torch.tensor(float("inf"), dtype=new_max.dtype, device=new_max.device)
+        keep = (at < (have + closed)[:, None]).to(new_max.device)[:, None, :, None]
+        self.page_max[layer] = torch.where(keep, torch.cat([old_max, new_max], dim=2).gather(2, pick), -inf)
+        self.page_min[layer] = torch.where(keep, torch.cat([old_min, new_min], dim=2).gather(2, pick), inf)
+        self.n_pages[layer] = have + closed
 
     # -- the seam ------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -96,32 +134,53 @@ class QuestPolicy(GatherPolicy):
         return selection
 
     def select(self, layer: int, n_past: int, batch: int) -> Tensor:
-        size = self.config.page_size
-        n_pages = n_past // size
-        partial = torch.arange(n_pages * size, n_past, device=self.device)
+        size, device = self.config.page_size, self.device
         query = self._query.pop(layer, None)
-        budget = resolve_budget(self.config.budget, n_past + 1, capped=False)
-        take = min(n_pages, max(0, (budget - partial.numel() - 1) // size))
-        if query is None or take == n_pages:  # a dense layer, or every page fits
-            return torch.arange(n_past, device=self.device).expand(batch, self.spec.num_kv_heads, -1)
-        pages = self.top_pages(
-            query, self.page_max[layer][:, :, :n_pages], self.page_min[layer][:, :, :n_pages], take
+        n_pages, held = self.n_pages[layer], self.n_partial[layer]  # host tensors: no device sync
+        # Each row's budget refers to its own context (its real tokens and the new one).
+        budgets = [
+            resolve_budget(self.config.budget, real + 1, capped=False)
+            for real in (n_pages * size + held).tolist()
+        ]
+        takes = torch.tensor(
+            [max(0, (b - h - 1) // size) for b, h in zip(budgets, held.tolist(), strict=True)]
         )
-        tokens = (pages[..., None] * size + torch.arange(size, device=self.device)).flatten(2)
-        return torch.cat([tokens, partial.expand(*tokens.shape[:2], -1)], dim=2)
+        takes = torch.minimum(takes, n_pages)
+        if query is None or bool((takes == n_pages).all()):  # a dense layer, or every row's pages fit
+            return torch.arange(n_past, device=device).expand(batch, self.spec.num_kv_heads, -1)
+        take, widest = int(takes.max()), int(held.max())
+        pages, rank = self.top_pages(query, self.page_max[layer], self.page_min[layer], take)
+        first = self.first_real[layer]
+        offsets = torch.arange(size, device=device)
+        tokens = (first.to(device)[:, None, None, None] + pages[..., None] * size + offsets).flatten(2)
+        # Each row's unfinished page, as wide as the widest one (a shorter one's extra slots hidden).
+        at = torch.arange(widest)
+        partial = (first[:, None] + n_pages[:, None] * size + at).to(device)
+        heads = self.spec.num_kv_heads
+        index = torch.cat([tokens, partial[:, None].expand(-1, heads, -1)], dim=2).clamp(max=n_past - 1)
+        if bool((takes < take).any() or (held < widest).any()):
+            page_valid = (rank < takes.to(device)[:, None, None]).repeat_interleave(size, dim=2)
+            partial_valid = (at < held[:, None]).to(device)[:, None].expand(-1, heads, -1)
+            self.selected_valid[layer] = torch.cat([page_valid, partial_valid], dim=2)
+        return index
 
-    def top_pages(self, query: Tensor, page_max: Tensor, page_min: Tensor, take: int) -> Tensor:
-        """The ``take`` pages with the highest logit upper bound per KV head, sorted: [batch, kv_heads, take].
+    def top_pages(
+        self, query: Tensor, page_max: Tensor, page_min: Tensor, take: int
+    ) -> tuple[Tensor, Tensor]:
+        """The ``take`` pages with the highest logit upper bound per KV head, sorted: [batch, kv_heads, take],
+        and each one's rank by bound (0 = highest).
 
         query [batch, heads, d]; page_max / page_min [batch, kv_heads, pages, d]."""
         batch, kv_heads, n_pages, _ = page_max.shape
         group = query.shape[1] // kv_heads
         q = query.reshape(batch, kv_heads, group, 1, -1)
         bound = torch.maximum(q * page_max[:, :, None], q * page_min[:, :, None]).sum(dim=-1).amax(dim=2)
-        real = page_max[..., 0] > float("-inf")  # pages with at least one real token
+        real = page_max[..., 0] > float("-inf")  # pages the row has (a shorter row's others are -inf)
         bound = torch.where(real, bound, float("-inf"))
-        return bound.topk(take, dim=-1).indices.sort(dim=-1).values
+        best = bound.topk(take, dim=-1).indices
+        pages, order = best.sort(dim=-1)
+        return pages, order
 
     def device_bytes(self) -> int:
-        metadata = (*self.page_max, *self.page_min, *self._partial_max, *self._partial_min)
+        metadata = (*self.page_max, *self.page_min, *self.partial)
         return sum(meta.numel() * meta.element_size() for meta in metadata if meta is not None)

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from ...errors import InputError
 from ...spec import ModelSpec
+from ...store import locked
 from . import skewfile, tuning
 from .skewfile import Skew, skew_path
 
@@ -54,8 +55,14 @@ def ensure_skew(loaded: LoadedModel) -> Skew:
     found = skewfile.cached_skew(loaded.spec)
     if found is not None and found.tuned is not None:
         return found
-    print(f"calibrating InfiniGen skew for {loaded.name} (once per model)", file=sys.stderr)
-    return calibrate(loaded)
+    # One process calibrates; another waits, then reads its file. Taking the lock also proves the cache
+    # is writable before the work starts.
+    with locked(f"skew-{loaded.weights_id[:16]}"):
+        found = skewfile.cached_skew(loaded.spec)
+        if found is not None and found.tuned is not None:  # a file without calibrated alpha is redone
+            return found
+        print(f"calibrating InfiniGen skew for {loaded.name} (once per model)", file=sys.stderr)
+        return calibrate(loaded)
 
 
 # -- calibration ---------------------------------------------------------------------------------------------

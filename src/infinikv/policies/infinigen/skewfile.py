@@ -10,8 +10,10 @@ calibrated for the model (``tuning.py``: the threshold ``alpha``, the rule that 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from ...errors import InfinikvError
 from ...spec import ModelSpec
-from ...store import cache_dir
+from ...store import atomic_write, cache_dir, cache_errors
 
 Tensor = torch.Tensor
 FORMAT = "infinikv-skew/1"
@@ -75,17 +77,41 @@ class Skew:
             )
 
     def save(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         tensors = {"matrices": self.matrices, "scores": self.scores, "identity_scores": self.identity_scores}
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
         meta = {"format": FORMAT, "weights_id": self.weights_id, "model": self.model, "source": self.source}
         if self.tuned is not None:
             meta["tuned"] = json.dumps(self.tuned)
-        save_file(
-            {k: v.contiguous() for k, v in tensors.items()}, str(tmp), {**meta, "tokens": str(self.tokens)}
-        )
-        tmp.replace(path)
+        meta = {**meta, "tokens": str(self.tokens), CHECKSUM_KEY: tensor_checksum(tensors)}
+        with cache_errors(f"cannot save the skew file {path.name}"), atomic_write(path) as tmp:
+            save_file(tensors, str(tmp), meta)
         return path
+
+
+# -- checksum ------------------------------------------------------------------------------------------------
+CHECKSUM_KEY = "sha256"
+
+
+class SkewDamaged(SkewError):
+    """A skew file whose tensors no longer match the checksum written with them."""
+
+
+def tensor_checksum(tensors: dict[str, Tensor]) -> str:
+    """SHA-256 over the tensors' names, shapes, dtypes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous().cpu()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def verify_checksum(path: Path, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
+    """Raise SkewDamaged when ``tensors`` do not match the checksum in ``meta`` (files written before
+    checksums were kept carry none and are taken as they are)."""
+    expected = meta.get(CHECKSUM_KEY)
+    if expected is not None and tensor_checksum(tensors) != expected:
+        raise SkewDamaged(f"skew file {path} does not match its checksum (damaged)")
 
 
 # -- files ---------------------------------------------------------------------------------------------------
@@ -106,10 +132,13 @@ def read_skew(path: str | Path, spec: ModelSpec | None = None) -> Skew:
             meta = handle.metadata() or {}
     except FileNotFoundError:
         raise SkewError(f"skew file not found: {path}") from None
-    except (SafetensorError, OSError) as exc:
+    except SafetensorError as exc:  # truncated or overwritten: as damaged as a checksum mismatch
+        raise SkewDamaged(f"cannot read skew file {path}, it is damaged: {exc}") from None
+    except OSError as exc:
         raise SkewError(f"cannot read skew file {path}: {exc}") from None
     if meta.get("format") != FORMAT or not {"matrices", "scores", "identity_scores"} <= set(tensors):
         raise SkewError(f"{path} is not an infinikv skew file ({FORMAT})")
+    verify_checksum(path, tensors, meta)
     skew = Skew(
         weights_id=meta["weights_id"],
         model=meta.get("model", "?"),
@@ -126,8 +155,16 @@ def read_skew(path: str | Path, spec: ModelSpec | None = None) -> Skew:
 
 
 def cached_skew(spec: ModelSpec) -> Skew | None:
-    """The most recently written calibration for ``spec``'s weights, or None."""
+    """The most recently written calibration for ``spec``'s weights, or None. A damaged file is set aside
+    (renamed ``*.damaged``) with one line saying so, and the next one, or None, is returned."""
     if not spec.weights_id or not skew_dir().is_dir():
         return None
     files = sorted(skew_dir().glob(f"{spec.weights_id[:16]}-*.safetensors"), key=lambda p: p.stat().st_mtime)
-    return read_skew(files[-1], spec) if files else None
+    for path in reversed(files):
+        try:
+            return read_skew(path, spec)
+        except SkewDamaged as exc:
+            print(f"infinikv: {exc}; setting it aside, calibration will run again", file=sys.stderr)
+            with cache_errors(f"cannot set aside the damaged skew file {path.name}"):
+                path.replace(path.with_suffix(".damaged"))
+    return None

@@ -1,0 +1,282 @@
+"""One test per class of fault a hostile user can cause (docs/reliability.md lists them and what holds)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinikv import models
+from infinikv.cache import InfinikvCache
+from infinikv.cli import main
+from infinikv.engine import GenerationConfig
+from infinikv.errors import CacheError, InputError, ModelError
+from infinikv.policies.infinigen import skewfile
+from infinikv.store import MANIFEST
+from infinikv.testing import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- bad numbers ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": math.nan},
+        {"temperature": math.inf},
+        {"temperature": -1.0},
+        {"top_p": math.nan},
+        {"top_p": 0.0},
+        {"max_new_tokens": 0},
+        {"max_new_tokens": 2.5},
+        {"seed": -1},
+        {"stop": ("",)},
+        {"stop": "abc"},
+        {"prefill_chunk": 1},
+    ],
+)
+def test_bad_sampling_numbers_are_one_line(bad):
+    with pytest.raises(InputError):
+        GenerationConfig(**bad)
+
+
+def test_bad_numbers_stop_the_cli_before_loading(monkeypatch, capsys):
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model for bad input"))
+    for flags in (["--temperature", "nan"], ["--temperature", "inf"], ["--stop", ""], ["--budget", "nan"]):
+        assert main(["generate", "--prompt", "hi", "--policy", "quest", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("infinikv: error:"), err
+    for flags in (["--prompt", ""], ["--prompt", "  \n"]):
+        assert main(["generate", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("infinikv: error:"), err
+
+
+# -- devices -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "meta", "cuda"])
+def test_bad_device_is_one_line_before_loading(device, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ModelError, match="device"):
+        models.load("no-such-model", device=device)  # the device is checked before the name
+
+
+# -- cache damage and repair ---------------------------------------------------------------------------------
+FAKE_GGUF = b"not really a gguf file"
+
+
+def install_fake_model(cache: Path, conversions: Path | None = None, delay: float = 0.0) -> str:
+    """Register ``fake-tiny``: its "download" writes a small file, its "conversion" returns the tiny Llama
+    (each conversion appends a line to ``conversions``, after ``delay`` seconds)."""
+    import os
+    import time
+
+    os.environ["INFINIKV_CACHE"] = str(cache)
+    models.REGISTRY["fake-tiny"] = models.RegisteredModel(
+        name="fake-tiny",
+        description="tiny random Llama",
+        wheels=(),
+        gguf_parts=(),
+        gguf_sha256=hashlib.sha256(FAKE_GGUF).hexdigest(),
+        gguf_name="fake.gguf",
+    )
+
+    def download(entry, gguf: Path) -> None:
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        gguf.write_bytes(FAKE_GGUF)
+
+    def read(gguf: Path):
+        if conversions is not None:
+            with open(conversions, "a") as log:
+                log.write(f"{os.getpid()}\n")
+        time.sleep(delay)
+        tiny = tiny_model("llama")
+        return tiny.model, tiny.tokenizer
+
+    models._download_gguf = download
+    models._read_gguf = read
+    return "fake-tiny"
+
+
+@pytest.fixture
+def fake_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "REGISTRY", dict(models.REGISTRY))
+    monkeypatch.setattr(models, "_download_gguf", models._download_gguf)
+    monkeypatch.setattr(models, "_read_gguf", models._read_gguf)
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+    return install_fake_model(tmp_path)
+
+
+def _damage_weights(hf: Path) -> None:
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+
+
+def _damage_bytes(hf: Path) -> None:  # same size, other bytes: only the hash sees it
+    weights = hf / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10:] = b"\x7f" * 10
+    weights.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _damage_weights,
+        _damage_bytes,
+        lambda hf: (hf / "tokenizer.json").unlink(),
+        lambda hf: (hf / "infinikv.json").write_text("{not json"),
+        # An entry converted before manifests were kept is adopted only when whole.
+        lambda hf: ((hf / MANIFEST).unlink(), _damage_weights(hf)),
+    ],
+    ids=["truncated-weights", "changed-bytes", "deleted-tokenizer", "corrupt-marker", "old-and-truncated"],
+)
+def test_damaged_entry_is_reported_and_repaired(fake_model, tmp_path, damage, capsys):
+    hf = models.pull(fake_model)
+    assert models.is_pulled(fake_model)
+    reference = json.loads((hf / MANIFEST).read_text())["files"]
+    damage(hf)
+    crashed = hf.with_name(".hf.999.0123456789ab.tmp")  # what a writer killed mid-conversion leaves
+    crashed.mkdir()
+    capsys.readouterr()
+    assert not models.is_pulled(fake_model)  # `models list` tells the truth
+    assert main(["models", "pull", fake_model]) == 0  # hashes every file, repairs with one line
+    assert "re-creating fake-tiny" in capsys.readouterr().err
+    assert not crashed.exists()
+    assert models.is_pulled(fake_model)
+    repaired = json.loads((hf / MANIFEST).read_text())["files"]
+    assert repaired.keys() == reference.keys()
+    assert repaired["model.safetensors"] == reference["model.safetensors"]  # the same weights again
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_damage_weights, lambda hf: (hf / "tokenizer.json").unlink()],
+    ids=["truncated-weights", "deleted-tokenizer"],
+)
+def test_load_repairs_what_it_cannot_read(fake_model, damage, capsys):
+    damage(models.pull(fake_model))
+    loaded = models.load(fake_model, device="cpu")  # the size check on open sees it: re-created once
+    assert "re-creating fake-tiny" in capsys.readouterr().err
+    assert loaded.model.config.num_hidden_layers == 4
+    assert models.is_pulled(fake_model)
+
+
+def test_unusable_cache_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("INFINIKV_CACHE", str(blocker / "cache"))
+    assert main(["models", "list"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(blocker / "cache") in err and "INFINIKV_CACHE" in err
+    with pytest.raises(CacheError, match="INFINIKV_CACHE"):
+        skewfile.skew_dir()
+
+
+def _flip_tail(data: bytes) -> bytes:  # inside the last tensor: same size, other values
+    return data[:-8] + bytes(b ^ 0xFF for b in data[-8:])
+
+
+@pytest.mark.parametrize(
+    "damage", [_flip_tail, lambda data: data[: len(data) // 2]], ids=["changed-bytes", "truncated"]
+)
+def test_damaged_skew_file_is_set_aside(damage, tmp_path, monkeypatch, capsys):
+    from infinikv.policies.infinigen.calibration import calibrate
+
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+    tiny = tiny_model("llama")
+    skew = calibrate(tiny, text="calibration text " * 20, tokens=64, save=False)
+    path = skew.save(skewfile.skew_path(tiny.weights_id, skew.source, skew.tokens))
+    assert skewfile.cached_skew(tiny.spec) is not None
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(skewfile.SkewError, match="damaged|checksum"):
+        skewfile.read_skew(path)
+    assert skewfile.cached_skew(tiny.spec) is None  # so ensure_skew calibrates again
+    assert "calibration will run again" in capsys.readouterr().err
+    assert not path.exists() and path.with_suffix(".damaged").exists()
+
+
+# -- concurrent first use ------------------------------------------------------------------------------------
+def test_two_processes_share_first_time_conversion(tmp_path):
+    """Two real processes pull the same model into a fresh cache: one converts, the other waits, both
+    succeed and the entry is whole."""
+    conversions = tmp_path / "conversions.log"
+    script = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
+        "from tests.test_faults import install_fake_model; from infinikv import models;"
+        "name = install_fake_model(Path(sys.argv[2]), Path(sys.argv[3]), delay=2.0);"
+        "print(models.pull(name))"
+    )
+    cache = tmp_path / "cache"
+    argv = [sys.executable, "-c", script, str(ROOT), str(cache), str(conversions)]
+    env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    import os
+
+    procs = [
+        subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
+    assert len(conversions.read_text().splitlines()) == 1  # the second found the first one's work
+    assert outs[0][0] == outs[1][0]
+    hf = Path(outs[0][0].strip())
+    assert (hf / MANIFEST).exists()
+    assert not [p for p in hf.parent.iterdir() if p.name.endswith((".tmp", ".old"))]
+
+
+# -- transformers' generate with an InfinikvCache ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_inputs():
+    tiny = tiny_model("llama")
+    return tiny, tiny.tokenizer(["hello there"], return_tensors="pt")
+
+
+def test_beam_search_is_refused(tiny_inputs):
+    tiny, inputs = tiny_inputs
+    with pytest.raises(ModelError, match="num_beams=1"):
+        tiny.model.generate(**inputs, cache=InfinikvCache(tiny.model, "dense"), num_beams=2, max_new_tokens=3)
+    with pytest.raises(ModelError, match="beam search"):
+        InfinikvCache(tiny.model, "dense").reorder_cache(torch.zeros(1, dtype=torch.long))
+
+
+def test_reused_cache_is_refused(tiny_inputs):
+    tiny, inputs = tiny_inputs
+    cache = InfinikvCache(tiny.model, "dense")
+    tiny.model.generate(**inputs, cache=cache, max_new_tokens=3, do_sample=False)
+    with pytest.raises(ModelError, match="new InfinikvCache"):
+        tiny.model.generate(**inputs, cache=cache, max_new_tokens=3, do_sample=False)
+
+
+def test_unwritable_cache_fails_before_calibrating(tmp_path, monkeypatch):
+    """InfiniGen's first use on a cache it cannot write: one line before any calibration work."""
+    from infinikv.policies.infinigen import calibration
+
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+    (tmp_path / "locks").write_text(
+        ""
+    )  # the lock folder cannot be made (as a read-only cache, even for root)
+    monkeypatch.setattr(
+        calibration, "calibrate", lambda *a, **k: pytest.fail("calibrated into an unwritable cache")
+    )
+    with pytest.raises(CacheError, match="INFINIKV_CACHE"):
+        calibration.ensure_skew(tiny_model("llama"))
+
+
+def test_entry_without_manifest_that_fails_to_load_is_recreated(fake_model, capsys):
+    """A folder from before manifests is adopted on sight; if it then fails to load, it is re-created."""
+    hf = models.pull(fake_model)
+    (hf / MANIFEST).unlink()
+    config = hf / "config.json"
+    config.write_bytes(b"{" + b" " * (config.stat().st_size - 1))  # same size, no longer JSON
+    loaded = models.load(fake_model, device="cpu")
+    assert "re-creating fake-tiny" in capsys.readouterr().err
+    assert loaded.model.config.num_hidden_layers == 4
+    assert "adopted" not in json.loads((hf / MANIFEST).read_text())
