@@ -44,6 +44,7 @@ from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import InfiniGenConfig, InfiniGenPolicy, resolve_budget
 from ..policies.base import attention, group_relative_max
+from ..policies.infinigen.policy import reserved_first
 from ..policies.infinigen.tuning import ALPHAS, coverage_by_alpha
 from .ppl import PerplexityConfig, make_windows
 from .runner import DecodeRun
@@ -120,7 +121,7 @@ class SpeculationProbe(InfiniGenPolicy):
         self, scores: Tensor, real_tokens: list[int], reserved: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         index, per_row = super().choose(scores, real_tokens, reserved)
-        ranked = scores if reserved is None else scores.masked_fill(reserved, math.inf)
+        ranked = scores if reserved is None else reserved_first(scores, reserved)
         self._choice[self._layer] = (per_row, list(real_tokens), ranked)
         return index, per_row
 

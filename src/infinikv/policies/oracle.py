@@ -82,11 +82,25 @@ class OraclePolicy(GatherPolicy):
         if query is None:  # a dense layer
             return torch.arange(n_past, device=self.device).expand(batch, self.spec.num_kv_heads, -1)
         real_past = self.past_valid(n_past, batch).sum(dim=1).tolist()
-        take = max(resolve_budget(self.config.budget, max(int(n), 1)) for n in real_past)
+        takes = [min(resolve_budget(self.config.budget, max(int(n), 1)), n_past) for n in real_past]
         scores = self.real_scores(layer, query, n_past)
         if self.config.n_sink or self.config.window:
-            scores = scores.masked_fill(self._reserved(n_past, batch).to(scores.device)[:, None], math.inf)
-        return scores.topk(min(take, n_past), dim=-1).indices.sort(dim=-1).values.to(self.device)
+            reserved = self._reserved(n_past, batch).to(scores.device)[:, None].expand_as(scores)
+            finite = scores > -math.inf
+            lift = scores.masked_fill(~finite, 0).amax(-1, keepdim=True) - scores.masked_fill(
+                ~finite, 0
+            ).amin(-1, keepdim=True)
+            scores = torch.where(reserved & finite, scores + lift + 1, scores)  # first, in their own order
+        take = max(takes)
+        if min(takes) < take:
+            # A row with left padding takes fewer: its extra entries are padding slots (masked), never tokens
+            # it would not attend alone. It has at least as many padding slots as extra entries.
+            own = torch.zeros_like(scores, dtype=torch.bool)
+            for row, count in enumerate(takes):
+                own[row].scatter_(-1, scores[row].topk(count, dim=-1).indices, True)
+            padding = torch.finfo(scores.dtype).min
+            scores = torch.where(own, scores, torch.where(scores == -math.inf, padding, -math.inf))
+        return scores.topk(take, dim=-1).indices.sort(dim=-1).values.to(self.device)
 
     def _reserved(self, n_past: int, batch: int) -> Tensor:
         """bool [batch, n_past]: the first ``n_sink`` real tokens and the last ``window`` past tokens."""

@@ -67,6 +67,16 @@ PAPER_ALPHA = 5.0  # the paper's and artifact's threshold for Llama-family model
 _SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 2**21
 
 
+def reserved_first(scores: Tensor, reserved: Tensor) -> Tensor:
+    """``scores`` [..., slots] with the ``reserved`` slots lifted above all others, each keeping its own
+    order (so which reserved slots a short count takes does not depend on ties, hence not on the batch's
+    slot layout); -inf stays -inf."""
+    finite = scores > -math.inf
+    low = scores.masked_fill(~finite, 0).amin(dim=-1, keepdim=True)
+    high = scores.masked_fill(~finite, 0).amax(dim=-1, keepdim=True)
+    return torch.where(reserved & finite, scores + (high - low + 1), scores)
+
+
 @dataclass(frozen=True)
 class InfiniGenConfig(PolicyConfig):
     alpha: float = knob(
@@ -279,7 +289,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         wanted = scores > best - self.alpha()[0]
         if reserved is not None:
             wanted = wanted | reserved
-            scores = scores.masked_fill(reserved, math.inf)
+            scores = reserved_first(scores, reserved)
         within = wanted.sum(dim=-1).float().mean(dim=-1).ceil().long()
         available = (scores > -math.inf).sum(dim=-1).amin(dim=-1)
         budget = torch.tensor([resolve_budget(self.config.budget, max(n, 1)) for n in real_tokens])
