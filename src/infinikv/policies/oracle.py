@@ -15,8 +15,9 @@ is the traffic a perfect predictor would cause.
 
 Same rules as ``infinigen`` so the two compare at matched bytes: per KV head, each query head's real logits
 are taken relative to that head's best and the group's heads are combined by max (a token counts if any
-head of the group wants it); k = ``resolve_budget(budget, real past tokens)`` per sequence (the largest of
-the batch when they differ: a shorter row's extra entries are its next-best tokens or masked padding); the
+head of the group wants it); k = ``resolve_budget(budget, real past tokens)`` per sequence (the gather is as
+wide as the largest; a shorter row's extra entries are its own masked padding, so each sequence attends
+to what it would alone); the
 first ``dense_layers`` layers load their full KV; sliding-window layers attend to their window.
 ``n_sink``/``window`` reserve part of the budget for the first and the most recent tokens (StreamingLLM's
 sinks and window, which later selectors keep): the ceiling of a selector that keeps them.
