@@ -14,6 +14,7 @@ FULL = [
     ("h2o", {"budget": 100_000}),
     ("streaming", {"window": 100_000}),
     ("quest", {"budget": 1.0, "dense_layers": 0, "page_size": 4}),
+    ("oracle", {"budget": 1.0, "dense_layers": 0}),
     ("quant", {"bits": 16}),
     ("quant", {"bits": 16, "scheme": "kivi"}),
 ]
@@ -164,3 +165,45 @@ def test_quant_bytes_shrink_by_expected_factor(tiny):
     # fp32 K/V: head_dim * 4 bytes per row; 4-bit: head_dim / 2 bytes of codes + a scale and a minimum.
     expected = (head_dim // 2 + 2 * 4) / (head_dim * 4)
     assert moved[4] == pytest.approx(expected * moved[16])
+
+
+def test_oracle_takes_the_top_k_of_the_real_scores(tiny, monkeypatch):
+    """At a small budget the oracle picks, per KV head, exactly the k best tokens by the real logits, each
+    query head measured against its own best, then the max over the group."""
+    spec, layer, n = tiny.spec, 1, 40
+    policy = _policy(tiny, "oracle", budget=5, dense_layers=1)
+    k, v = _kv(n, spec, seed=4)
+    policy.prefill(layer, k, v)
+    gen = torch.Generator().manual_seed(5)
+    query = torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=gen)
+    # Head 0 of each group puts a huge logit on slot 0 (a sink); its group mates must still get their picks.
+    query[:, :: spec.group_size] = 50 * k[:, :, :1] / k[:, :, :1].norm(dim=-1, keepdim=True)
+    monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
+    policy.before_attention(layer, torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
+    index = policy.select(layer, n, 1)
+
+    scaling = spec.attention[layer].scaling
+    logits = torch.einsum("bhd,bhnd->bhn", query[:, :, 0], k.repeat_interleave(spec.group_size, 1)) * scaling
+    relative = logits - logits.amax(-1, keepdim=True)
+    expected = relative.view(1, spec.num_kv_heads, spec.group_size, n).amax(2).topk(5, -1).indices
+    assert torch.equal(index, expected.sort(-1).values)
+    assert (index == 0).any(-1).all()  # the sink is kept ...
+    others = relative.view(1, spec.num_kv_heads, spec.group_size, n)[:, :, 1].argmax(-1, keepdim=True)
+    assert (index == others).any(-1).all()  # ... and so is the other head's best token
+    policy.close()
+
+
+def test_oracle_reserves_sinks_and_window_within_its_budget(tiny, monkeypatch):
+    spec, layer, n = tiny.spec, 1, 40
+    policy = _policy(tiny, "oracle", budget=8, dense_layers=1, n_sink=2, window=3)
+    k, v = _kv(n, spec, seed=6)
+    policy.key_valid = torch.tensor([[False] * 5 + [True] * (n - 5)])  # five slots of left padding
+    policy.prefill(layer, k, v)
+    query = torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=torch.Generator().manual_seed(7))
+    monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
+    policy.before_attention(layer, torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
+    index = policy.select(layer, n, 1)
+    assert index.shape[-1] == 8
+    for head in index[0].tolist():
+        assert {5, 6, 37, 38, 39} <= set(head) and min(head) >= 5  # sinks after the padding, the window
+    policy.close()

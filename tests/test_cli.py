@@ -89,3 +89,22 @@ def test_corrupt_gguf_file(tmp_path, capsys):
     bad.write_bytes(b"not a gguf file at all")
     assert main(["generate", "--model", str(bad), "--prompt", "hi"]) != 0
     assert "could not" in error_line(capsys)
+
+
+def test_infinigen_uses_the_calibrated_alpha_unless_a_flag_sets_it(model_dir, tmp_path, monkeypatch, capsys):
+    """Without --alpha the run uses the alpha calibrated with the model's skew (reported in the stats);
+    --alpha overrides it."""
+    from infinikv.models import load
+    from infinikv.policies.infinigen import calibration
+
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path / "cache"))
+    prompt = "The quick brown fox jumps over the lazy dog and keeps running. " * 4
+    calibration.calibrate(load(model_dir, device="cpu"), text=prompt * 4, tokens=200)  # in the cache
+    argv = ["generate", "--model", model_dir, "--prompt", prompt, "--max-new-tokens", "3", "--json"]
+    assert main([*argv, "--policy", "infinigen"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["alpha"] == 0 and stats["alpha_source"].startswith("calibrated")
+    assert stats["n_sink"] == 0 and stats["window"] == 32
+    assert main([*argv, "--policy", "infinigen", "--alpha", "5", "--n-sink", "0", "--window", "0"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["alpha_used"] == 5.0 and stats["alpha_source"] == "given" and stats["window"] == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -46,9 +47,9 @@ class _Spy:
             init(policy, *args, **kwargs)
             self.policies.append(policy)
 
-        def spy_choose(policy, scores, real_tokens):
-            index, per_row = choose(policy, scores, real_tokens)
-            self.choices.append((scores.clone(), list(real_tokens), index.clone(), per_row.clone()))
+        def spy_choose(policy, scores, real_tokens, reserved=None):
+            index, per_row = choose(policy, scores, real_tokens, reserved)
+            self.choices.append((scores.clone(), list(real_tokens), index.clone(), per_row.clone(), reserved))
             return index, per_row
 
         def spy_decode(policy, layer, k_new, v_new):
@@ -71,8 +72,10 @@ def test_config_validation():
     assert make_config("infinigen") == InfiniGenConfig()
     assert make_config("infinigen", alpha=math.inf).alpha == math.inf
     for bad in (
-        dict(alpha=0),
+        dict(alpha=-1),
         dict(alpha=math.nan),
+        dict(n_sink=-1),
+        dict(window=1.5),
         dict(partial_ratio=0),
         dict(partial_ratio=1.5),
         dict(budget=-1),
@@ -126,9 +129,10 @@ def test_full_budget_equals_dense(kind, dense_layers, tiny, tiny_gemma, calibrat
 @pytest.mark.parametrize("skewed", [True, False])
 def test_selection_respects_budget_padding_and_top_token(tiny, calibrated, monkeypatch, skewed):
     spy = _Spy(monkeypatch)
-    _tokens(tiny, "infinigen", new=16, alpha=3.0, budget=0.25, skew=skewed)
+    paper = dict(n_sink=0, window=0)  # the paper's rule: no reserved tokens
+    _tokens(tiny, "infinigen", new=16, alpha=3.0, budget=0.25, skew=skewed, **paper)
     assert spy.choices
-    for scores, real_tokens, index, per_row in spy.choices:
+    for scores, real_tokens, index, per_row, _ in spy.choices:
         counts = (scores > scores.amax(-1, keepdim=True) - 3.0).sum(-1).float().mean(-1).ceil().long()
         for row in range(scores.shape[0]):
             cap = resolve_budget(0.25, real_tokens[row])
@@ -286,3 +290,36 @@ def test_other_model_calibration_is_rejected_by_the_policy(calibrated, tiny):
     other = tiny_model("llama", seed=2)
     with pytest.raises(skewfile.SkewError):
         InfiniGenPolicy(InfiniGenConfig(), other.spec, torch.device("cpu"), skew=calibrated[tiny.weights_id])
+
+
+def test_sinks_and_recent_window_are_always_fetched_and_counted(tiny, calibrated, monkeypatch):
+    spy = _Spy(monkeypatch)
+    _tokens(tiny, "infinigen", new=12, alpha=0.5, budget=0.6, n_sink=2, window=4)
+    policy = spy.policies[-1]
+    padding = (~policy._real).sum(dim=1)  # [batch] left-padding tokens per sequence
+    assert spy.choices
+    for scores, real_tokens, index, per_row, reserved in spy.choices:
+        seen = max(real_tokens) + int(padding.min())  # mask columns seen by the layer
+        for row in range(scores.shape[0]):
+            first = int(padding[row])
+            expected = {first, first + 1, *range(seen - 4, seen)}  # slots = positions (no eviction)
+            for head in range(scores.shape[1]):
+                assert {int(s) for s in reserved[row, head].nonzero()} == expected
+                assert expected <= set(index[row, head, : per_row[row]].tolist())  # fetched, first
+        wanted = (scores > scores.amax(-1, keepdim=True) - 0.5) | reserved
+        counts = wanted.sum(-1).float().mean(-1).ceil().long()
+        for row in range(scores.shape[0]):
+            assert per_row[row] == min(int(counts[row]), resolve_budget(0.6, real_tokens[row]))
+
+
+def test_default_alpha_is_the_calibrated_one_and_flags_override(tiny, calibrated, skews):
+    tuned = skews[tiny.weights_id].tuned
+    assert tuned["alpha"] in calibration.tuning.ALPHAS and "dense attention" in tuned["rule"]
+    _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4)
+    assert stats["alpha"] == 0  # the knob: 0 = calibrated
+    assert stats["alpha_used"] == tuned["alpha"] and stats["alpha_source"].startswith("calibrated")
+    _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4, alpha=5.0)
+    assert stats["alpha_used"] == 5.0 and stats["alpha_source"] == "given"
+    older = dataclasses.replace(skews[tiny.weights_id], tuned=None)  # a file from before calibrated alphas
+    policy = InfiniGenPolicy(InfiniGenConfig(), tiny.spec, torch.device("cpu"), skew=older)
+    assert policy.alpha() == (5.0, "paper (this calibration has no calibrated alpha)")

@@ -60,6 +60,16 @@ def test_policy_matrix(policy, model, request, dense_runs):
             assert stats["kv_bytes_host"] > 0
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny_gemma"])
+def test_oracle_at_full_budget_is_dense(model, request, dense_runs):
+    """The ceiling of token selection at full budget attends to everything: dense, token for token."""
+    loaded = request.getfixturevalue(model)
+    results, _ = _run(loaded, "oracle", {"budget": 1.0, "dense_layers": 0})
+    if model not in dense_runs:
+        dense_runs[model] = _run(loaded, "dense", {})[0]
+    assert [r.token_ids for r in results] == [r.token_ids for r in dense_runs[model]]
+
+
 # -- batch invariance ----------------------------------------------------------------------------------------
 # A prompt's greedy tokens must not depend on its batchmates. The padding of the short prompt below is a
 # multiple of every page and group size used here (192 tokens); MISALIGNED pads it by 189.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -160,6 +161,30 @@ def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["tokens"] == 96 and report["layers"] == 4 and report["kv_heads"] == 2
     assert (tmp_path / "cache" / "skew").is_dir() and report["path"].endswith(".safetensors")
+    assert report["alpha"] in calibration.tuning.ALPHAS and len(report["alpha_curve"]) == len(
+        calibration.tuning.ALPHAS
+    )
     assert main(["calibrate", "--model", str(model_dir), "--text", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read calibration text" in capsys.readouterr().err
     assert main([*args, "--tokens", "1"]) == 2
+
+
+def test_calibrated_alpha_is_stored_with_the_skew_and_reloaded(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+    made = calibration.calibrate(tiny, text=TEXT, tokens=128)
+    curve = made.tuned["curve"]
+    assert [row["alpha"] for row in curve] == list(calibration.tuning.ALPHAS)
+    kept = [row["mass_kept"] for row in curve]
+    assert kept == sorted(kept) and 0 < kept[0] <= kept[-1] <= 1  # a larger alpha never keeps less
+    assert made.tuned["alpha"] == calibration.tuning.pick_alpha(kept)
+    reloaded = skewfile.cached_skew(tiny.spec)
+    assert reloaded.tuned == made.tuned
+
+
+def test_a_calibration_without_calibrated_alpha_is_redone(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
+    made = calibration.calibrate(tiny, text=TEXT, tokens=128)
+    path = skewfile.skew_path(tiny.weights_id, made.source, 128)
+    dataclasses.replace(made, tuned=None).save(path)  # as written before calibrated alphas
+    assert skewfile.cached_skew(tiny.spec).tuned is None
+    assert calibration.ensure_skew(tiny).tuned is not None

@@ -167,6 +167,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "head_dim": int(skew.matrices.shape[2]),
         "partial_share_skewed": round(concentration(skew, 0.2), 4),
         "partial_share_identity": round(concentration(skew, 0.2, skewed=False), 4),
+        "alpha": skew.tuned["alpha"],  # InfiniGen's calibrated threshold, used when --alpha is not given
+        "alpha_rule": skew.tuned["rule"],
+        "alpha_curve": skew.tuned["curve"],
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -175,7 +178,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(
             f"{report['tokens']} tokens of {report['source']}; 20% of columns hold "
             f"{report['partial_share_skewed']:.1%} of Σ|Q|+Σ|K| skewed vs "
-            f"{report['partial_share_identity']:.1%} unskewed",
+            f"{report['partial_share_identity']:.1%} unskewed; calibrated alpha {report['alpha']:g} "
+            f"({report['alpha_rule']})",
             file=sys.stderr,
         )
     return 0

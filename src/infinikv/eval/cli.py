@@ -1,4 +1,4 @@
-"""``infinikv eval ppl | retrieval | sweep | report``."""
+"""``infinikv eval ppl | retrieval | speculation | sweep | report``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,39 @@ def cmd_retrieval(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r['task']:<18} {r['context']:>7} {r['score']:6.1f} {_pct(r['kv_fraction']):>10}")
     return 0
+
+
+def cmd_speculation(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..models import load
+    from ..policies import InfiniGenConfig, make_config
+    from .speculation import SpeculationConfig, markdown, probe, write
+
+    config = SpeculationConfig(args.text, args.context, args.scored, args.attend)
+    knobs = {
+        k: getattr(args, k) for k in InfiniGenConfig.__dataclass_fields__ if getattr(args, k) is not None
+    }
+    policy = make_config("infinigen", **knobs)
+    result = probe(load(args.model, device=args.device), policy, config, progress=True)
+    paths = write(result, Path(args.out))
+    print(json.dumps(result, indent=2) if args.json else markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
+def _infinigen_knob_arguments(parser: argparse.ArgumentParser) -> None:
+    from dataclasses import fields
+
+    from ..policies import InfiniGenConfig
+    from ..policy_flags import parse_bool, parse_number
+
+    group = parser.add_argument_group("InfiniGen knobs (default: the policy's)")
+    for f in fields(InfiniGenConfig):
+        parse = {bool: parse_bool, int: int, float: parse_number}.get(type(f.default), str)
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}", dest=f.name, type=parse, help=f"default {f.default}"
+        )
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -147,6 +180,25 @@ def register_cli(subparsers) -> None:
     )
     common(ret)
     ret.set_defaults(func=cmd_retrieval)
+
+    spec = sub.add_parser(
+        "speculation", help="per layer: how well InfiniGen's speculation predicts the real attention"
+    )
+    spec.add_argument("--model", default=DEFAULT_MODEL)
+    spec.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    spec.add_argument("--text", default="austen", help="austen, essays, or a UTF-8 text file")
+    spec.add_argument("--context", type=int, default=2048, help="tokens in the window")
+    spec.add_argument("--scored", type=int, default=512, help="last tokens fed through the decode path")
+    spec.add_argument(
+        "--attend",
+        choices=["infinigen", "dense"],
+        default="infinigen",
+        help="what managed layers attend to: InfiniGen's selection, or everything (speculation alone)",
+    )
+    spec.add_argument("--out", required=True, help="folder for speculation.json, .md and .png")
+    spec.add_argument("--json", action="store_true")
+    _infinigen_knob_arguments(spec)
+    spec.set_defaults(func=cmd_speculation)
 
     sweep = sub.add_parser("sweep", help="run a sweep config (TOML or JSON); resumable")
     sweep.add_argument("--config", required=True)

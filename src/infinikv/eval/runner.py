@@ -23,7 +23,7 @@ import torch
 from ..cache import InfinikvCache
 from ..driver import Driver, PrefillMemo
 from ..models import LoadedModel
-from ..policies import POLICIES, PolicyConfig
+from ..policies import POLICIES, Policy, PolicyConfig
 
 Tensor = torch.Tensor
 
@@ -42,12 +42,15 @@ class DecodeRun:
     def __init__(
         self,
         loaded: LoadedModel,
-        policy: PolicyConfig,
+        policy: PolicyConfig | Policy,
         prefill_chunk: int = 2048,
         memo: PrefillMemo | None = None,
     ):
+        """``policy``: a config, or a policy object built for this model (then its config's ``prepare``
+        is the caller's)."""
         self.loaded = loaded
-        policy.prepare(loaded)  # e.g. InfiniGen's calibration, once per model
+        if isinstance(policy, PolicyConfig):
+            policy.prepare(loaded)  # e.g. InfiniGen's calibration, once per model
         self.driver = Driver(loaded, InfinikvCache(loaded.model, policy, device=loaded.device))
         self.prefill_chunk = prefill_chunk
         self.memo = memo

@@ -7,6 +7,7 @@ from .gather import GatherPolicy
 from .h2o import H2OConfig, H2OPolicy
 from .infinigen import InfiniGenConfig, InfiniGenPolicy
 from .offload import OffloadConfig, OffloadPolicy
+from .oracle import OracleConfig, OraclePolicy
 from .quant import QuantConfig, QuantPolicy
 from .quest import QuestConfig, QuestPolicy
 from .registry import POLICIES, make_config, make_policy, policy_class
@@ -32,6 +33,8 @@ __all__ = [
     "knob",
     "OffloadConfig",
     "OffloadPolicy",
+    "OracleConfig",
+    "OraclePolicy",
     "Policy",
     "PolicyConfig",
     "Selection",

@@ -126,6 +126,15 @@ def _check_knob(name: str, kind: Any, value: Any, meta: Any) -> None:
         raise PolicyError(f"{name} must be <= {high}, got {value}")
 
 
+def group_relative_max(scores: Tensor, group: int) -> Tensor:
+    """[batch, heads, n] logits -> [batch, kv_heads, n]: each query head's logits minus its own best (so
+    <= 0), then the max over the ``group`` query heads that share a KV head. -inf stays -inf."""
+    batch, heads, n = scores.shape
+    grouped = scores.reshape(batch, heads // group, group, n)
+    best = grouped.amax(dim=-1, keepdim=True)
+    return (grouped - best.masked_fill(best == -math.inf, 0)).amax(dim=2)
+
+
 def resolve_budget(budget: float, context: int, capped: bool = True) -> int:
     """Tokens a ``budget`` stands for: <= 1 is a fraction of ``context`` (1 = all of it, at least one token),
     above 1 a token count. ``capped``: never more than ``context`` (False keeps a token count's meaning while

@@ -14,6 +14,7 @@ from .dense import DensePolicy
 from .h2o import H2OPolicy
 from .infinigen import InfiniGenPolicy
 from .offload import OffloadPolicy
+from .oracle import OraclePolicy
 from .quant import QuantPolicy
 from .quest import QuestPolicy
 from .streaming import StreamingPolicy
@@ -28,6 +29,7 @@ POLICIES: dict[str, type[Policy]] = {
         H2OPolicy,
         QuantPolicy,
         InfiniGenPolicy,
+        OraclePolicy,
     )
 }
 

@@ -3,7 +3,8 @@
 * ``policy.py``: the policy (rehearsal of the next layer, selection, prefetch, host-pool capacity);
 * ``slots.py``: what each slot of its host pool holds (position, fetch counts, partial key);
 * ``skewfile.py``: the calibration a policy reads (skewing matrices + column scores), its file format;
-* ``calibration.py``: how a model's calibration is computed, once per model, and cached.
+* ``calibration.py``: how a model's calibration is computed, once per model, and cached;
+* ``tuning.py``: the threshold ``alpha`` calibrated in the same pass (the attention its count rule keeps).
 """
 
 from .calibration import calibrate, ensure_skew

@@ -18,6 +18,11 @@ Partial columns follow the paper's rule: the k = ⌈partial_ratio·d⌉ columns 
 Σ_tokens |Q̃| + Σ_tokens |K̃| (Q̃ summed over all query heads of the group). The public artifact differs:
 its accuracy path takes the union of the top-k columns by |Q̃| and by |K̃| (up to 2k columns), and its
 speed path the top-k by |Q̃| of the prompt itself.
+
+The same pass calibrates the threshold ``alpha`` (``tuning.py``): the last ``tuning.POSITIONS`` positions of
+the text play decode steps, layer i rehearsed from layer i-1's captured input, and the smallest alpha of a
+grid whose count rule keeps ``tuning.TARGET`` of the dense attention, averaged over the layers InfiniGen
+manages at its default knobs, is stored with the skew.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,7 +39,7 @@ from tqdm import tqdm
 from ...errors import InputError
 from ...spec import ModelSpec
 from ...store import locked
-from . import skewfile
+from . import skewfile, tuning
 from .skewfile import Skew, skew_path
 
 if TYPE_CHECKING:
@@ -47,13 +53,13 @@ DEFAULT_TOKENS = 2048
 def ensure_skew(loaded: LoadedModel) -> Skew:
     """The cached calibration of ``loaded``, calibrating (with the defaults) if there is none."""
     found = skewfile.cached_skew(loaded.spec)
-    if found is not None:
+    if found is not None and found.tuned is not None:
         return found
     # One process calibrates; another waits, then reads its file. Taking the lock also proves the cache
     # is writable before the work starts.
     with locked(f"skew-{loaded.weights_id[:16]}"):
         found = skewfile.cached_skew(loaded.spec)
-        if found is not None:
+        if found is not None and found.tuned is not None:  # a file without calibrated alpha is redone
             return found
         print(f"calibrating InfiniGen skew for {loaded.name} (once per model)", file=sys.stderr)
         return calibrate(loaded)
@@ -71,6 +77,10 @@ class _Capture:
         self.scores = torch.zeros(*shape, d)
         self.identity_scores = torch.zeros(*shape, d)
         self.bar = bar
+        # for the alpha calibration, per layer: real queries of the last positions, keys, and the queries
+        # rehearsed from the previous layer's input
+        self.tuning_inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self._previous: Tensor | None = None
 
     def hook(self, layer: int):
         """A forward pre-hook for ``layer``'s attention module: its input is the normalised hidden state."""
@@ -78,7 +88,13 @@ class _Capture:
         def capture(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             positions = torch.arange(x.shape[1], device=x.device)[None]
-            self.add(layer, self.spec.query(layer, x, positions), self.spec.key(layer, x, positions))
+            q, k = self.spec.query(layer, x, positions), self.spec.key(layer, x, positions)
+            self.add(layer, q, k)
+            previous = x if self._previous is None else self._previous
+            last = min(tuning.POSITIONS, x.shape[1] - 1)
+            rehearsed = self.spec.query(layer, previous[:, -last:], positions[:, -last:])
+            self.tuning_inputs[layer] = (q[0, :, -last:].cpu(), k[0].cpu(), rehearsed[0].cpu())
+            self._previous = x
 
         return capture
 
@@ -143,9 +159,46 @@ def calibrate(
         scores=capture.scores,
         identity_scores=capture.identity_scores,
     )
+    skew = replace(skew, tuned=tune_alpha(spec, skew, capture.tuning_inputs))
     if save:
         skew.save(skew_path(loaded.weights_id, source, skew.tokens))
     return skew
+
+
+def tune_alpha(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tensor, Tensor]]) -> dict:
+    """The calibrated threshold (``tuning.RULE``) at InfiniGen's default knobs, with its curve."""
+    from .policy import InfiniGenConfig
+
+    defaults = InfiniGenConfig()
+    managed = [
+        layer
+        for layer in range(spec.num_layers)
+        if layer >= defaults.dense_layers and not spec.is_sliding(layer) and layer in inputs
+    ]
+    if not managed:  # nothing to rehearse at the defaults: the paper's constant
+        return {"alpha": 5.0, "rule": "paper (no managed layer to calibrate on)", "curve": []}
+    kept, fetched = [], []
+    for layer in managed:
+        q, k, rehearsed = inputs[layer]
+        scaling = getattr(spec.attention[layer], "scaling", spec.head_dim**-0.5)
+        projection = skew.projection(layer, defaults.partial_ratio, defaults.skew)
+        share, fraction = tuning.prompt_coverage(q, k, rehearsed, projection, scaling, defaults.budget)
+        kept.append(share)
+        fetched.append(fraction)
+    kept_mean, fetched_mean = torch.stack(kept).mean(0).tolist(), torch.stack(fetched).mean(0).tolist()
+    positions = inputs[managed[0]][0].shape[1]
+    rule = tuning.RULE.format(
+        alphas=list(tuning.ALPHAS),
+        target=tuning.TARGET,
+        dense_layers=defaults.dense_layers,
+        budget=defaults.budget,
+        positions=positions,
+    )
+    curve = [
+        {"alpha": a, "mass_kept": round(m, 4), "fetched": round(f, 4)}
+        for a, m, f in zip(tuning.ALPHAS, kept_mean, fetched_mean, strict=True)
+    ]
+    return {"alpha": tuning.pick_alpha(kept_mean), "rule": rule, "curve": curve}
 
 
 def concentration(skew: Skew, ratio: float, skewed: bool = True) -> float:

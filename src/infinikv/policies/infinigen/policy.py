@@ -9,9 +9,15 @@ policy rehearses layer i+1:
 2. scores s = q̂ · K̃_i+1[:, cols]ᵀ · scale per query head, taken relative to that head's best score, then
    combined over the heads of a KV group by max (a token counts if any head of the group wants it);
 3. per KV head the count of tokens with s > max(s) − alpha, averaged over KV heads: n' (per sequence,
-   capped by ``budget``); the rows fetched are each head's top-n' scores;
+   capped by ``budget``); the rows fetched are each head's top-n' scores. The last ``window`` past tokens
+   (default 32) and the first ``n_sink`` real tokens (attention sinks, default none) are always among them
+   and counted in n' (later selectors keep both; the paper keeps neither: ``--window 0``);
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
    overlaps the rest of layer i; layer i+1 attends with its real query over [selected; newest token].
+
+``alpha`` 0 (the default) uses the model's calibrated threshold, stored with its skew (``tuning.py``: the
+smallest alpha whose count rule keeps 90 % of the dense attention on the calibration text); the paper's
+constant for Llama-family models is ``--alpha 5``. ``stats()`` reports the alpha used and where it came from.
 
 Layers below ``dense_layers`` load their full KV (nothing rehearses layer 0). Sliding-window layers
 (Gemma-3) attend to their window, fetched from the pool; the policy rehearses the global layers, each in
@@ -57,17 +63,28 @@ from .slots import SlotTable
 
 Tensor = torch.Tensor
 EVICTIONS = ("fifo", "lru", "counter")
+PAPER_ALPHA = 5.0  # the paper's and artifact's threshold for Llama-family models
 _SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 2**21
+
+
+def reserved_first(scores: Tensor, reserved: Tensor) -> Tensor:
+    """``scores`` [..., slots] with the ``reserved`` slots lifted above all others, each keeping its own
+    order (so which reserved slots a short count takes does not depend on ties, hence not on the batch's
+    slot layout); -inf stays -inf."""
+    finite = scores > -math.inf
+    low = scores.masked_fill(~finite, 0).amin(dim=-1, keepdim=True)
+    high = scores.masked_fill(~finite, 0).amax(dim=-1, keepdim=True)
+    return torch.where(reserved & finite, scores + (high - low + 1), scores)
 
 
 @dataclass(frozen=True)
 class InfiniGenConfig(PolicyConfig):
     alpha: float = knob(
-        5.0,
+        0.0,
         "threshold in logit units: tokens within alpha of a head's best speculative score are counted "
-        "(inf = all, then the budget alone decides)",
+        "(inf = all, then the budget alone decides); 0 = the model's calibrated alpha (infinikv "
+        "calibrate); the paper's constant for Llama-family models is 5",
         low=0,
-        open_low=True,
         allow_inf=True,
     )
     partial_ratio: float = knob(
@@ -87,6 +104,13 @@ class InfiniGenConfig(PolicyConfig):
     skew: bool = knob(
         True, "false: the identity instead of the skewing matrices (partial columns by the same rule)"
     )
+    n_sink: int = knob(
+        0,
+        "first real tokens always fetched on managed layers (attention sinks; on SmolLM2 the sink is already "
+        "every sink head's best token, and 4 changed nothing)",
+        low=0,
+    )
+    window: int = knob(32, "most recent past tokens always fetched on managed layers (paper: 0)", low=0)
 
     def prepare(self, loaded: Any) -> None:
         from .calibration import ensure_skew
@@ -109,6 +133,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if skew is not None:
             skew.check(spec)
         self._skew = skew
+        self._alpha: tuple[float, str] | None = None  # (alpha in use, where it came from)
         layers = range(spec.num_layers)
         self._slots = [SlotTable() for _ in layers]
         self._proj: list[Tensor | None] = [None] * spec.num_layers  # [kv_heads, d, k] for managed layers
@@ -173,6 +198,20 @@ class InfiniGenPolicy(HostPoolPolicy):
                 )
         return self._skew
 
+    def alpha(self) -> tuple[float, str]:
+        """The threshold in use and where it came from: the config's, else the model's calibrated one (else,
+        for a calibration that predates calibrated alphas, the paper's 5)."""
+        if self._alpha is None:
+            if self.config.alpha:
+                self._alpha = (self.config.alpha, "given")
+            else:
+                tuned = self._skew_data().tuned
+                if tuned is None:
+                    self._alpha = (PAPER_ALPHA, "paper (this calibration has no calibrated alpha)")
+                else:
+                    self._alpha = (float(tuned["alpha"]), f"calibrated: {tuned['rule']}")
+        return self._alpha
+
     # -- decode: rehearsal and prefetch ----------------------------------------------------------------------
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if layer == 0:  # the cache plans layer 0 first in every decode step
@@ -218,7 +257,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         them each row attends to (None: all)."""
         start = time.perf_counter()
         scores = self.speculate(layer, x, position_ids)
-        index, per_row = self.choose(scores, self._real_tokens(layer))
+        index, per_row = self.choose(scores, self._real_tokens(layer), self._reserved(layer))
         self._selected[layer].append(per_row.float().mean())
         self._rehearsal_s += time.perf_counter() - start
         return index, self.row_extras_hidden(index, per_row)
@@ -239,13 +278,19 @@ class InfiniGenPolicy(HostPoolPolicy):
         best = scores.amax(dim=-1, keepdim=True)
         return (scores - best.masked_fill(best == -math.inf, 0)).amax(dim=2)
 
-    def choose(self, scores: Tensor, real_tokens: list[int]) -> tuple[Tensor, Tensor]:
+    def choose(
+        self, scores: Tensor, real_tokens: list[int], reserved: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Slots to fetch from speculative ``scores`` [batch, kv_heads, slots] (-inf = never): the top-n' per
         head, n' the mean over heads of each row's count within alpha of its best, capped by the budget (of
-        the row's ``real_tokens``) and its real slots. Returns (index [batch, kv_heads, max n'], n' per
-        row)."""
+        the row's ``real_tokens``) and its real slots. ``reserved`` [batch, kv_heads, slots] (sinks and
+        recent window) are counted and come first. Returns (index [batch, kv_heads, max n'], n' per row)."""
         best = scores.amax(dim=-1, keepdim=True)
-        within = (scores > best - self.config.alpha).sum(dim=-1).float().mean(dim=-1).ceil().long()
+        wanted = scores > best - self.alpha()[0]
+        if reserved is not None:
+            wanted = wanted | reserved
+            scores = reserved_first(scores, reserved)
+        within = wanted.sum(dim=-1).float().mean(dim=-1).ceil().long()
         available = (scores > -math.inf).sum(dim=-1).amin(dim=-1)
         budget = torch.tensor([resolve_budget(self.config.budget, max(n, 1)) for n in real_tokens])
         per_row = torch.minimum(torch.minimum(within, available), budget.to(within.device)).clamp(min=0)
@@ -264,6 +309,17 @@ class InfiniGenPolicy(HostPoolPolicy):
             return None
         rank = torch.arange(width, device=index.device)
         return (rank < per_row.to(index.device)[:, None])[:, None, :].expand(-1, index.shape[1], -1)
+
+    def _reserved(self, layer: int) -> Tensor | None:
+        """bool [batch, kv_heads, slots]: the slots of the first ``n_sink`` real tokens and of the last
+        ``window`` past tokens (None when both are 0)."""
+        n_sink, window = self.config.n_sink, self.config.window
+        if not (n_sink or window):
+            return None
+        pos = self._slots[layer].view("pos")
+        padding = torch.tensor(self._padding or [0] * pos.shape[0], device=pos.device)[:, None, None]
+        near = ((pos - padding) < n_sink) | (pos >= self._seen[layer] - window)
+        return near & self._slot_real(layer)
 
     def _has_padding(self) -> bool:
         return any(self._padding)
@@ -351,4 +407,6 @@ class InfiniGenPolicy(HostPoolPolicy):
             evicted_tokens=self._evicted,
             skew_source=None if self._skew is None else f"{self._skew.source} ({self._skew.tokens} tokens)",
         )
+        if self._alpha is not None:
+            out.update(alpha_used=self._alpha[0], alpha_source=self._alpha[1])
         return out

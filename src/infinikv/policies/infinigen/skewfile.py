@@ -4,16 +4,19 @@ A :class:`Skew` is what calibration (``calibration.py``) produces and the policy
 ``cache_dir()/skew/`` as safetensors, named by the weights id and the calibration settings, with the weights
 id in their metadata: loading one made for other weights is an error. The file stores the per-column scores
 rather than the columns, so any ``partial_ratio`` can use one file; it also stores the scores of the
-unskewed basis (identity) for the ``skew=False`` ablation.
+unskewed basis (identity) for the ``skew=False`` ablation, and, in its metadata ("tuned", JSON), the knobs
+calibrated for the model (``tuning.py``: the threshold ``alpha``, the rule that chose it and its curve).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -42,6 +45,9 @@ class Skew:
     matrices: Tensor  # [layers, kv_heads, d, d], orthogonal, float32
     scores: Tensor  # [layers, kv_heads, d]: Σ|Q̃| + Σ|K̃| per skewed column
     identity_scores: Tensor  # [layers, kv_heads, d]: Σ|Q| + Σ|K| per original column (skew=False)
+    tuned: dict[str, Any] | None = (
+        None  # calibrated knobs ("alpha"), their "rule" and "curve"; None: older file
+    )
 
     def columns(self, layer: int, ratio: float, skewed: bool = True) -> Tensor:
         """Indices [kv_heads, k] of the partial columns, k = ⌈ratio·d⌉ (paper's rule, top-k of the scores)."""
@@ -74,6 +80,8 @@ class Skew:
         tensors = {"matrices": self.matrices, "scores": self.scores, "identity_scores": self.identity_scores}
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         meta = {"format": FORMAT, "weights_id": self.weights_id, "model": self.model, "source": self.source}
+        if self.tuned is not None:
+            meta["tuned"] = json.dumps(self.tuned)
         meta = {**meta, "tokens": str(self.tokens), CHECKSUM_KEY: tensor_checksum(tensors)}
         with cache_errors(f"cannot save the skew file {path.name}"), atomic_write(path) as tmp:
             save_file(tensors, str(tmp), meta)
@@ -139,6 +147,7 @@ def read_skew(path: str | Path, spec: ModelSpec | None = None) -> Skew:
         matrices=tensors["matrices"],
         scores=tensors["scores"],
         identity_scores=tensors["identity_scores"],
+        tuned=json.loads(meta["tuned"]) if "tuned" in meta else None,
     )
     if spec is not None:
         skew.check(spec)

@@ -1,0 +1,104 @@
+"""InfiniGen's threshold ``alpha``, calibrated per model: the attention its count rule keeps, per alpha.
+
+InfiniGen fetches, per layer and step, the tokens whose speculated score is within ``alpha`` of each head's
+best (the count averaged over the KV heads, capped by the budget). The paper fixes alpha per model family
+(4 for OPT, 5 for Llama). How much attention that count keeps depends on the model: on SmolLM2-135M's
+sink-dominated layers few tokens come within 5 logits of the sink while the long tail together carries a
+large share (docs/results-infinigen.md). Calibration therefore measures, on the calibration text, the
+attention the rule keeps at each alpha of a grid and picks the smallest alpha that keeps ``target`` of it
+on average over the managed layers (:data:`RULE`).
+
+The measurement is the decode path on the dense trajectory, computed from the one dense pass calibration
+already makes: query position t of the text plays a decode step whose past is tokens 0..t-1 and whose new
+token is t; layer i's speculation comes from layer i-1's normalised input, as in decoding. The attention
+kept is the real softmax weight (over tokens 0..t, averaged over the query heads of a KV group) on the
+fetched tokens plus the new one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..base import group_relative_max, resolve_budget
+
+Tensor = torch.Tensor
+ALPHAS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0)
+TARGET = 0.9  # share of the dense attention the calibrated alpha keeps, on average over the managed layers
+POSITIONS = 256  # query positions (the last ones of the calibration text) that play decode steps
+SLACK = 0.001  # when the budget cap keeps less than the target: alphas this close to the cap's share tie
+RULE = (
+    "smallest alpha of {alphas} whose count rule keeps >= {target:.0%} of the dense attention (or, when the "
+    "budget cap keeps less, within 0.1 point of what the cap keeps), averaged over the managed layers "
+    "(dense_layers {dense_layers}, budget {budget}) and the last {positions} positions of the calibration "
+    "text"
+)
+
+
+def coverage_by_alpha(
+    speculated: Tensor, mass: Tensor, new_mass: Tensor, budget: Tensor, alphas: tuple[float, ...]
+) -> tuple[Tensor, Tensor]:
+    """What InfiniGen's count rule keeps at each alpha: per leading index (a step, a sequence, a query
+    position), the attention share [..., alphas] of its fetched set plus the new token, and the count
+    [..., alphas].
+
+    ``speculated`` [..., kv_heads, n]: speculated scores, group-relative (-inf: never fetched); ``mass``
+    [..., kv_heads, n]: real attention weight of each past token (mean over the group's query heads);
+    ``new_mass`` [..., kv_heads]: the new token's; ``budget`` [...]: the cap on the count. The count is
+    InfiniGen's: tokens within alpha of each head's best, averaged over the KV heads, rounded up, capped."""
+    order = speculated.sort(dim=-1, descending=True)
+    kept = torch.cumsum(torch.gather(mass, -1, order.indices), dim=-1)  # best-speculated first
+    best = order.values[..., :1]
+    shares, counts = [], []
+    for alpha in alphas:
+        within = (speculated > best - alpha).sum(-1).float().mean(-1).ceil().long()
+        count = torch.minimum(within.clamp(min=1), budget)
+        index = (count - 1)[..., None, None].expand(*kept.shape[:-1], 1)
+        shares.append((torch.gather(kept, -1, index)[..., 0] + new_mass).mean(-1))
+        counts.append(count)
+    return torch.stack(shares, dim=-1), torch.stack(counts, dim=-1)
+
+
+def prompt_coverage(
+    q: Tensor,
+    k: Tensor,
+    q_speculative: Tensor,
+    projection: Tensor,
+    scaling: float,
+    budget: float,
+    alphas: tuple[float, ...] = ALPHAS,
+) -> tuple[Tensor, Tensor]:
+    """:func:`coverage_by_alpha` of one layer over the last P positions of a prompt of n tokens, each as a
+    decode step on the dense trajectory. Returns the attention kept [alphas] and the share of past tokens
+    fetched [alphas], averaged over those positions.
+
+    ``q`` [heads, P, d]: the layer's real post-RoPE queries at those positions; ``k`` [kv_heads, n, d]: its
+    post-RoPE keys; ``q_speculative`` [heads, P, d]: its query projection of the previous layer's input;
+    ``projection`` [kv_heads, d, c]: its partial skewed columns."""
+    kv_heads, n = k.shape[0], k.shape[1]
+    group, positions = q.shape[0] // kv_heads, q.shape[1]
+    t = torch.arange(n - positions, n, device=k.device)  # the query positions
+    slot = torch.arange(n, device=k.device)
+    past = slot[None, :] < t[:, None]  # [P, n]
+    keys = k.float()[:, None]  # [kv, 1, n, d]
+    logits = torch.matmul(q.float().reshape(kv_heads, group, positions, -1), keys.transpose(-1, -2)) * scaling
+    mass = torch.softmax(logits.masked_fill(slot[None, :] > t[:, None], -math.inf), dim=-1).mean(dim=1)
+    new_mass = mass.gather(-1, t[None, :, None].expand(kv_heads, -1, 1))[..., 0]  # [kv, P]
+    proj = projection.float()
+    partial_q = torch.matmul(q_speculative.float().reshape(kv_heads, group, positions, -1), proj[:, None])
+    partial_k = torch.matmul(k.float(), proj)[:, None]  # [kv, 1, n, c]
+    scores = torch.matmul(partial_q * scaling, partial_k.transpose(-1, -2)).masked_fill(~past, -math.inf)
+    speculated = group_relative_max(scores.permute(2, 0, 1, 3).reshape(positions, kv_heads * group, n), group)
+    budgets = torch.tensor([resolve_budget(budget, int(p)) for p in t.tolist()], device=k.device)
+    kept, counts = coverage_by_alpha(
+        speculated, (mass * past).transpose(0, 1), new_mass.transpose(0, 1), budgets, alphas
+    )
+    return kept.mean(0), (counts.float() / t[:, None].float()).mean(0)
+
+
+def pick_alpha(kept: list[float], alphas: tuple[float, ...] = ALPHAS, target: float = TARGET) -> float:
+    """The smallest alpha keeping ``target`` (``kept``: the mean over managed layers, per alpha); when no
+    alpha does (the budget cap binds first), the smallest within ``SLACK`` of the most any alpha keeps."""
+    reachable = min(target, max(kept) - SLACK)
+    return next(alpha for alpha, share in zip(alphas, kept, strict=True) if share >= reachable)
