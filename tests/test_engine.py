@@ -95,6 +95,7 @@ def test_sampling_is_reproducible_and_top_p_floor_is_greedy(tiny):
 def test_stop_string_and_streaming(tiny):
     full = run(tiny, "dense", [PROMPTS[0]], new_tokens=20)[0]
     stop = full.text[5:8]
+    assert len(stop) == 3
     pieces: list[str] = []
     config = GenerationConfig(max_new_tokens=20, stop=(stop,))
     result = Generator(tiny, "dense").generate([PROMPTS[0]], config, on_text=lambda _r, p: pieces.append(p))[

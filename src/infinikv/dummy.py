@@ -134,7 +134,8 @@ DUMMIES: dict[str, DummyModel] = {
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """One token per byte (ids 3..258) plus <pad>=0, <s>=1, </s>=2."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for byte_char in pre_tokenizers.ByteLevel.alphabet():
+    # Sorted: the alphabet comes as a set, whose order (so every id) would change from process to process.
+    for byte_char in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab.setdefault(byte_char, len(vocab))
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
