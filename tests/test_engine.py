@@ -159,3 +159,16 @@ def test_pool_append_grow_fetch_and_gather():
     assert pool.counters.bytes_h2d == 2 * whole.numel() * 4 + 2 * 2 * 3 * 3 * 4 * 4
     assert pool.counters.bytes_d2h == 2 * whole.numel() * 4
     pool.close()
+
+
+def test_rows_stop_at_their_own_limits(tiny):
+    """Requests that differ only in their limit share a batch: each row equals its own run alone."""
+    prompts, limits = PROMPTS[:2], [3, 7]
+    generator = Generator(tiny, "dense")
+    config = GenerationConfig(max_new_tokens=max(limits))
+    batched = generator.generate(prompts, config, row_max_new_tokens=limits)
+    for prompt, limit, together in zip(prompts, limits, batched, strict=True):
+        alone = generator.generate([prompt], GenerationConfig(max_new_tokens=limit))[0]
+        assert together.token_ids == alone.token_ids and len(together.token_ids) <= limit
+    with pytest.raises(InputError, match="one limit per prompt"):
+        generator.generate(prompts, config, row_max_new_tokens=[3, 8])

@@ -103,12 +103,20 @@ class Generator:
         on_text: Callable[[int, str], None] | None = None,
         progress: bool = False,
         cancelled: Callable[[int], bool] | None = None,
+        row_max_new_tokens: Sequence[int] | None = None,
     ) -> list[RequestResult]:
         """Generate for each prompt; ``on_text(row, piece)`` receives text as it is produced.
-        ``cancelled(row)`` is asked each decode step for each running row; True ends that row there."""
+        ``cancelled(row)`` is asked each decode step for each running row; True ends that row there.
+        ``row_max_new_tokens``: each row's own limit (at most ``config.max_new_tokens``), so requests that
+        differ only in their limit can share a batch; a row that reaches it finishes with "length"."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        limits = list(row_max_new_tokens or [config.max_new_tokens] * len(prompts))
+        if len(limits) != len(prompts) or not all(1 <= n <= config.max_new_tokens for n in limits):
+            raise InputError(
+                f"row_max_new_tokens needs one limit per prompt, each in 1..{config.max_new_tokens}"
+            )
         model = self.loaded.model
-        input_ids, attention_mask, prompt_lengths = self._encode(prompts, config.max_new_tokens)
+        input_ids, attention_mask, prompt_lengths = self._encode(prompts, limits)
         batch = input_ids.shape[0]
         driver = Driver(self.loaded, InfinikvCache(model, self.policy_config, device=self.loaded.device))
         generator = torch.Generator(device="cpu")
@@ -136,6 +144,8 @@ class Generator:
                         finish[row] = "cancelled"
                         continue
                     finish[row] = self._advance(row, token, generated, texts, config)
+                    if finish[row] is None and len(generated[row]) >= limits[row]:
+                        finish[row] = "length"
                     if on_text is not None:
                         end = self._stream(
                             texts[row], emitted[row], finish[row] is not None or last_step, config
@@ -170,7 +180,7 @@ class Generator:
         return results
 
     # -- the steps ------------------------------------------------------------------------------------------
-    def _encode(self, prompts: list[str], max_new_tokens: int) -> tuple[Tensor, Tensor, list[int]]:
+    def _encode(self, prompts: list[str], limits: list[int]) -> tuple[Tensor, Tensor, list[int]]:
         tokenizer = self.loaded.tokenizer
         if not prompts:
             raise InputError("no prompts given")
@@ -180,10 +190,10 @@ class Generator:
                 raise InputError(f"prompt {i + 1} is empty")
             lengths.append(len(tokenizer(prompt)["input_ids"]))
         limit = self.loaded.max_context
-        for i, n in enumerate(lengths):
-            if n + max_new_tokens > limit:
+        for i, (n, new) in enumerate(zip(lengths, limits, strict=True)):
+            if n + new > limit:
                 raise InputError(
-                    f"prompt {i + 1} has {n} tokens; with {max_new_tokens} new tokens it exceeds "
+                    f"prompt {i + 1} has {n} tokens; with {new} new tokens it exceeds "
                     f"the model's context of {limit} tokens"
                 )
         encoded = tokenizer(prompts, return_tensors="pt", padding=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -55,7 +56,8 @@ class Job:
         # would change which numbers this request gets.
         if self.sampling.seed is not None and self.sampling.temperature > 0:
             return ("alone", self.serial)
-        return (self.policy, self.sampling)
+        # Rows stop at their own max_tokens (Generator.generate's row limits): that may differ in a batch.
+        return (self.policy, dataclasses.replace(self.sampling, max_new_tokens=1))
 
     def emit(self, kind: str, payload: Any) -> None:
         """Hand an event to the request's coroutine (called from the worker thread)."""
@@ -157,7 +159,9 @@ class Scheduler:
         return self._generators[policy]
 
     def _serve(self, batch: list[Job]) -> None:
-        policy, sampling = batch[0].policy, batch[0].sampling
+        limits = [job.sampling.max_new_tokens for job in batch]
+        policy = batch[0].policy
+        sampling = dataclasses.replace(batch[0].sampling, max_new_tokens=max(limits))
         name = type(policy).__name__
         started = time.perf_counter()
 
@@ -172,6 +176,7 @@ class Scheduler:
                 sampling,
                 on_text=on_text,
                 cancelled=lambda row: batch[row].cancelled.is_set(),
+                row_max_new_tokens=limits,
             )
         except Exception as exc:  # a failed batch must not stop the server
             log.exception("generation failed for a batch of %d", len(batch))
