@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# Generate from a long prompt on SmolLM2-135M with full offload, then print the KV statistics.
+# SmolLM2-135M answers a question about a long prompt under several policies, then prints KV statistics.
 demo: $(STAMP)
 	$(BIN)/python -m infinikv.demo
 

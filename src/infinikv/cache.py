@@ -2,10 +2,10 @@
 
 Three pieces join a transformers model to a policy, all installed once per model by :func:`install`:
 
-1. a forward pre-hook on each attention module: in a decode step it runs the look-ahead, once for every
-   policy — ``policy.plan(i + 1, x)`` from layer i's normalised input x (layer 0 also plans itself), for
-   policies that prefetch — then gives the policy the layer's own input (``policy.before_attention``), and
-   passes the cache on to the attention function;
+1. a forward pre-hook on each attention module: in a decode step, for a policy that declares
+   ``prefetches``, it runs the look-ahead here, once for all such policies — ``policy.plan(i + 1, x,
+   position_ids)`` from layer i's normalised input x (layer 0 also plans itself) — then gives the policy
+   the layer's own input (``policy.before_attention``), and passes the cache on to the attention function;
 2. ``InfinikvCache.update`` (called by the attention module after q/k/v and RoPE): prefill chunks go to
    ``policy.prefill``, decode tokens to ``policy.decode``, which returns the K/V the layer attends to;
 3. the attention function registered as ``"infinikv"``: it fits the model's mask to the policy's selection

@@ -146,10 +146,6 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def is_dummy(name: str) -> bool:
-    return name.startswith(PREFIX)
-
-
 def dummy_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 

@@ -328,27 +328,27 @@ def run_context(args: argparse.Namespace) -> None:
     for batch in plan.batches:
         cell_start = time.perf_counter()
         kv = kv_token_bytes(loaded) * batch * context
-        for runner in entries:
-            base = {"batch": batch, "context": context, "prompt_tokens": prompt, "name": runner.name}
+        for entry in entries:
+            base = {"batch": batch, "context": context, "prompt_tokens": prompt, "name": entry.name}
             base["label"] = LABEL
-            reason = _cannot_run(runner.name, kv, weights, host_ratio, device)
+            reason = _cannot_run(entry.name, kv, weights, host_ratio, device)
             if time.perf_counter() - cell_start > plan.cell_timeout:
                 reason = f"cell time budget ({plan.cell_timeout:.0f} s) spent"
             if reason is not None:
-                log(f"b{batch} ctx{context} {runner.name}: skipped ({reason})")
+                log(f"b{batch} ctx{context} {entry.name}: skipped ({reason})")
                 _emit(rows_path, {**base, "skipped": reason})
                 continue
             made = []
 
-            def make_cache(runner=runner, made=made):
-                made.append(runner.make_cache())
+            def make_cache(entry=entry, made=made):
+                made.append(entry.make_cache())
                 return made[-1]
 
             _reset_host_peak()
             try:
-                sample = run_once(
+                run = run_once(
                     loaded,
-                    dataclasses.replace(runner, make_cache=make_cache),
+                    dataclasses.replace(entry, make_cache=make_cache),
                     ids,
                     batch,
                     memo,
@@ -358,7 +358,7 @@ def run_context(args: argparse.Namespace) -> None:
             except torch.OutOfMemoryError as exc:
                 made.clear()
                 _release_pinned()
-                log(f"b{batch} ctx{context} {runner.name}: out of memory")
+                log(f"b{batch} ctx{context} {entry.name}: out of memory")
                 _emit(rows_path, {**base, "skipped": f"out of memory: {str(exc).splitlines()[0][:200]}"})
                 continue
             except Exception as exc:  # one policy's failure is a finding; the others still run
@@ -367,22 +367,22 @@ def run_context(args: argparse.Namespace) -> None:
                 _release_pinned()
                 _emit(rows_path, {**base, "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 continue
-            row = summarise_runs(loaded, runner, [sample], batch, prompt)
+            row = summarise_runs(loaded, entry, [run], batch, prompt)
             row.update(base)
-            row["tpot_mean_s"] = sum(sample.step_s) / len(sample.step_s)
+            row["tpot_mean_s"] = sum(run.step_s) / len(run.step_s)
             row["steady_decode_tokens_per_s"] = batch / row["tpot_p50_s"] if row["tpot_p50_s"] else None
-            row.update(_copy_timing(made[-1], sample.copies, plan.steps))
+            row.update(_copy_timing(made[-1], run.copies, plan.steps))
             row["peak_pinned_host_bytes"] = _host_pinned_peak()
             if row["peak_pinned_host_bytes"] and row["kv_host_bytes"]:
                 row["pinned_per_pool_byte"] = row["peak_pinned_host_bytes"] / row["kv_host_bytes"]
                 host_ratio = max(host_ratio, row["pinned_per_pool_byte"])
             row["projected_step_s_h200"] = _projections(row, args.h2d)
-            row["prompt_source"], row["skew"] = source, skew_source if runner.name == "infinigen" else None
+            row["prompt_source"], row["skew"] = source, skew_source if entry.name == "infinigen" else None
             row["prefill_s_batch1_all_families"] = prefill_s
             made.clear()
             _emit(rows_path, row)
             log(
-                f"b{batch} ctx{context} {runner.name}: {row['decode_tokens_per_s']:.1f} tok/s, "
+                f"b{batch} ctx{context} {entry.name}: {row['decode_tokens_per_s']:.1f} tok/s, "
                 f"TPOT {1e3 * row['tpot_p50_s']:.1f} ms, {row['bytes_h2d_per_step'] / 1e9:.2f} GB/step"
             )
         _release_pinned()

@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .compat import accept_cache_kwarg
+from .dummy import PREFIX as DUMMY_PREFIX
 from .errors import ModelError
 from .spec import ModelSpec, model_spec
 from .store import (
@@ -292,7 +293,7 @@ def load(
 ) -> LoadedModel:
     """Load a registered model, a local GGUF file, a local HF directory, or a hub id."""
     device = resolve_device(device)
-    if name.startswith("dummy:"):  # real shapes, random weights (infinikv.dummy)
+    if name.startswith(DUMMY_PREFIX):  # real shapes, random weights (infinikv.dummy)
         from .dummy import build_dummy
 
         return LoadedModel(name, *build_dummy(name, device), device)

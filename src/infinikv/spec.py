@@ -44,6 +44,10 @@ class ModelSpec:
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window[layer] is not None
 
+    def scaling(self, layer: int) -> float:
+        """The factor ``layer``'s attention multiplies q·k by (1/√d unless the model sets its own)."""
+        return getattr(self.attention[layer], "scaling", self.head_dim**-0.5)
+
     def query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
         """Post-RoPE query of ``layer`` [batch, heads, q, d] for normalised input x [batch, q, hidden]."""
         attn = self.attention[layer]

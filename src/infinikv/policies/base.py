@@ -152,7 +152,7 @@ class Policy:
     name: ClassVar[str]
     config_class: ClassVar[type[PolicyConfig]]
     # Policies of one family build the same state from a prompt whatever their knobs, so a prefill recorded
-    # under one can be replayed into another (InfinikvCache.replay_prefill) instead of running the model
+    # under one can be replayed into another (driver.PrefillMemo) instead of running the model
     # over the prompt again. "dense": prompt attention is plain dense attention over the full-precision
     # K/V and the policy keeps what it is handed. None: never shared.
     prefill_family: ClassVar[str | None] = None

@@ -1,4 +1,4 @@
-"""Shared plumbing of the policies that gather a subset of the host pool (StreamingLLM, Quest).
+"""Shared plumbing of the policies that gather a subset of the host pool (StreamingLLM, Quest, the oracle).
 
 A :class:`GatherPolicy` keeps every layer's K/V in the host pool. Prefill is dense: each prompt chunk attends
 to everything stored so far. In a decode step a subclass names, per (batch row, KV head), the past token

@@ -17,8 +17,8 @@ Same rules as ``infinigen`` so the two compare at matched bytes: per KV head, ea
 are taken relative to that head's best and the group's heads are combined by max (a token counts if any
 head of the group wants it); k = ``resolve_budget(budget, real past tokens)`` per sequence (the gather is as
 wide as the largest; a shorter row's extra entries are its own masked padding, so each sequence attends
-to what it would alone); the
-first ``dense_layers`` layers load their full KV; sliding-window layers attend to their window.
+to what it would alone); the first ``dense_layers`` layers load their full KV; sliding-window layers
+attend to their window.
 ``n_sink``/``window`` reserve part of the budget for the first and the most recent tokens (StreamingLLM's
 sinks and window, which later selectors keep): the ceiling of a selector that keeps them.
 """
@@ -71,7 +71,7 @@ class OraclePolicy(GatherPolicy):
         (-inf on left padding)."""
         keys = self.host_pool.keys(layer)  # [batch, kv_heads, n_past, d], in the host pool
         group = self.spec.group_size
-        scaling = getattr(self.spec.attention[layer], "scaling", self.spec.head_dim**-0.5)
+        scaling = self.spec.scaling(layer)
         grouped = query.to(keys.device, keys.dtype).reshape(*keys.shape[:2], group, -1)
         scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling  # [batch, kv, group, n]
         valid = self.past_valid(n_past, keys.shape[0]).to(keys.device)

@@ -180,7 +180,7 @@ def tune_alpha(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tens
     kept, fetched = [], []
     for layer in managed:
         q, k, rehearsed = inputs[layer]
-        scaling = getattr(spec.attention[layer], "scaling", spec.head_dim**-0.5)
+        scaling = spec.scaling(layer)
         projection = skew.projection(layer, defaults.partial_ratio, defaults.skew)
         share, fraction = tuning.prompt_coverage(q, k, rehearsed, projection, scaling, defaults.budget)
         kept.append(share)

@@ -268,7 +268,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         spec, slots = self.spec, self._slots[layer]
         query = spec.query(layer, x, position_ids)  # [batch, heads, 1, d]
         grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
-        scaling = getattr(spec.attention[layer], "scaling", spec.head_dim**-0.5)
+        scaling = spec.scaling(layer)
         partial_q = torch.matmul(grouped, self._proj[layer]) * scaling  # [batch, kv_heads, group, k]
         scores = torch.matmul(partial_q, slots.view("partial"))  # [batch, kv_heads, group, slots]
         if self._has_padding():

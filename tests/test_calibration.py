@@ -1,4 +1,4 @@
-"""InfiniGen calibration: skewing matrices, partial columns, skew files."""
+"""InfiniGen calibration (policies/infinigen/calibration.py): skewing matrices, columns, skew files."""
 
 from __future__ import annotations
 
