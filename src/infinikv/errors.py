@@ -16,7 +16,11 @@ class InputError(InfinikvError):
 
 
 class PolicyError(InfinikvError):
-    """Unknown policy or knob, or a knob value out of range."""
+    """Unknown policy or knob, or a knob value out of range (``knob``: the knob rejected, when one is)."""
+
+    def __init__(self, message: str, knob: str | None = None):
+        super().__init__(message)
+        self.knob = knob
 
 
 class DataError(InfinikvError):

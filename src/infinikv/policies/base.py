@@ -82,7 +82,11 @@ class PolicyConfig:
 
     def __post_init__(self):
         for f in fields(self):
-            _check_knob(f.name, f.type, getattr(self, f.name), f.metadata)
+            try:
+                _check_knob(f.name, f.type, getattr(self, f.name), f.metadata)
+            except PolicyError as exc:
+                exc.knob = f.name
+                raise
 
     def knobs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

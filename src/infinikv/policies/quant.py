@@ -43,7 +43,7 @@ class QuantConfig(PolicyConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.bits not in (2, 4, 8, 16):
-            raise PolicyError(f"bits must be 2, 4, 8 or 16, got {self.bits}")
+            raise PolicyError(f"bits must be 2, 4, 8 or 16, got {self.bits}", knob="bits")
 
 
 # -- codes ---------------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def make_config(name: str, **knobs: Any) -> PolicyConfig:
     try:
         return config_class(**given)
     except (TypeError, ValueError, PolicyError) as exc:
-        raise PolicyError(f"policy '{name}': {exc}") from None
+        raise PolicyError(f"policy '{name}': {exc}", knob=getattr(exc, "knob", None)) from None
 
 
 def make_policy(policy: PolicyConfig | str, spec: ModelSpec, device: torch.device, **knobs: Any) -> Policy:

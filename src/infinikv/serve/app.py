@@ -182,8 +182,7 @@ def resolve_policy(extra: dict[str, Any], defaults: PolicyDefaults) -> tuple[str
     try:
         return name, make_config(name, **knobs)
     except PolicyError as exc:
-        # The config names the knob it rejects: "policy 'quest': budget must be ..."
-        bad = next((knob for knob in knobs if f": {knob} must" in str(exc)), None)
+        bad = exc.knob  # the knob the policy's config rejected, if one was
         raise ApiError(str(exc), param=f"kv_{bad}" if bad else "kv_policy", code="kv_knob") from None
 
 
