@@ -169,9 +169,14 @@ def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
     assert main([*args, "--tokens", "1"]) == 2
 
 
-def test_calibrated_alpha_is_stored_with_the_skew_and_reloaded(tiny, tmp_path, monkeypatch):
+def test_calibrated_knobs_are_stored_with_the_skew_and_reloaded(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
     made = calibration.calibrate(tiny, text=TEXT, tokens=128)
+    ratios = made.tuned["ratio_curve"]
+    assert [row["partial_ratio"] for row in ratios] == list(calibration.tuning.RATIOS)
+    recalls = [row["recall"] for row in ratios]
+    assert all(0 < r <= 1 for r in recalls)
+    assert made.tuned["partial_ratio"] == calibration.tuning.pick_ratio(recalls)
     curve = made.tuned["curve"]
     assert [row["alpha"] for row in curve] == list(calibration.tuning.ALPHAS)
     kept = [row["mass_kept"] for row in curve]
@@ -181,10 +186,32 @@ def test_calibrated_alpha_is_stored_with_the_skew_and_reloaded(tiny, tmp_path, m
     assert reloaded.tuned == made.tuned
 
 
-def test_a_calibration_without_calibrated_alpha_is_redone(tiny, tmp_path, monkeypatch):
+def test_a_calibration_without_every_calibrated_knob_is_redone(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
     made = calibration.calibrate(tiny, text=TEXT, tokens=128)
     path = skewfile.skew_path(tiny.weights_id, made.source, 128)
-    dataclasses.replace(made, tuned=None).save(path)  # as written before calibrated alphas
-    assert skewfile.cached_skew(tiny.spec).tuned is None
-    assert calibration.ensure_skew(tiny).tuned is not None
+    alpha_only = {k: made.tuned[k] for k in ("alpha", "rule", "curve")}
+    for older in (None, alpha_only):  # before calibrated alphas; before calibrated partial ratios
+        dataclasses.replace(made, tuned=older).save(path)
+        assert skewfile.cached_skew(tiny.spec).tuned == older
+        assert set(calibration.TUNED_KNOBS) <= set(calibration.ensure_skew(tiny).tuned)
+
+
+def test_pick_ratio_takes_the_smallest_share_close_enough_to_full_width():
+    ratios = (0.1, 0.2, 0.5, 1.0)
+    assert calibration.tuning.pick_ratio([0.5, 0.7, 0.78, 0.8], ratios, target=0.9) == 0.5
+    assert calibration.tuning.pick_ratio([0.5, 0.73, 0.78, 0.8], ratios, target=0.9) == 0.2
+    assert calibration.tuning.pick_ratio([0.1, 0.2, 0.3, 0.8], ratios, target=0.9) == 1.0
+
+
+def test_speculation_recall_is_one_when_speculation_sees_the_real_query_at_full_width(tiny_skew):
+    """prompt_recall compares the speculated top-k with the real one: with the layer's own query and every
+    column (any orthogonal basis) they are the same set; with fewer columns they need not be."""
+    torch.manual_seed(0)
+    kv_heads, group, n, d = 2, 2, 48, tiny_skew.matrices.shape[-1]
+    q, k = torch.randn(kv_heads * group, 16, d), torch.randn(kv_heads, n, d)
+    full = tiny_skew.projection(2, 1.0)[:kv_heads]
+    narrow = tiny_skew.projection(2, 0.1)[:kv_heads]
+    recalls = calibration.tuning.prompt_recall(q, k, q, [full, narrow], 0.125, budget=0.25)
+    assert recalls[0] == pytest.approx(1.0) and recalls[1] < 1.0
+    assert calibration.tuning.prompt_recall(q, k, torch.randn_like(q), [full], 0.125, budget=0.25)[0] < 1.0

@@ -76,7 +76,7 @@ def test_config_validation():
         dict(alpha=math.nan),
         dict(n_sink=-1),
         dict(window=1.5),
-        dict(partial_ratio=0),
+        dict(partial_ratio=-0.1),
         dict(partial_ratio=1.5),
         dict(budget=-1),
         dict(capacity=0),
@@ -312,14 +312,29 @@ def test_sinks_and_recent_window_are_always_fetched_and_counted(tiny, calibrated
             assert per_row[row] == min(int(counts[row]), resolve_budget(0.6, real_tokens[row]))
 
 
-def test_default_alpha_is_the_calibrated_one_and_flags_override(tiny, calibrated, skews):
+def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrated, skews):
     tuned = skews[tiny.weights_id].tuned
     assert tuned["alpha"] in calibration.tuning.ALPHAS and "dense attention" in tuned["rule"]
+    assert tuned["partial_ratio"] in calibration.tuning.RATIOS and "full-width" in tuned["ratio_rule"]
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4)
-    assert stats["alpha"] == 0  # the knob: 0 = calibrated
+    assert stats["alpha"] == 0 and stats["partial_ratio"] == 0  # the knobs: 0 = calibrated
     assert stats["alpha_used"] == tuned["alpha"] and stats["alpha_source"].startswith("calibrated")
-    _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4, alpha=5.0)
+    assert stats["partial_ratio_used"] == tuned["partial_ratio"]
+    assert stats["partial_ratio_source"].startswith("calibrated")
+    _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4, alpha=5.0, partial_ratio=0.5)
     assert stats["alpha_used"] == 5.0 and stats["alpha_source"] == "given"
-    older = dataclasses.replace(skews[tiny.weights_id], tuned=None)  # a file from before calibrated alphas
+    assert stats["partial_ratio_used"] == 0.5 and stats["partial_ratio_source"] == "given"
+    older = dataclasses.replace(skews[tiny.weights_id], tuned=None)  # a file from before calibrated knobs
     policy = InfiniGenPolicy(InfiniGenConfig(), tiny.spec, torch.device("cpu"), skew=older)
-    assert policy.alpha() == (5.0, "paper (this calibration has no calibrated alpha)")
+    assert policy.alpha() == (5.0, "paper (this calibration has none)")
+    assert policy.partial_ratio() == (0.2, "paper (this calibration has none)")
+
+
+def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, skews):
+    """The partial key cache is as wide as the ratio in use: the calibrated one by default, else the given."""
+    skew = skews[tiny.weights_id]
+    spec = tiny.spec
+    keys = torch.randn(1, spec.num_kv_heads, 5, spec.head_dim)
+    for knobs, ratio in ((dict(), skew.tuned["partial_ratio"]), (dict(partial_ratio=1.0), 1.0)):
+        policy = InfiniGenPolicy(InfiniGenConfig(**knobs), spec, torch.device("cpu"), skew=skew)
+        assert policy._partial_keys(2, keys).shape[-1] == math.ceil(ratio * spec.head_dim)

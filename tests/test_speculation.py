@@ -95,7 +95,7 @@ def test_prompt_coverage_is_the_probe_on_the_dense_trajectory(tiny, tiny_skew, m
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: tiny_skew)
     text = tmp_path / "t.txt"
     text.write_text(TEXT, encoding="utf-8")
-    knobs = InfiniGenConfig(budget=0.3)
+    knobs = InfiniGenConfig(budget=0.3, partial_ratio=0.25)
     result = probe(tiny, knobs, SpeculationConfig(str(text), context=160, scored=41, attend="dense"))
     ids = ppl.make_windows(tiny, ppl.PerplexityConfig(str(text), 160, 119))[:, :159]  # 40 decode steps
 

@@ -165,21 +165,26 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "layers": int(skew.matrices.shape[0]),
         "kv_heads": int(skew.matrices.shape[1]),
         "head_dim": int(skew.matrices.shape[2]),
-        "partial_share_skewed": round(concentration(skew, 0.2), 4),
-        "partial_share_identity": round(concentration(skew, 0.2, skewed=False), 4),
-        "alpha": skew.tuned["alpha"],  # InfiniGen's calibrated threshold, used when --alpha is not given
+        # InfiniGen's calibrated knobs, used when --partial-ratio / --alpha are not given
+        "partial_ratio": skew.tuned["partial_ratio"],
+        "partial_ratio_rule": skew.tuned["ratio_rule"],
+        "partial_ratio_curve": skew.tuned["ratio_curve"],
+        "alpha": skew.tuned["alpha"],
         "alpha_rule": skew.tuned["rule"],
         "alpha_curve": skew.tuned["curve"],
     }
+    ratio = report["partial_ratio"]
+    report["partial_share_skewed"] = round(concentration(skew, ratio), 4)
+    report["partial_share_identity"] = round(concentration(skew, ratio, skewed=False), 4)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(report["path"])
         print(
-            f"{report['tokens']} tokens of {report['source']}; 20% of columns hold "
-            f"{report['partial_share_skewed']:.1%} of Σ|Q|+Σ|K| skewed vs "
-            f"{report['partial_share_identity']:.1%} unskewed; calibrated alpha {report['alpha']:g} "
-            f"({report['alpha_rule']})",
+            f"{report['tokens']} tokens of {report['source']}; calibrated partial ratio {ratio:g} "
+            f"({report['partial_ratio_rule']}): those columns hold {report['partial_share_skewed']:.1%} of "
+            f"Σ|Q|+Σ|K| skewed vs {report['partial_share_identity']:.1%} unskewed; calibrated alpha "
+            f"{report['alpha']:g} ({report['alpha_rule']})",
             file=sys.stderr,
         )
     return 0

@@ -19,10 +19,11 @@ Partial columns follow the paper's rule: the k = ⌈partial_ratio·d⌉ columns 
 its accuracy path takes the union of the top-k columns by |Q̃| and by |K̃| (up to 2k columns), and its
 speed path the top-k by |Q̃| of the prompt itself.
 
-The same pass calibrates the threshold ``alpha`` (``tuning.py``): the last ``tuning.POSITIONS`` positions of
-the text play decode steps, layer i rehearsed from layer i-1's captured input, and the smallest alpha of a
-grid whose count rule keeps ``tuning.TARGET`` of the dense attention, averaged over the layers InfiniGen
-manages at its default knobs, is stored with the skew.
+The same pass calibrates the share of columns ``partial_ratio`` and the threshold ``alpha`` (``tuning.py``):
+the last ``tuning.POSITIONS`` positions of the text play decode steps, layer i rehearsed from layer i-1's
+captured input; the smallest ratio whose speculated top-k holds ``tuning.RATIO_TARGET`` of what full-width
+speculation holds, then the smallest alpha whose count rule keeps ``tuning.TARGET`` of the dense attention,
+both averaged over the layers InfiniGen manages at its default knobs, are stored with the skew.
 """
 
 from __future__ import annotations
@@ -48,21 +49,27 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 DEFAULT_CORPUS = "austen"
 DEFAULT_TOKENS = 2048
+TUNED_KNOBS = ("alpha", "partial_ratio")  # InfiniGen's knobs stored with the skew (``tune``)
 
 
 def ensure_skew(loaded: LoadedModel) -> Skew:
     """The cached calibration of ``loaded``, calibrating (with the defaults) if there is none."""
     found = skewfile.cached_skew(loaded.spec)
-    if found is not None and found.tuned is not None:
+    if found is not None and _complete(found):
         return found
     # One process calibrates; another waits, then reads its file. Taking the lock also proves the cache
     # is writable before the work starts.
     with locked(f"skew-{loaded.weights_id[:16]}"):
         found = skewfile.cached_skew(loaded.spec)
-        if found is not None and found.tuned is not None:  # a file without calibrated alpha is redone
+        if found is not None and _complete(found):  # a file without the calibrated knobs is redone
             return found
         print(f"calibrating InfiniGen skew for {loaded.name} (once per model)", file=sys.stderr)
         return calibrate(loaded)
+
+
+def _complete(skew: Skew) -> bool:
+    """Whether ``skew`` carries every knob this version calibrates (older files lack some)."""
+    return skew.tuned is not None and all(name in skew.tuned for name in TUNED_KNOBS)
 
 
 # -- calibration ---------------------------------------------------------------------------------------------
@@ -159,15 +166,16 @@ def calibrate(
         scores=capture.scores,
         identity_scores=capture.identity_scores,
     )
-    skew = replace(skew, tuned=tune_alpha(spec, skew, capture.tuning_inputs))
+    skew = replace(skew, tuned=tune(spec, skew, capture.tuning_inputs))
     if save:
         skew.save(skew_path(loaded.weights_id, source, skew.tokens))
     return skew
 
 
-def tune_alpha(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tensor, Tensor]]) -> dict:
-    """The calibrated threshold (``tuning.RULE``) at InfiniGen's default knobs, with its curve."""
-    from .policy import InfiniGenConfig
+def tune(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tensor, Tensor]]) -> dict:
+    """InfiniGen's calibrated knobs at its default budget and dense layers: first the partial ratio
+    (``tuning.RATIO_RULE``), then the threshold at that ratio (``tuning.RULE``); each with rule and curve."""
+    from .policy import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
 
     defaults = InfiniGenConfig()
     managed = [
@@ -175,30 +183,55 @@ def tune_alpha(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tens
         for layer in range(spec.num_layers)
         if layer >= defaults.dense_layers and not spec.is_sliding(layer) and layer in inputs
     ]
-    if not managed:  # nothing to rehearse at the defaults: the paper's constant
-        return {"alpha": 5.0, "rule": "paper (no managed layer to calibrate on)", "curve": []}
+    if not managed:  # nothing to rehearse at the defaults: the paper's constants
+        rule = "paper (no managed layer to calibrate on)"
+        paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO}
+        return {**paper, "rule": rule, "curve": [], "ratio_rule": rule, "ratio_curve": []}
+    settings = {
+        "dense_layers": defaults.dense_layers,
+        "budget": defaults.budget,
+        "positions": inputs[managed[0]][0].shape[1],
+    }
+    recalls = (
+        torch.tensor(
+            [
+                tuning.prompt_recall(
+                    *inputs[layer],
+                    [skew.projection(layer, ratio, defaults.skew) for ratio in tuning.RATIOS],
+                    spec.scaling(layer),
+                    defaults.budget,
+                )
+                for layer in managed
+            ]
+        )
+        .mean(0)
+        .tolist()
+    )
+    ratio = tuning.pick_ratio(recalls)
     kept, fetched = [], []
     for layer in managed:
-        q, k, rehearsed = inputs[layer]
-        scaling = spec.scaling(layer)
-        projection = skew.projection(layer, defaults.partial_ratio, defaults.skew)
-        share, fraction = tuning.prompt_coverage(q, k, rehearsed, projection, scaling, defaults.budget)
+        projection = skew.projection(layer, ratio, defaults.skew)
+        share, fraction = tuning.prompt_coverage(
+            *inputs[layer], projection, spec.scaling(layer), defaults.budget
+        )
         kept.append(share)
         fetched.append(fraction)
     kept_mean, fetched_mean = torch.stack(kept).mean(0).tolist(), torch.stack(fetched).mean(0).tolist()
-    positions = inputs[managed[0]][0].shape[1]
-    rule = tuning.RULE.format(
-        alphas=list(tuning.ALPHAS),
-        target=tuning.TARGET,
-        dense_layers=defaults.dense_layers,
-        budget=defaults.budget,
-        positions=positions,
-    )
-    curve = [
-        {"alpha": a, "mass_kept": round(m, 4), "fetched": round(f, 4)}
-        for a, m, f in zip(tuning.ALPHAS, kept_mean, fetched_mean, strict=True)
-    ]
-    return {"alpha": tuning.pick_alpha(kept_mean), "rule": rule, "curve": curve}
+    return {
+        "alpha": tuning.pick_alpha(kept_mean),
+        "rule": tuning.RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),
+        "curve": [
+            {"alpha": a, "mass_kept": round(m, 4), "fetched": round(f, 4)}
+            for a, m, f in zip(tuning.ALPHAS, kept_mean, fetched_mean, strict=True)
+        ],
+        "partial_ratio": ratio,
+        "ratio_rule": tuning.RATIO_RULE.format(
+            ratios=list(tuning.RATIOS), target=tuning.RATIO_TARGET, **settings
+        ),
+        "ratio_curve": [
+            {"partial_ratio": r, "recall": round(m, 4)} for r, m in zip(tuning.RATIOS, recalls, strict=True)
+        ],
+    }
 
 
 def concentration(skew: Skew, ratio: float, skewed: bool = True) -> float:

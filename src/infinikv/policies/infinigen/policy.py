@@ -15,9 +15,11 @@ policy rehearses layer i+1:
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
    overlaps the rest of layer i; layer i+1 attends with its real query over [selected; newest token].
 
-``alpha`` 0 (the default) uses the model's calibrated threshold, stored with its skew (``tuning.py``: the
-smallest alpha whose count rule keeps 90 % of the dense attention on the calibration text); the paper's
-constant for Llama-family models is ``--alpha 5``. ``stats()`` reports the alpha used and where it came from.
+``alpha`` 0 and ``partial_ratio`` 0 (the defaults) use the model's calibrated values, stored with its skew
+(``tuning.py``: the smallest share of columns whose speculated top-k holds 90 % of what full-width
+speculation holds, then the smallest alpha whose count rule keeps 90 % of the dense attention, both on the
+calibration text); the paper's constants are ``--alpha 5`` (Llama family) and ``--partial-ratio 0.2``.
+``stats()`` reports the values used and where they came from.
 
 Layers below ``dense_layers`` load their full KV (nothing rehearses layer 0). Sliding-window layers
 (Gemma-3) attend to their window, fetched from the pool; the policy rehearses the global layers, each in
@@ -64,6 +66,7 @@ from .slots import SlotTable
 Tensor = torch.Tensor
 EVICTIONS = ("fifo", "lru", "counter")
 PAPER_ALPHA = 5.0  # the paper's and artifact's threshold for Llama-family models
+PAPER_PARTIAL_RATIO = 0.2  # the paper's share of key columns
 _SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 2**21
 
 
@@ -88,7 +91,11 @@ class InfiniGenConfig(PolicyConfig):
         allow_inf=True,
     )
     partial_ratio: float = knob(
-        0.2, "share of head_dim columns used for speculation", low=0, high=1, open_low=True
+        0.0,
+        "share of head_dim columns used for speculation; 0 = the model's calibrated share (infinikv "
+        "calibrate); the paper's is 0.2",
+        low=0,
+        high=1,
     )
     budget: float = knob(
         0.2, "cap on tokens fetched per layer (<= 1: fraction of the context)", low=0, open_low=True
@@ -117,6 +124,23 @@ class InfiniGenConfig(PolicyConfig):
 
         ensure_skew(loaded)
 
+    def rehearsal_columns(self, spec: ModelSpec) -> float:
+        return self.resolve("partial_ratio", skewfile.cached_skew(spec))[0]
+
+    def resolve(self, name: str, skew: Skew | None) -> tuple[float, str]:
+        """The value of the calibrated knob ``name`` ("alpha" or "partial_ratio") with ``skew``, and where it
+        came from: this config's when set, else the model's calibrated one, else (a calibration without it)
+        the paper's."""
+        given = getattr(self, name)
+        if given:
+            return float(given), "given"
+        tuned = skew.tuned if skew is not None else None
+        if tuned is None or name not in tuned:
+            paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO}[name]
+            return paper, "paper (this calibration has none)"
+        rule = tuned["rule" if name == "alpha" else "ratio_rule"]
+        return float(tuned[name]), f"calibrated: {rule}"
+
 
 class InfiniGenPolicy(HostPoolPolicy):
     name = "infinigen"
@@ -134,6 +158,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             skew.check(spec)
         self._skew = skew
         self._alpha: tuple[float, str] | None = None  # (alpha in use, where it came from)
+        self._ratio: tuple[float, str] | None = None  # (partial ratio in use, where it came from)
         layers = range(spec.num_layers)
         self._slots = [SlotTable() for _ in layers]
         self._proj: list[Tensor | None] = [None] * spec.num_layers  # [kv_heads, d, k] for managed layers
@@ -181,9 +206,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if not self.managed(layer):
             return None
         if self._proj[layer] is None:
-            self._proj[layer] = self._skew_data().projection(
-                layer, self.config.partial_ratio, self.config.skew
-            )
+            self._proj[layer] = self._skew_data().projection(layer, self.partial_ratio()[0], self.config.skew)
             self._proj[layer] = self._proj[layer].to(k.device, k.dtype)
         return torch.matmul(k, self._proj[layer])  # [batch, kv_heads, tokens, k]
 
@@ -199,18 +222,16 @@ class InfiniGenPolicy(HostPoolPolicy):
         return self._skew
 
     def alpha(self) -> tuple[float, str]:
-        """The threshold in use and where it came from: the config's, else the model's calibrated one (else,
-        for a calibration that predates calibrated alphas, the paper's 5)."""
+        """The threshold in use and where it came from (:meth:`InfiniGenConfig.resolve`)."""
         if self._alpha is None:
-            if self.config.alpha:
-                self._alpha = (self.config.alpha, "given")
-            else:
-                tuned = self._skew_data().tuned
-                if tuned is None:
-                    self._alpha = (PAPER_ALPHA, "paper (this calibration has no calibrated alpha)")
-                else:
-                    self._alpha = (float(tuned["alpha"]), f"calibrated: {tuned['rule']}")
+            self._alpha = self.config.resolve("alpha", self._skew_data())
         return self._alpha
+
+    def partial_ratio(self) -> tuple[float, str]:
+        """The share of key columns in use and where it came from (:meth:`InfiniGenConfig.resolve`)."""
+        if self._ratio is None:
+            self._ratio = self.config.resolve("partial_ratio", self._skew_data())
+        return self._ratio
 
     # -- decode: rehearsal and prefetch ----------------------------------------------------------------------
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
@@ -409,4 +430,6 @@ class InfiniGenPolicy(HostPoolPolicy):
         )
         if self._alpha is not None:
             out.update(alpha_used=self._alpha[0], alpha_source=self._alpha[1])
+        if self._ratio is not None:
+            out.update(partial_ratio_used=self._ratio[0], partial_ratio_source=self._ratio[1])
         return out

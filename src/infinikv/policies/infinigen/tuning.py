@@ -1,12 +1,20 @@
-"""InfiniGen's threshold ``alpha``, calibrated per model: the attention its count rule keeps, per alpha.
+"""InfiniGen's knobs calibrated per model: the share of key columns it rehearses with and its threshold.
 
 InfiniGen fetches, per layer and step, the tokens whose speculated score is within ``alpha`` of each head's
-best (the count averaged over the KV heads, capped by the budget). The paper fixes alpha per model family
-(4 for OPT, 5 for Llama). How much attention that count keeps depends on the model: on SmolLM2-135M's
-sink-dominated layers few tokens come within 5 logits of the sink while the long tail together carries a
-large share (docs/results-infinigen.md). Calibration therefore measures, on the calibration text, the
-attention the rule keeps at each alpha of a grid and picks the smallest alpha that keeps ``target`` of it
-on average over the managed layers (:data:`RULE`).
+best (the count averaged over the KV heads, capped by the budget); the score is computed from a share
+``partial_ratio`` of the skewed key columns. The paper fixes both per model family (alpha 4 for OPT, 5 for
+Llama; 20 % of the columns). What they cost depends on the model:
+
+* columns: with SmolLM2-135M's 64-wide heads, 20 % is 13 columns, and the speculated top-k holds 87 % of
+  the real top-k tokens that full-width speculation holds (30 %: 92 %); on needle retrieval at 2k that gap
+  is the difference between finding 2 of 8 needles and 8 of 8 (docs/results-infinigen.md). Calibration
+  picks the smallest ratio of :data:`RATIOS` whose speculated top-k (k = the budget cap) holds
+  :data:`RATIO_TARGET` of what full-width speculation holds, averaged over the managed layers
+  (:data:`RATIO_RULE`);
+* threshold: on SmolLM2's sink-dominated layers few tokens come within 5 logits of the sink while the long
+  tail together carries a large share. Calibration measures, at the chosen ratio, the attention the count
+  rule keeps at each alpha of a grid and picks the smallest alpha that keeps ``TARGET`` of it on average
+  over the managed layers (:data:`RULE`).
 
 The measurement is the decode path on the dense trajectory, computed from the one dense pass calibration
 already makes: query position t of the text plays a decode step whose past is tokens 0..t-1 and whose new
@@ -28,6 +36,13 @@ ALPHAS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0)
 TARGET = 0.9  # share of the dense attention the calibrated alpha keeps, on average over the managed layers
 POSITIONS = 256  # query positions (the last ones of the calibration text) that play decode steps
 SLACK = 0.001  # when the budget cap keeps less than the target: alphas this close to the cap's share tie
+RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
+RATIO_TARGET = 0.9  # share of full-width speculation's recall of the real top-k the calibrated ratio keeps
+RATIO_RULE = (
+    "smallest partial ratio of {ratios} whose speculated top-k holds >= {target:.0%} of the real top-k "
+    "tokens that full-width speculation holds (k = the budget cap {budget}), averaged over the managed "
+    "layers (dense_layers {dense_layers}) and the last {positions} positions of the calibration text"
+)
 RULE = (
     "smallest alpha of {alphas} whose count rule keeps >= {target:.0%} of the dense attention (or, when the "
     "budget cap keeps less, within 0.1 point of what the cap keeps), averaged over the managed layers "
@@ -97,8 +112,63 @@ def prompt_coverage(
     return kept.mean(0), (counts.float() / t[:, None].float()).mean(0)
 
 
+def prompt_recall(
+    q: Tensor,
+    k: Tensor,
+    q_speculative: Tensor,
+    projections: list[Tensor],
+    scaling: float,
+    budget: float,
+) -> list[float]:
+    """Per projection (one per candidate partial ratio), the share of the real top-k tokens that the
+    speculated top-k holds, per KV head, averaged over the last P positions of a prompt of n tokens, each
+    playing a decode step on the dense trajectory (k = the ``budget`` cap of that step). Real and speculated
+    scores are combined over a group's query heads the same way (each relative to its own best, max).
+
+    Shapes as in :func:`prompt_coverage`; ``projections``: [kv_heads, d, c] each."""
+    kv_heads, n = k.shape[0], k.shape[1]
+    group, positions = q.shape[0] // kv_heads, q.shape[1]
+    t = torch.arange(n - positions, n, device=k.device)
+    past = torch.arange(n, device=k.device)[None, :] < t[:, None]  # [P, n]
+
+    def combined(queries: Tensor, keys: Tensor) -> Tensor:  # [P, kv_heads, n], -inf outside the past
+        logits = torch.matmul(queries.reshape(kv_heads, group, positions, -1), keys.transpose(-1, -2))
+        logits = (logits * scaling).masked_fill(~past, -math.inf)
+        return group_relative_max(logits.permute(2, 0, 1, 3).reshape(positions, kv_heads * group, n), group)
+
+    real = combined(q.float(), k.float()[:, None])
+    counts = [resolve_budget(budget, int(p)) for p in t.tolist()]
+    width = max(counts)
+    within = torch.arange(width, device=k.device)[None, :] < torch.tensor(counts, device=k.device)[:, None]
+
+    def chosen(scores: Tensor) -> Tensor:  # bool [P, kv_heads, n]: each step's top-k
+        index = scores.topk(width, dim=-1).indices
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        return mask.scatter_(-1, index, within[:, None, :].expand_as(index))
+
+    truth = chosen(real)
+    recalls = []
+    for projection in projections:
+        proj = projection.float()
+        partial_k = torch.matmul(k.float(), proj)[:, None]
+        partial_q = torch.matmul(q_speculative.float().reshape(kv_heads, group, positions, -1), proj[:, None])
+        speculated = combined(partial_q, partial_k)
+        hits = (chosen(speculated) & truth).sum(-1).float()
+        recalls.append(float((hits / torch.tensor(counts, device=k.device)[:, None]).mean()))
+    return recalls
+
+
 def pick_alpha(kept: list[float], alphas: tuple[float, ...] = ALPHAS, target: float = TARGET) -> float:
     """The smallest alpha keeping ``target`` (``kept``: the mean over managed layers, per alpha); when no
     alpha does (the budget cap binds first), the smallest within ``SLACK`` of the most any alpha keeps."""
     reachable = min(target, max(kept) - SLACK)
     return next(alpha for alpha, share in zip(alphas, kept, strict=True) if share >= reachable)
+
+
+def pick_ratio(
+    recalls: list[float], ratios: tuple[float, ...] = RATIOS, target: float = RATIO_TARGET
+) -> float:
+    """The smallest ratio whose recall (mean over managed layers, per ratio; the last ratio is full width)
+    reaches ``target`` of the full-width recall."""
+    full = recalls[-1]
+    return next(ratio for ratio, recall in zip(ratios, recalls, strict=True) if recall >= target * full)
