@@ -260,10 +260,16 @@ def finished(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def is_measured(cell: Cell, done: dict[str, dict[str, Any]]) -> bool:
-    """Whether ``done`` holds ``cell``, measured as planned: a retrieval cell's sample count must match
-    (the key leaves it out, so raising the samples of a finished grid re-measures it, not reuses it)."""
+    """Whether ``done`` holds ``cell``, measured as planned. The key names only the knobs the sweep sets,
+    so two more things must match: every knob of the policy as measured (a changed default is measured
+    again, not reused) and a retrieval cell's sample count (raising the samples re-measures a grid)."""
     record = done.get(cell.key)
-    return record is not None and (cell.kind != "retrieval" or record["result"]["samples"] == cell.samples)
+    if record is None:
+        return False
+    result = record["result"]
+    if result.get("knobs") != make_config(cell.policy, **dict(cell.knobs)).knobs():
+        return False
+    return cell.kind != "retrieval" or result["samples"] == cell.samples
 
 
 def run_cell(
