@@ -164,6 +164,11 @@ def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
     assert report["alpha"] in calibration.tuning.ALPHAS and len(report["alpha_curve"]) == len(
         calibration.tuning.ALPHAS
     )
+    assert report["alpha_per_layer"][:2] == [None, None]  # the dense layers have none
+    assert set(report["alpha_per_layer"][2:]) <= set(calibration.tuning.ALPHAS)
+    assert report["partial_ratio"] in calibration.tuning.RATIOS
+    assert main([*args, "--tokens", "96"]) == 0
+    assert "calibrated alpha per layer" in capsys.readouterr().err
     assert main(["calibrate", "--model", str(model_dir), "--text", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read calibration text" in capsys.readouterr().err
     assert main([*args, "--tokens", "1"]) == 2
@@ -182,6 +187,9 @@ def test_calibrated_knobs_are_stored_with_the_skew_and_reloaded(tiny, tmp_path, 
     kept = [row["mass_kept"] for row in curve]
     assert kept == sorted(kept) and 0 < kept[0] <= kept[-1] <= 1  # a larger alpha never keeps less
     assert made.tuned["alpha"] == calibration.tuning.pick_alpha(kept)
+    per_layer = made.tuned["alpha_per_layer"]
+    assert len(per_layer) == tiny.spec.num_layers and per_layer[:2] == [None, None]
+    assert all(alpha in calibration.tuning.ALPHAS for alpha in per_layer[2:])
     reloaded = skewfile.cached_skew(tiny.spec)
     assert reloaded.tuned == made.tuned
 

@@ -40,16 +40,17 @@ class _Spy:
     """Records the policy's decisions by wrapping InfiniGenPolicy methods."""
 
     def __init__(self, monkeypatch):
-        self.choices, self.selections, self.policies, self.pool_lengths = [], [], [], []
+        self.choices, self.selections, self.policies, self.pool_lengths, self.alphas = [], [], [], [], []
         choose, decode, init = InfiniGenPolicy.choose, InfiniGenPolicy.decode, InfiniGenPolicy.__init__
 
         def spy_init(policy, *args, **kwargs):
             init(policy, *args, **kwargs)
             self.policies.append(policy)
 
-        def spy_choose(policy, scores, real_tokens, reserved=None):
-            index, per_row = choose(policy, scores, real_tokens, reserved)
+        def spy_choose(policy, scores, real_tokens, alpha, reserved=None):
+            index, per_row = choose(policy, scores, real_tokens, alpha, reserved)
             self.choices.append((scores.clone(), list(real_tokens), index.clone(), per_row.clone(), reserved))
+            self.alphas.append(alpha)
             return index, per_row
 
         def spy_decode(policy, layer, k_new, v_new):
@@ -254,7 +255,7 @@ def test_heads_of_a_group_are_compared_on_their_own_scale(tiny, calibrated, monk
     logits[..., :8] = torch.tensor([sink, spread] + [sink] * (group - 2))
     query = (logits / spec.attention[layer].scaling).reshape(1, spec.num_heads, 1, d)
     monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
-    index, per_row = policy.choose(policy.speculate(layer, None, None), [8])
+    index, per_row = policy.choose(policy.speculate(layer, None, None), [8], policy.alpha(layer)[0])
     assert per_row.tolist() == [4]
     assert index[0].sort(dim=-1).values.tolist() == [[0, 1, 2, 3]] * kv
 
@@ -318,16 +319,35 @@ def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrat
     assert tuned["partial_ratio"] in calibration.tuning.RATIOS and "full-width" in tuned["ratio_rule"]
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4)
     assert stats["alpha"] == 0 and stats["partial_ratio"] == 0  # the knobs: 0 = calibrated
-    assert stats["alpha_used"] == tuned["alpha"] and stats["alpha_source"].startswith("calibrated")
+    assert stats["alpha_used"] == tuned["alpha_per_layer"] and stats["alpha_source"].startswith("calibrated")
     assert stats["partial_ratio_used"] == tuned["partial_ratio"]
     assert stats["partial_ratio_source"].startswith("calibrated")
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4, alpha=5.0, partial_ratio=0.5)
-    assert stats["alpha_used"] == 5.0 and stats["alpha_source"] == "given"
+    assert stats["alpha_used"] == [None, None] + [5.0] * (tiny.spec.num_layers - 2)
+    assert stats["alpha_source"] == "given"
     assert stats["partial_ratio_used"] == 0.5 and stats["partial_ratio_source"] == "given"
     older = dataclasses.replace(skews[tiny.weights_id], tuned=None)  # a file from before calibrated knobs
     policy = InfiniGenPolicy(InfiniGenConfig(), tiny.spec, torch.device("cpu"), skew=older)
-    assert policy.alpha() == (5.0, "paper (this calibration has none)")
+    assert policy.alpha(2) == (5.0, "paper (this calibration has none)")
     assert policy.partial_ratio() == (0.2, "paper (this calibration has none)")
+
+
+def test_each_layer_counts_with_its_own_calibrated_alpha(tiny, skews, monkeypatch):
+    """alpha 0: every managed layer uses the alpha calibrated for it (a layer without one, the alpha for all
+    layers); the count rule runs with that layer's alpha."""
+    skew = skews[tiny.weights_id]
+    layers = tiny.spec.num_layers
+    per_layer = [None, None, 0.5, 7.0] + [None] * (layers - 4)  # layer 4 on, if any: the one for all
+    tuned = {**skew.tuned, "alpha_per_layer": per_layer, "alpha": 3.0}
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
+    spy = _Spy(monkeypatch)
+    _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=6, window=0)
+    expected = [None, None, 0.5, 7.0] + [3.0] * (layers - 4)
+    assert stats["alpha_used"] == expected
+    assert spy.alphas == expected[2:] * (len(spy.alphas) // (layers - 2))
+    for alpha, (scores, real_tokens, _, per_row, _) in zip(spy.alphas, spy.choices, strict=True):
+        counts = (scores > scores.amax(-1, keepdim=True) - alpha).sum(-1).float().mean(-1).ceil().long()
+        assert int(per_row[0]) == min(int(counts[0]), resolve_budget(0.2, real_tokens[0]))
 
 
 def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, skews):

@@ -169,7 +169,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "partial_ratio": skew.tuned["partial_ratio"],
         "partial_ratio_rule": skew.tuned["ratio_rule"],
         "partial_ratio_curve": skew.tuned["ratio_curve"],
-        "alpha": skew.tuned["alpha"],
+        "alpha_per_layer": skew.tuned["alpha_per_layer"],
+        "alpha_per_layer_rule": skew.tuned["layer_rule"],
+        "alpha": skew.tuned["alpha"],  # for layers without their own (dense_layers below the default)
         "alpha_rule": skew.tuned["rule"],
         "alpha_curve": skew.tuned["curve"],
     }
@@ -183,11 +185,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(
             f"{report['tokens']} tokens of {report['source']}; calibrated partial ratio {ratio:g} "
             f"({report['partial_ratio_rule']}): those columns hold {report['partial_share_skewed']:.1%} of "
-            f"Σ|Q|+Σ|K| skewed vs {report['partial_share_identity']:.1%} unskewed; calibrated alpha "
-            f"{report['alpha']:g} ({report['alpha_rule']})",
+            f"Σ|Q|+Σ|K| skewed vs {report['partial_share_identity']:.1%} unskewed; calibrated alpha per "
+            f"layer {_spread(report['alpha_per_layer'])} ({report['alpha_per_layer_rule']}), for other "
+            f"layers {report['alpha']:g} ({report['alpha_rule']})",
             file=sys.stderr,
         )
     return 0
+
+
+def _spread(values: list[float | None]) -> str:
+    """'3-12' for the calibrated values of a list (None where a layer has none)."""
+    known = [v for v in values if v is not None]
+    return f"{min(known):g}-{max(known):g}" if known else "none"
 
 
 def register_calibrate(subparsers) -> None:

@@ -22,8 +22,9 @@ speed path the top-k by |Q̃| of the prompt itself.
 The same pass calibrates the share of columns ``partial_ratio`` and the threshold ``alpha`` (``tuning.py``):
 the last ``tuning.POSITIONS`` positions of the text play decode steps, layer i rehearsed from layer i-1's
 captured input; the smallest ratio whose speculated top-k holds ``tuning.RATIO_TARGET`` of what full-width
-speculation holds, then the smallest alpha whose count rule keeps ``tuning.TARGET`` of the dense attention,
-both averaged over the layers InfiniGen manages at its default knobs, are stored with the skew.
+speculation holds (averaged over the layers InfiniGen manages at its default knobs), then, per managed
+layer, the smallest alpha whose count rule keeps ``tuning.TARGET`` of that layer's dense attention, are
+stored with the skew.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 DEFAULT_CORPUS = "austen"
 DEFAULT_TOKENS = 2048
-TUNED_KNOBS = ("alpha", "partial_ratio")  # InfiniGen's knobs stored with the skew (``tune``)
+TUNED_KNOBS = ("alpha", "alpha_per_layer", "partial_ratio")  # stored with the skew (``tune``)
 
 
 def ensure_skew(loaded: LoadedModel) -> Skew:
@@ -174,7 +175,8 @@ def calibrate(
 
 def tune(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tensor, Tensor]]) -> dict:
     """InfiniGen's calibrated knobs at its default budget and dense layers: first the partial ratio
-    (``tuning.RATIO_RULE``), then the threshold at that ratio (``tuning.RULE``); each with rule and curve."""
+    (``tuning.RATIO_RULE``), then at that ratio the threshold of each managed layer (``tuning.LAYER_RULE``)
+    and one for every layer (``tuning.RULE``, used on layers not calibrated); each with its rule."""
     from .policy import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
 
     defaults = InfiniGenConfig()
@@ -186,7 +188,8 @@ def tune(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tensor, Te
     if not managed:  # nothing to rehearse at the defaults: the paper's constants
         rule = "paper (no managed layer to calibrate on)"
         paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO}
-        return {**paper, "rule": rule, "curve": [], "ratio_rule": rule, "ratio_curve": []}
+        per_layer = {"alpha_per_layer": [None] * spec.num_layers, "layer_rule": rule}
+        return {**paper, **per_layer, "rule": rule, "curve": [], "ratio_rule": rule, "ratio_curve": []}
     settings = {
         "dense_layers": defaults.dense_layers,
         "budget": defaults.budget,
@@ -217,7 +220,12 @@ def tune(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tensor, Te
         kept.append(share)
         fetched.append(fraction)
     kept_mean, fetched_mean = torch.stack(kept).mean(0).tolist(), torch.stack(fetched).mean(0).tolist()
+    per_layer: list[float | None] = [None] * spec.num_layers
+    for layer, share in zip(managed, kept, strict=True):
+        per_layer[layer] = tuning.pick_alpha(share.tolist())
     return {
+        "alpha_per_layer": per_layer,
+        "layer_rule": tuning.LAYER_RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),
         "alpha": tuning.pick_alpha(kept_mean),
         "rule": tuning.RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),
         "curve": [

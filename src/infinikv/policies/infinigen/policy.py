@@ -17,9 +17,9 @@ policy rehearses layer i+1:
 
 ``alpha`` 0 and ``partial_ratio`` 0 (the defaults) use the model's calibrated values, stored with its skew
 (``tuning.py``: the smallest share of columns whose speculated top-k holds 90 % of what full-width
-speculation holds, then the smallest alpha whose count rule keeps 90 % of the dense attention, both on the
-calibration text); the paper's constants are ``--alpha 5`` (Llama family) and ``--partial-ratio 0.2``.
-``stats()`` reports the values used and where they came from.
+speculation holds, then, per layer, the smallest alpha whose count rule keeps 90 % of that layer's dense
+attention, both on the calibration text); the paper's constants are ``--alpha 5`` (Llama family, every
+layer) and ``--partial-ratio 0.2``. ``stats()`` reports the values used and where they came from.
 
 Layers below ``dense_layers`` load their full KV (nothing rehearses layer 0). Sliding-window layers
 (Gemma-3) attend to their window, fetched from the pool; the policy rehearses the global layers, each in
@@ -85,7 +85,7 @@ class InfiniGenConfig(PolicyConfig):
     alpha: float = knob(
         0.0,
         "threshold in logit units: tokens within alpha of a head's best speculative score are counted "
-        "(inf = all, then the budget alone decides); 0 = the model's calibrated alpha (infinikv "
+        "(inf = all, then the budget alone decides); 0 = the model's calibrated alpha per layer (infinikv "
         "calibrate); the paper's constant for Llama-family models is 5",
         low=0,
         allow_inf=True,
@@ -127,10 +127,10 @@ class InfiniGenConfig(PolicyConfig):
     def rehearsal_columns(self, spec: ModelSpec) -> float:
         return self.resolve("partial_ratio", skewfile.cached_skew(spec))[0]
 
-    def resolve(self, name: str, skew: Skew | None) -> tuple[float, str]:
+    def resolve(self, name: str, skew: Skew | None, layer: int | None = None) -> tuple[float, str]:
         """The value of the calibrated knob ``name`` ("alpha" or "partial_ratio") with ``skew``, and where it
-        came from: this config's when set, else the model's calibrated one, else (a calibration without it)
-        the paper's."""
+        came from: this config's when set, else the model's calibrated one (alpha: ``layer``'s own when it
+        was calibrated, else the one for all layers), else (a calibration without it) the paper's."""
         given = getattr(self, name)
         if given:
             return float(given), "given"
@@ -138,8 +138,12 @@ class InfiniGenConfig(PolicyConfig):
         if tuned is None or name not in tuned:
             paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO}[name]
             return paper, "paper (this calibration has none)"
-        rule = tuned["rule" if name == "alpha" else "ratio_rule"]
-        return float(tuned[name]), f"calibrated: {rule}"
+        if name == "partial_ratio":
+            return float(tuned[name]), f"calibrated: {tuned['ratio_rule']}"
+        per_layer = tuned.get("alpha_per_layer") or []
+        if layer is not None and layer < len(per_layer) and per_layer[layer] is not None:
+            return float(per_layer[layer]), f"calibrated: {tuned['layer_rule']}"
+        return float(tuned[name]), f"calibrated: {tuned['rule']}"
 
 
 class InfiniGenPolicy(HostPoolPolicy):
@@ -157,7 +161,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if skew is not None:
             skew.check(spec)
         self._skew = skew
-        self._alpha: tuple[float, str] | None = None  # (alpha in use, where it came from)
+        self._alpha: dict[int, tuple[float, str]] = {}  # per layer: (alpha in use, where it came from)
         self._ratio: tuple[float, str] | None = None  # (partial ratio in use, where it came from)
         layers = range(spec.num_layers)
         self._slots = [SlotTable() for _ in layers]
@@ -221,11 +225,11 @@ class InfiniGenPolicy(HostPoolPolicy):
                 )
         return self._skew
 
-    def alpha(self) -> tuple[float, str]:
-        """The threshold in use and where it came from (:meth:`InfiniGenConfig.resolve`)."""
-        if self._alpha is None:
-            self._alpha = self.config.resolve("alpha", self._skew_data())
-        return self._alpha
+    def alpha(self, layer: int) -> tuple[float, str]:
+        """``layer``'s threshold and where it came from (:meth:`InfiniGenConfig.resolve`)."""
+        if layer not in self._alpha:
+            self._alpha[layer] = self.config.resolve("alpha", self._skew_data(), layer)
+        return self._alpha[layer]
 
     def partial_ratio(self) -> tuple[float, str]:
         """The share of key columns in use and where it came from (:meth:`InfiniGenConfig.resolve`)."""
@@ -278,7 +282,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         them each row attends to (None: all)."""
         start = time.perf_counter()
         scores = self.speculate(layer, x, position_ids)
-        index, per_row = self.choose(scores, self._real_tokens(layer), self._reserved(layer))
+        index, per_row = self.choose(
+            scores, self._real_tokens(layer), self.alpha(layer)[0], self._reserved(layer)
+        )
         self._selected[layer].append(per_row.float().mean())
         self._rehearsal_s += time.perf_counter() - start
         return index, self.row_extras_hidden(index, per_row)
@@ -300,14 +306,14 @@ class InfiniGenPolicy(HostPoolPolicy):
         return (scores - best.masked_fill(best == -math.inf, 0)).amax(dim=2)
 
     def choose(
-        self, scores: Tensor, real_tokens: list[int], reserved: Tensor | None = None
+        self, scores: Tensor, real_tokens: list[int], alpha: float, reserved: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Slots to fetch from speculative ``scores`` [batch, kv_heads, slots] (-inf = never): the top-n' per
-        head, n' the mean over heads of each row's count within alpha of its best, capped by the budget (of
-        the row's ``real_tokens``) and its real slots. ``reserved`` [batch, kv_heads, slots] (sinks and
+        head, n' the mean over heads of each row's count within ``alpha`` of its best, capped by the budget
+        (of the row's ``real_tokens``) and its real slots. ``reserved`` [batch, kv_heads, slots] (sinks and
         recent window) are counted and come first. Returns (index [batch, kv_heads, max n'], n' per row)."""
         best = scores.amax(dim=-1, keepdim=True)
-        wanted = scores > best - self.alpha()[0]
+        wanted = scores > best - alpha
         if reserved is not None:
             wanted = wanted | reserved
             scores = reserved_first(scores, reserved)
@@ -428,8 +434,13 @@ class InfiniGenPolicy(HostPoolPolicy):
             evicted_tokens=self._evicted,
             skew_source=None if self._skew is None else f"{self._skew.source} ({self._skew.tokens} tokens)",
         )
-        if self._alpha is not None:
-            out.update(alpha_used=self._alpha[0], alpha_source=self._alpha[1])
+        if self._alpha:
+            sources = dict.fromkeys(source for _, source in self._alpha.values())
+            out.update(
+                # per layer, None for the layers that load their full KV or their window
+                alpha_used=[self._alpha[i][0] if i in self._alpha else None for i in range(len(self._slots))],
+                alpha_source="; ".join(sources),
+            )
         if self._ratio is not None:
             out.update(partial_ratio_used=self._ratio[0], partial_ratio_source=self._ratio[1])
         return out
