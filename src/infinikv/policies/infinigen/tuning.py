@@ -13,7 +13,7 @@ Llama; 20 % of the columns). What they cost depends on the model:
   (:data:`RATIO_RULE`);
 * threshold: on SmolLM2's sink-dominated layers few tokens come within 5 logits of the sink while the long
   tail together carries a large share, and how few differs from layer to layer (at 4k and one alpha for
-  all, layer 18 fetches 2 % of the context and keeps 60 % of its attention while the mean layer keeps 92 %).
+  all, layer 20 fetches 2 % of the context and keeps 60 % of its attention while the mean layer keeps 92 %).
   Calibration measures, at the chosen ratio, the attention each managed layer's count rule keeps at each
   alpha of a grid and picks, per layer, the smallest alpha that keeps ``TARGET`` of that layer's attention
   (:data:`LAYER_RULE`; SmolLM2: 3 to 12). One alpha for all layers, the smallest keeping ``TARGET`` on
