@@ -17,7 +17,8 @@
    ``rows.jsonl``, appended after every policy run, so a run cut short still leaves its results.
 
 InfiniGen runs with ``alpha=inf`` (the budget alone sets how many rows move: random weights do not have the
-peaked attention that makes alpha meaningful) and a skew calibrated on random tokens.
+peaked attention that makes alpha meaningful), the paper's 20 % of the key columns (nor a share of columns
+worth calibrating) and a skew calibrated on random tokens.
 
 ``--tiny`` runs the same path on a tiny dummy model, tiny contexts and a few steps (on CPU when there is no
 GPU): the test suite runs it so the check cannot rot.
@@ -290,6 +291,7 @@ def run_context(args: argparse.Namespace) -> None:
     from .bench.summary import kv_token_bytes, summarise_runs
     from .driver import PrefillMemo
     from .models import load
+    from .policies.infinigen.policy import PAPER_PARTIAL_RATIO
 
     plan = Plan(**json.loads(args.plan))
     out, context = Path(args.out), args.context
@@ -298,7 +300,7 @@ def run_context(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     loaded = load(plan.model, device=device)
     log(f"context {context}: {plan.model} built on {device} in {time.perf_counter() - started:.1f} s")
-    knobs = (("budget", plan.budget), ("alpha", math.inf))
+    knobs = (("budget", plan.budget), ("alpha", math.inf), ("partial_ratio", PAPER_PARTIAL_RATIO))
     config = BenchConfig(
         policies=plan.policies,
         batches=plan.batches,
