@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -267,22 +268,30 @@ def test_a_model_entry_can_name_its_own_samples_and_other_counts_are_remeasured(
     assert planned["a", "retrieval"].samples == 8 and planned["b", "retrieval"].samples == 4
     assert planned["a", "ppl"].samples is None
     # The key leaves the sample count out; a cell recorded with 4 samples does not stand for 8.
-    four = {planned["a", "retrieval"].key: {"result": {"samples": 4, "knobs": {}}}}
+    four = {planned["a", "retrieval"].identity: {"result": {"samples": 4, "knobs": {}}}}
     assert not sweep.is_measured(planned["a", "retrieval"], four)
-    eight = {planned["a", "retrieval"].key: {"result": {"samples": 8, "knobs": {}}}}
+    eight = {planned["a", "retrieval"].identity: {"result": {"samples": 8, "knobs": {}}}}
     assert sweep.is_measured(planned["a", "retrieval"], eight)
     assert "8 for a, 4 for b" in report._retrieval_setup(config)
 
 
 def test_a_cell_measured_under_other_default_knobs_is_measured_again(tmp_path):
-    """The key names only the knobs the sweep sets; a cell measured when a default was different (here
-    InfiniGen's partial ratio before it was calibrated) does not stand for the policy as it is now."""
-    path = tmp_path / "sweep.toml"
-    path.write_text(
-        'models = [{name = "a", contexts = [300]}]\n[policies]\ninfinigen = { budget = [0.1] }\n'
-        '[retrieval]\ntasks = []\n[ppl]\ntexts = ["austen"]\n'
-    )
-    (cell,) = sweep.cells(sweep.read_config(path))
+    """A measurement stands for a planned cell when every knob the policy ran with matches, defaults
+    included: a cell measured when a default was different (here InfiniGen's partial ratio before it was
+    calibrated) is measured again, and a plan that names the old value finds it."""
+    cell = sweep.Cell("a", 300, "ppl", "austen", "infinigen", (("budget", 0.1),))
     now = sweep.make_config("infinigen", budget=0.1).knobs()
-    assert sweep.is_measured(cell, {cell.key: {"result": {"knobs": now}}})
-    assert not sweep.is_measured(cell, {cell.key: {"result": {"knobs": {**now, "partial_ratio": 0.2}}}})
+
+    def recorded(knobs):
+        record = {
+            "key": cell.key,
+            "cell": cell.__dict__ | {"knobs": dict(cell.knobs)},
+            "result": {"knobs": knobs},
+        }
+        (tmp_path / "cells.jsonl").write_text(json.dumps(record) + "\n", encoding="utf-8")
+        return sweep.finished(tmp_path)
+
+    assert sweep.is_measured(cell, recorded(now))
+    assert not sweep.is_measured(cell, recorded({**now, "partial_ratio": 0.2}))
+    pinned = dataclasses.replace(cell, knobs=(("budget", 0.1), ("partial_ratio", 0.2)))
+    assert sweep.is_measured(pinned, recorded({**now, "partial_ratio": 0.2}))

@@ -26,7 +26,7 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 def _selected(config: SweepConfig, done: dict[str, dict]) -> tuple[list[dict], list[Cell]]:
     planned = list(cells(config))
-    measured = [done[c.key] for c in planned if is_measured(c, done)]
+    measured = [done[c.identity] for c in planned if is_measured(c, done)]
     missing = [c for c in planned if not is_measured(c, done)]
     return measured, missing
 

@@ -77,7 +77,16 @@ class Cell:
 
     @property
     def key(self) -> str:
+        """The cell as planned: the knobs the sweep sets (recorded with each measurement)."""
         return json.dumps([self.model, self.context, self.kind, self.target, self.policy, list(self.knobs)])
+
+    @property
+    def identity(self) -> str:
+        """What the cell measures: every knob of the policy, defaults included. A measurement stands for a
+        planned cell when their identities match, so a changed default is measured again while a config
+        that names a knob at its old default value finds the old cells."""
+        knobs = make_config(self.policy, **dict(self.knobs)).knobs()
+        return _identity(self.model, self.context, self.kind, self.target, self.policy, knobs)
 
     @property
     def group(self) -> tuple[str, int, str, str]:
@@ -245,8 +254,26 @@ def _frozen(knobs: dict[str, Any], context: int) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(resolve_knobs(knobs, context).items()))
 
 
+def _identity(model: str, context: int, kind: str, target: str, policy: str, knobs: dict[str, Any]) -> str:
+    return json.dumps([model, context, kind, target, policy, sorted(knobs.items())])
+
+
+def record_identity(record: dict[str, Any]) -> str:
+    """:attr:`Cell.identity` of a recorded measurement: its cell with every knob the policy ran with."""
+    cell = record["cell"]
+    return _identity(
+        cell["model"],
+        cell["context"],
+        cell["kind"],
+        cell["target"],
+        cell["policy"],
+        record["result"]["knobs"],
+    )
+
+
 def finished(out: Path) -> dict[str, dict[str, Any]]:
-    """Cells already measured (by key), from ``cells.jsonl``; a torn last line is ignored."""
+    """Cells already measured (by :attr:`Cell.identity`; the latest of equal ones), from ``cells.jsonl``; a
+    torn last line is ignored."""
     path = out / "cells.jsonl"
     done = {}
     if path.exists():
@@ -255,21 +282,17 @@ def finished(out: Path) -> dict[str, dict[str, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            done[record["key"]] = record
+            done[record_identity(record)] = record
     return done
 
 
 def is_measured(cell: Cell, done: dict[str, dict[str, Any]]) -> bool:
-    """Whether ``done`` holds ``cell``, measured as planned. The key names only the knobs the sweep sets,
-    so two more things must match: every knob of the policy as measured (a changed default is measured
-    again, not reused) and a retrieval cell's sample count (raising the samples re-measures a grid)."""
-    record = done.get(cell.key)
-    if record is None:
-        return False
-    result = record["result"]
-    if result.get("knobs") != make_config(cell.policy, **dict(cell.knobs)).knobs():
-        return False
-    return cell.kind != "retrieval" or result["samples"] == cell.samples
+    """Whether ``done`` holds ``cell``, measured as planned: with every knob of the policy as now (see
+    :attr:`Cell.identity`) and, for retrieval, as many samples (raising the samples re-measures a grid).
+    Knobs resolved from a calibration (InfiniGen's alpha and partial ratio 0) are compared as given:
+    recalibrating under a new rule does not by itself re-measure their cells."""
+    record = done.get(cell.identity)
+    return record is not None and (cell.kind != "retrieval" or record["result"]["samples"] == cell.samples)
 
 
 def run_cell(
@@ -279,8 +302,8 @@ def run_cell(
     if cell.kind == "ppl":
         prefill = ppl_prefill(config, cell.context)
         ppl_config = ppl.PerplexityConfig(cell.target, cell.context, prefill, config.windows)
-        dense_key = Cell(cell.model, cell.context, "ppl", cell.target, "dense").key
-        reference = done.get(dense_key, {}).get("result")
+        dense = Cell(cell.model, cell.context, "ppl", cell.target, "dense").identity
+        reference = done.get(dense, {}).get("result")
         return ppl.perplexity(loaded, policy, ppl_config, reference=reference, progress=True, memo=memo)
     return retrieval.evaluate(
         loaded, policy, cell.target, cell.context, cell.samples, config.depths, config.seed, config.chat,
@@ -323,7 +346,7 @@ def run_sweep(
             record = {"key": cell.key, "cell": cell.__dict__ | {"knobs": dict(cell.knobs)}, "result": result}
             log.write(json.dumps(record) + "\n")
             log.flush()
-            done[cell.key] = record
+            done[cell.identity] = record
 
 
 def parse_shard(text: str) -> tuple[int, int]:
