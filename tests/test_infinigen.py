@@ -337,14 +337,14 @@ def test_each_layer_counts_with_its_own_calibrated_alpha(tiny, skews, monkeypatc
     layers); the count rule runs with that layer's alpha."""
     skew = skews[tiny.weights_id]
     layers = tiny.spec.num_layers
-    per_layer = [None, None, 0.5, 7.0] + [None] * (layers - 4)  # layer 4 on, if any: the one for all
+    per_layer = [None, None, 0.5] + [None] * (layers - 3)  # layer 3 on: none, so the alpha for all
     tuned = {**skew.tuned, "alpha_per_layer": per_layer, "alpha": 3.0}
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
     spy = _Spy(monkeypatch)
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=6, window=0)
-    expected = [None, None, 0.5, 7.0] + [3.0] * (layers - 4)
+    expected = [None, None, 0.5] + [3.0] * (layers - 3)
     assert stats["alpha_used"] == expected
-    assert spy.alphas == expected[2:] * (len(spy.alphas) // (layers - 2))
+    assert spy.alphas and spy.alphas == expected[2:] * (len(spy.alphas) // (layers - 2))
     for alpha, (scores, real_tokens, _, per_row, _) in zip(spy.alphas, spy.choices, strict=True):
         counts = (scores > scores.amax(-1, keepdim=True) - alpha).sum(-1).float().mean(-1).ceil().long()
         assert int(per_row[0]) == min(int(counts[0]), resolve_budget(0.2, real_tokens[0]))
@@ -355,6 +355,9 @@ def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, ske
     skew = skews[tiny.weights_id]
     spec = tiny.spec
     keys = torch.randn(1, spec.num_kv_heads, 5, spec.head_dim)
-    for knobs, ratio in ((dict(), skew.tuned["partial_ratio"]), (dict(partial_ratio=1.0), 1.0)):
+    calibrated_ratio = skew.tuned["partial_ratio"]
+    given = 0.25 if calibrated_ratio > 0.5 else 1.0  # a width the calibrated ratio does not give
+    assert math.ceil(given * spec.head_dim) != math.ceil(calibrated_ratio * spec.head_dim)
+    for knobs, ratio in ((dict(), calibrated_ratio), (dict(partial_ratio=given), given)):
         policy = InfiniGenPolicy(InfiniGenConfig(**knobs), spec, torch.device("cpu"), skew=skew)
         assert policy._partial_keys(2, keys).shape[-1] == math.ceil(ratio * spec.head_dim)

@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,7 +19,7 @@ import pytest
 import uvicorn
 
 from infinikv import GenerationConfig, Generator
-from infinikv.serve.app import ServerSettings, create_app
+from infinikv.serve.app import ServerSettings, create_app, kv_report
 from infinikv.testing import tiny_model
 
 CHAT_TEMPLATE = (
@@ -452,3 +453,22 @@ def test_cli_mistakes_are_one_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_kv_report_keeps_numbers_and_per_layer_lists():
+    """The kv field's stats: numbers and per-layer lists of numbers (InfiniGen's alpha per layer), not text,
+    flags or nested records; the policy's knobs apart."""
+    stats = {
+        "policy": "infinigen",
+        "budget": 0.2,
+        "alpha": 0.0,
+        "bytes_h2d": 10,
+        "alpha_used": [None, None, 4.0, 6.0],
+        "alpha_source": "calibrated: ...",
+        "pinned": True,
+        "selected_tokens_per_layer": [None, {"mean": 1.0, "max": 2}],
+        "prompt_tokens": 5,
+    }
+    report = kv_report(types.SimpleNamespace(stats=stats))
+    assert report["knobs"] == {"alpha": 0.0, "budget": 0.2}
+    assert report["stats"] == {"bytes_h2d": 10, "alpha_used": [None, None, 4.0, 6.0]}

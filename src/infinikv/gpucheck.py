@@ -17,8 +17,8 @@
    ``rows.jsonl``, appended after every policy run, so a run cut short still leaves its results.
 
 InfiniGen runs with ``alpha=inf`` (the budget alone sets how many rows move: random weights do not have the
-peaked attention that makes alpha meaningful), the paper's 20 % of the key columns (nor a share of columns
-worth calibrating) and a skew calibrated on random tokens.
+peaked attention that makes alpha meaningful), the paper's 20 % of the key columns (random weights give no
+share of columns worth calibrating either) and a skew calibrated on random tokens.
 
 ``--tiny`` runs the same path on a tiny dummy model, tiny contexts and a few steps (on CPU when there is no
 GPU): the test suite runs it so the check cannot rot.

@@ -111,7 +111,7 @@ def make_entries(
                 "policy",
                 lambda c=config: InfinikvCache(loaded.model, c, device=loaded.device),
                 prefetches=POLICIES[name].prefetches,
-                partial_ratio=config.rehearsal_columns(loaded.spec),
+                partial_ratio=config.rehearsal_share(loaded.spec),
                 prefill_policy=config,
             )
         )

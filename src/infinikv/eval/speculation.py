@@ -21,7 +21,7 @@ teacher-forced decode steps, with :class:`~infinikv.eval.runner.DecodeRun`):
   InfiniGen fetches; ``recent_mass`` / ``recent_kept``: the same for the last ``n_recent`` past tokens;
 * per threshold ``alpha`` of a grid: the mean attention kept and bytes fetched, had InfiniGen used that
   alpha (the count rule alone, without the reserved sinks and window) in the same steps (calibration
-  picks InfiniGen's alpha from the same curve, ``policies.infinigen.tuning``).
+  picks InfiniGen's alpha of each layer from the same curve, ``policies.infinigen.tuning``).
 
 Real scores use the layer's real query and every cached key, combined per KV group as InfiniGen and the
 oracle combine them (each head relative to its own best, max over the group). With ``attend="dense"`` each
@@ -260,6 +260,9 @@ def probe(
         "scored": config.scored,
         "attend": config.attend,
         "knobs": policy.knobs(),
+        # what the calibrated knobs (0 = calibrated) resolved to in this run
+        "partial_ratio_used": probe_policy.partial_ratio()[0],
+        "alpha_used": stats.get("alpha_used"),
         "ppl": math.exp(sum(nll) / len(nll)),
         "kv_fetched_fraction": stats["kv_fetched_fraction"],
         "layers": probe_policy.layer_report(),
@@ -268,13 +271,19 @@ def probe(
 
 
 # -- output --------------------------------------------------------------------------------------------------
+def _alphas(per_layer: list[float | None] | None) -> str:
+    return " ".join(f"{a:g}" for a in per_layer or [] if a is not None) or "none"
+
+
 def markdown(result: dict[str, Any]) -> str:
     knobs = ", ".join(f"{k}={v}" for k, v in result["knobs"].items())
     lines = [
         f"# InfiniGen speculation on {result['model']}",
         "",
         f"{result['text']}, {result['context']} tokens ({result['prefill']} prefilled, {result['scored']} "
-        f"scored through the decode path), layers attend to: {result['attend']}; knobs: {knobs}. "
+        f"scored through the decode path), layers attend to: {result['attend']}; knobs: {knobs} (partial "
+        f"ratio used {result['partial_ratio_used']:g}, alpha per managed layer "
+        f"{_alphas(result['alpha_used'])}). "
         f"Perplexity of this run {result['ppl']:.3f}, KV fetched {result['kv_fetched_fraction']:.3f}.",
         "",
         "| layer | fetched | recall@budget | spec mass@budget | oracle mass@budget | best mass@budget "

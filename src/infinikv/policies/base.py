@@ -104,7 +104,7 @@ class PolicyConfig:
         """Model-level work before a policy first runs on ``loaded`` (a LoadedModel), e.g. InfiniGen's
         calibration. The drivers call it; most policies need nothing."""
 
-    def rehearsal_columns(self, spec: Any) -> float:
+    def rehearsal_share(self, spec: Any) -> float:
         """Share of each cached key's columns the policy reads on the compute device per decode step to
         choose what to fetch (InfiniGen's partial keys; a ModelSpec may be needed to know it); 0: none."""
         return 0.0

@@ -186,12 +186,20 @@ def resolve_policy(extra: dict[str, Any], defaults: PolicyDefaults) -> tuple[str
         raise ApiError(str(exc), param=f"kv_{bad}" if bad else "kv_policy", code="kv_knob") from None
 
 
+def _is_figure(value: Any) -> bool:
+    """A number, or a per-layer list of numbers (None for layers it does not apply to)."""
+    if isinstance(value, list):
+        return any(v is not None for v in value) and all(v is None or _is_figure(v) for v in value)
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def kv_report(result: RequestResult) -> dict[str, Any]:
-    """The ``kv`` field: policy, knobs, and the numeric statistics of the batch the request ran in."""
+    """The ``kv`` field: policy, knobs, and the numeric statistics of the batch the request ran in (numbers
+    and per-layer lists of numbers, such as InfiniGen's ``alpha_used``)."""
     stats = dict(result.stats)
     name = stats.pop("policy")
     knobs = {f.name: stats.pop(f.name) for f in fields(POLICIES[name].config_class) if f.name in stats}
-    figures = {k: v for k, v in stats.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    figures = {k: v for k, v in stats.items() if _is_figure(v)}
     figures.pop("prompt_tokens", None)
     figures.pop("new_tokens", None)
     return {"policy": name, "knobs": knobs, "stats": figures}

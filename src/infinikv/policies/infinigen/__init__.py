@@ -4,7 +4,8 @@
 * ``slots.py``: what each slot of its host pool holds (position, fetch counts, partial key);
 * ``skewfile.py``: the calibration a policy reads (skewing matrices + column scores), its file format;
 * ``calibration.py``: how a model's calibration is computed, once per model, and cached;
-* ``tuning.py``: the threshold ``alpha`` calibrated in the same pass (the attention its count rule keeps).
+* ``tuning.py``: the knobs calibrated in the same pass: the share of key columns (``partial_ratio``: how
+  much of the real top-k the speculated top-k holds) and ``alpha`` per layer (the attention its count keeps).
 """
 
 from .calibration import calibrate, ensure_skew

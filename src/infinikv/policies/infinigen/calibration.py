@@ -85,8 +85,8 @@ class _Capture:
         self.scores = torch.zeros(*shape, d)
         self.identity_scores = torch.zeros(*shape, d)
         self.bar = bar
-        # for the alpha calibration, per layer: real queries of the last positions, keys, and the queries
-        # rehearsed from the previous layer's input
+        # for the calibrated knobs (``tune``), per layer: real queries of the last positions, keys, and the
+        # queries rehearsed from the previous layer's input
         self.tuning_inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self._previous: Tensor | None = None
 

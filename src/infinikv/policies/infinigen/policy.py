@@ -86,7 +86,8 @@ class InfiniGenConfig(PolicyConfig):
         0.0,
         "threshold in logit units: tokens within alpha of a head's best speculative score are counted "
         "(inf = all, then the budget alone decides); 0 = the model's calibrated alpha per layer (infinikv "
-        "calibrate); the paper's constant for Llama-family models is 5",
+        "calibrate; calibrated at the calibrated partial_ratio); the paper's constant for Llama-family "
+        "models is 5",
         low=0,
         allow_inf=True,
     )
@@ -124,7 +125,7 @@ class InfiniGenConfig(PolicyConfig):
 
         ensure_skew(loaded)
 
-    def rehearsal_columns(self, spec: ModelSpec) -> float:
+    def rehearsal_share(self, spec: ModelSpec) -> float:
         return self.resolve("partial_ratio", skewfile.cached_skew(spec))[0]
 
     def resolve(self, name: str, skew: Skew | None, layer: int | None = None) -> tuple[float, str]:

@@ -5,7 +5,8 @@ A :class:`Skew` is what calibration (``calibration.py``) produces and the policy
 id in their metadata: loading one made for other weights is an error. The file stores the per-column scores
 rather than the columns, so any ``partial_ratio`` can use one file; it also stores the scores of the
 unskewed basis (identity) for the ``skew=False`` ablation, and, in its metadata ("tuned", JSON), the knobs
-calibrated for the model (``tuning.py``: the threshold ``alpha``, the rule that chose it and its curve).
+calibrated for the model (``calibration.tune``: the share of key columns and the threshold ``alpha`` per layer
+and for all layers, each with the rule that chose it and its curve).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Skew:
     scores: Tensor  # [layers, kv_heads, d]: Σ|Q̃| + Σ|K̃| per skewed column
     identity_scores: Tensor  # [layers, kv_heads, d]: Σ|Q| + Σ|K| per original column (skew=False)
     tuned: dict[str, Any] | None = (
-        None  # calibrated knobs ("alpha"), their "rule" and "curve"; None: older file
+        None  # calibrated knobs, their rules and curves (``calibration.tune``); None: older file
     )
 
     def columns(self, layer: int, ratio: float, skewed: bool = True) -> Tensor:

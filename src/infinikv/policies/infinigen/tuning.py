@@ -36,7 +36,7 @@ from ..base import group_relative_max, resolve_budget
 
 Tensor = torch.Tensor
 ALPHAS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0)
-TARGET = 0.9  # share of the dense attention the calibrated alpha keeps, per managed layer
+TARGET = 0.9  # share of the dense attention a calibrated alpha keeps (per layer, or averaged over layers)
 POSITIONS = 256  # query positions (the last ones of the calibration text) that play decode steps
 SLACK = 0.001  # when the budget cap keeps less than the target: alphas this close to the cap's share tie
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
