@@ -361,3 +361,15 @@ def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, ske
     for knobs, ratio in ((dict(), calibrated_ratio), (dict(partial_ratio=given), given)):
         policy = InfiniGenPolicy(InfiniGenConfig(**knobs), spec, torch.device("cpu"), skew=skew)
         assert policy._partial_keys(2, keys).shape[-1] == math.ceil(ratio * spec.head_dim)
+
+
+def test_rehearsal_share_counts_the_partial_keys_of_managed_layers_only(tiny, tiny_gemma, calibrated):
+    """What the bench's link model reads on the device per step for the rehearsal: ⌈ratio·d⌉ of d columns
+    on the managed layers (not the dense ones, not Gemma-3's sliding layers), as a share of all the keys."""
+    for loaded in (tiny, tiny_gemma):
+        spec = loaded.spec
+        config = InfiniGenConfig(partial_ratio=0.3, dense_layers=1)
+        managed = [layer for layer in range(spec.num_layers) if layer >= 1 and not spec.is_sliding(layer)]
+        columns = math.ceil(0.3 * spec.head_dim) / spec.head_dim
+        assert config.rehearsal_share(spec) == pytest.approx(columns * len(managed) / spec.num_layers)
+    assert InfiniGenConfig(partial_ratio=0.3).rehearsal_share(tiny_gemma.spec) < 0.3 / 2

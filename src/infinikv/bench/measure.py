@@ -85,7 +85,7 @@ class BenchEntry:
     kind: str  # "policy" or "peer"
     make_cache: Callable[[], Cache]
     prefetches: bool  # starts the copy of layer i+1 during layer i (``Policy.prefetches``)
-    partial_ratio: float = 0.0  # share of key columns the rehearsal reads (InfiniGen)
+    rehearsal_share: float = 0.0  # share of the cached keys the rehearsal reads per step (InfiniGen)
     # The policy whose prefill this entry's shared prefill replays (its own, or dense for the peers).
     prefill_policy: PolicyConfig | None = None
 
@@ -111,7 +111,7 @@ def make_entries(
                 "policy",
                 lambda c=config: InfinikvCache(loaded.model, c, device=loaded.device),
                 prefetches=POLICIES[name].prefetches,
-                partial_ratio=config.rehearsal_share(loaded.spec),
+                rehearsal_share=config.rehearsal_share(loaded.spec),
                 prefill_policy=config,
             )
         )

@@ -105,8 +105,9 @@ class PolicyConfig:
         calibration. The drivers call it; most policies need nothing."""
 
     def rehearsal_share(self, spec: Any) -> float:
-        """Share of each cached key's columns the policy reads on the compute device per decode step to
-        choose what to fetch (InfiniGen's partial keys; a ModelSpec may be needed to know it); 0: none."""
+        """Share of the cached keys (all layers, all columns) the policy reads on the compute device per
+        decode step to choose what to fetch (InfiniGen's partial keys on its managed layers; ``spec``: the
+        ModelSpec); 0: none."""
         return 0.0
 
 

@@ -126,7 +126,11 @@ class InfiniGenConfig(PolicyConfig):
         ensure_skew(loaded)
 
     def rehearsal_share(self, spec: ModelSpec) -> float:
-        return self.resolve("partial_ratio", skewfile.cached_skew(spec))[0]
+        # the partial keys of the managed layers: ⌈ratio·d⌉ of d columns each
+        ratio = self.resolve("partial_ratio", skewfile.cached_skew(spec))[0]
+        columns = max(1, math.ceil(ratio * spec.head_dim)) / spec.head_dim
+        managed = [i >= self.dense_layers and not spec.is_sliding(i) for i in range(spec.num_layers)]
+        return columns * sum(managed) / spec.num_layers
 
     def resolve(self, name: str, skew: Skew | None, layer: int | None = None) -> tuple[float, str]:
         """The value of the calibrated knob ``name`` ("alpha" or "partial_ratio") with ``skew``, and where it
