@@ -84,6 +84,35 @@ def coverage_by_alpha(
     return torch.stack(shares, dim=-1), torch.stack(counts, dim=-1)
 
 
+def _decode_steps(k: Tensor, positions: int) -> tuple[Tensor, Tensor]:
+    """The last ``positions`` query positions of a prompt whose keys are ``k`` [kv_heads, n, d], each playing
+    a decode step: their positions t [P] and which slots are in each step's past [P, n]."""
+    n = k.shape[1]
+    t = torch.arange(n - positions, n, device=k.device)
+    return t, torch.arange(n, device=k.device)[None, :] < t[:, None]
+
+
+def _group_scores(queries: Tensor, keys: Tensor, scaling: float, past: Tensor) -> Tensor:
+    """[P, kv_heads, n]: logits of ``queries`` [heads, P, c] against ``keys`` [kv_heads, n, c], each query
+    head relative to its own best, then the max over the heads of a KV group (InfiniGen's combination);
+    -inf outside each step's ``past``."""
+    kv_heads, n = keys.shape[0], keys.shape[1]
+    heads, positions = queries.shape[0], queries.shape[1]
+    grouped = queries.reshape(kv_heads, heads // kv_heads, positions, -1) * scaling
+    logits = torch.matmul(grouped, keys[:, None].transpose(-1, -2)).masked_fill(~past, -math.inf)
+    return group_relative_max(logits.permute(2, 0, 1, 3).reshape(positions, heads, n), heads // kv_heads)
+
+
+def _speculated(q_speculative: Tensor, k: Tensor, projection: Tensor, scaling: float, past: Tensor) -> Tensor:
+    """:func:`_group_scores` of the rehearsed queries against the keys, both in the partial skewed columns
+    ``projection`` [kv_heads, d, c]."""
+    kv_heads, heads = k.shape[0], q_speculative.shape[0]
+    proj = projection.float()
+    grouped = q_speculative.float().reshape(kv_heads, heads // kv_heads, q_speculative.shape[1], -1)
+    partial_q = torch.matmul(grouped, proj[:, None]).reshape(heads, q_speculative.shape[1], -1)
+    return _group_scores(partial_q, torch.matmul(k.float(), proj), scaling, past)
+
+
 def prompt_coverage(
     q: Tensor,
     k: Tensor,
@@ -102,18 +131,13 @@ def prompt_coverage(
     ``projection`` [kv_heads, d, c]: its partial skewed columns."""
     kv_heads, n = k.shape[0], k.shape[1]
     group, positions = q.shape[0] // kv_heads, q.shape[1]
-    t = torch.arange(n - positions, n, device=k.device)  # the query positions
+    t, past = _decode_steps(k, positions)
     slot = torch.arange(n, device=k.device)
-    past = slot[None, :] < t[:, None]  # [P, n]
     keys = k.float()[:, None]  # [kv, 1, n, d]
     logits = torch.matmul(q.float().reshape(kv_heads, group, positions, -1), keys.transpose(-1, -2)) * scaling
     mass = torch.softmax(logits.masked_fill(slot[None, :] > t[:, None], -math.inf), dim=-1).mean(dim=1)
     new_mass = mass.gather(-1, t[None, :, None].expand(kv_heads, -1, 1))[..., 0]  # [kv, P]
-    proj = projection.float()
-    partial_q = torch.matmul(q_speculative.float().reshape(kv_heads, group, positions, -1), proj[:, None])
-    partial_k = torch.matmul(k.float(), proj)[:, None]  # [kv, 1, n, c]
-    scores = torch.matmul(partial_q * scaling, partial_k.transpose(-1, -2)).masked_fill(~past, -math.inf)
-    speculated = group_relative_max(scores.permute(2, 0, 1, 3).reshape(positions, kv_heads * group, n), group)
+    speculated = _speculated(q_speculative, k, projection, scaling, past)
     budgets = torch.tensor([resolve_budget(budget, int(p)) for p in t.tolist()], device=k.device)
     kept, counts = coverage_by_alpha(
         speculated, (mass * past).transpose(0, 1), new_mass.transpose(0, 1), budgets, alphas
@@ -135,35 +159,21 @@ def prompt_recall(
     scores are combined over a group's query heads the same way (each relative to its own best, max).
 
     Shapes as in :func:`prompt_coverage`; ``projections``: [kv_heads, d, c] each."""
-    kv_heads, n = k.shape[0], k.shape[1]
-    group, positions = q.shape[0] // kv_heads, q.shape[1]
-    t = torch.arange(n - positions, n, device=k.device)
-    past = torch.arange(n, device=k.device)[None, :] < t[:, None]  # [P, n]
-
-    def combined(queries: Tensor, keys: Tensor) -> Tensor:  # [P, kv_heads, n], -inf outside the past
-        logits = torch.matmul(queries.reshape(kv_heads, group, positions, -1), keys.transpose(-1, -2))
-        logits = (logits * scaling).masked_fill(~past, -math.inf)
-        return group_relative_max(logits.permute(2, 0, 1, 3).reshape(positions, kv_heads * group, n), group)
-
-    real = combined(q.float(), k.float()[:, None])
-    counts = [resolve_budget(budget, int(p)) for p in t.tolist()]
-    width = max(counts)
-    within = torch.arange(width, device=k.device)[None, :] < torch.tensor(counts, device=k.device)[:, None]
+    t, past = _decode_steps(k, q.shape[1])
+    counts = torch.tensor([resolve_budget(budget, int(p)) for p in t.tolist()], device=k.device)
+    width = int(counts.max())
+    within = torch.arange(width, device=k.device)[None, :] < counts[:, None]
 
     def chosen(scores: Tensor) -> Tensor:  # bool [P, kv_heads, n]: each step's top-k
         index = scores.topk(width, dim=-1).indices
         mask = torch.zeros_like(scores, dtype=torch.bool)
         return mask.scatter_(-1, index, within[:, None, :].expand_as(index))
 
-    truth = chosen(real)
+    truth = chosen(_group_scores(q.float(), k.float(), scaling, past))
     recalls = []
     for projection in projections:
-        proj = projection.float()
-        partial_k = torch.matmul(k.float(), proj)[:, None]
-        partial_q = torch.matmul(q_speculative.float().reshape(kv_heads, group, positions, -1), proj[:, None])
-        speculated = combined(partial_q, partial_k)
-        hits = (chosen(speculated) & truth).sum(-1).float()
-        recalls.append(float((hits / torch.tensor(counts, device=k.device)[:, None]).mean()))
+        hits = (chosen(_speculated(q_speculative, k, projection, scaling, past)) & truth).sum(-1).float()
+        recalls.append(float((hits / counts[:, None]).mean()))
     return recalls
 
 
