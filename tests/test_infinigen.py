@@ -320,16 +320,62 @@ def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrat
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4)
     assert stats["alpha"] == 0 and stats["partial_ratio"] == 0  # the knobs: 0 = calibrated
     assert stats["alpha_used"] == tuned["alpha_per_layer"] and stats["alpha_source"].startswith("calibrated")
-    assert stats["partial_ratio_used"] == tuned["partial_ratio"]
-    assert stats["partial_ratio_source"].startswith("calibrated")
+    assert tuned["ratio_by_length"][0] == {  # the calibration text's window first
+        "tokens": 256,
+        "partial_ratio": tuned["partial_ratio"],
+        "curve": [entry["recall"] for entry in tuned["ratio_curve"]],
+    }
+    assert stats["partial_ratio_used"] == [tuned["partial_ratio"]]  # a prompt shorter than 256 tokens
+    assert stats["partial_ratio_source"].startswith("calibrated at 256 tokens")
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4, alpha=5.0, partial_ratio=0.5)
     assert stats["alpha_used"] == [None, None] + [5.0] * (tiny.spec.num_layers - 2)
     assert stats["alpha_source"] == "given"
-    assert stats["partial_ratio_used"] == 0.5 and stats["partial_ratio_source"] == "given"
+    assert stats["partial_ratio_used"] == [0.5] and stats["partial_ratio_source"] == "given"
     older = dataclasses.replace(skews[tiny.weights_id], tuned=None)  # a file from before calibrated knobs
     policy = InfiniGenPolicy(InfiniGenConfig(), tiny.spec, torch.device("cpu"), skew=older)
     assert policy.alpha(2) == (5.0, "paper (this calibration has none)")
-    assert policy.partial_ratio() == (0.2, "paper (this calibration has none)")
+    assert policy.config.resolve("partial_ratio", older, tokens=100) == (
+        0.2,
+        "paper (this calibration has none)",
+    )
+
+
+def test_calibration_repeats_the_ratio_rule_at_longer_windows(tiny):
+    """A text long enough for a longer window (``tuning.LENGTHS`` within the model's context) gets a ratio
+    of its own there, from the same rule; a prompt takes the shortest window at least as long as itself."""
+    skew = calibration.calibrate(tiny, text=TEXT * 6, tokens=256, save=False)  # ~5.8k byte tokens
+    by_length = skew.tuned["ratio_by_length"]
+    assert [entry["tokens"] for entry in by_length] == [256, 4096]  # 8192 is past the tiny model's context
+    for entry in by_length:
+        assert entry["partial_ratio"] == calibration.tuning.pick_ratio(entry["curve"])
+    config = InfiniGenConfig()
+    assert config.resolve("partial_ratio", skew, tokens=300)[0] == by_length[1]["partial_ratio"]
+    assert config.resolve("partial_ratio", skew, tokens=9000)[0] == by_length[1]["partial_ratio"]
+    assert config.resolve("partial_ratio", skew, tokens=256)[0] == by_length[0]["partial_ratio"]
+    assert config.widest_ratio(skew) == max(entry["partial_ratio"] for entry in by_length)
+
+
+def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeypatch):
+    """With ratios per length, a short and a long prompt batched together each get their own columns and
+    generate what they generate alone; the store keeps the widest columns the batch needs."""
+    short, long = "A short one.", PROMPTS[0]
+    length = len(tiny.tokenizer(short)["input_ids"])
+    ratios = [{"tokens": length, "partial_ratio": 0.25}, {"tokens": 4096, "partial_ratio": 0.75}]
+    tuned = {**skews[tiny.weights_id].tuned, "ratio_by_length": ratios}
+    skew = dataclasses.replace(skews[tiny.weights_id], tuned=tuned)
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
+    spy = _Spy(monkeypatch)
+    d = tiny.spec.head_dim
+    alone = []
+    for prompt, ratio in ((short, 0.25), (long, 0.75)):
+        tokens, stats = _tokens(tiny, "infinigen", prompts=[prompt], new=8, budget=0.5, window=0)
+        alone += tokens
+        assert stats["partial_ratio_used"] == [ratio]
+        assert spy.policies[-1]._slots[2].partial.shape[2] == math.ceil(ratio * d)
+    tokens, stats = _tokens(tiny, "infinigen", prompts=[short, long], new=8, budget=0.5, window=0)
+    assert tokens == alone
+    assert stats["partial_ratio_used"] == [0.25, 0.75]
+    assert spy.policies[-1]._slots[2].partial.shape[2] == math.ceil(0.75 * d)
 
 
 def test_each_layer_counts_with_its_own_calibrated_alpha(tiny, skews, monkeypatch):

@@ -169,6 +169,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "partial_ratio": skew.tuned["partial_ratio"],
         "partial_ratio_rule": skew.tuned["ratio_rule"],
         "partial_ratio_curve": skew.tuned["ratio_curve"],
+        # per prompt length: the ratio the same rule picks at the end of a window of that many tokens
+        "partial_ratio_by_length": skew.tuned["ratio_by_length"],
         "alpha_per_layer": skew.tuned["alpha_per_layer"],
         "alpha_per_layer_rule": skew.tuned["layer_rule"],
         "alpha": skew.tuned["alpha"],  # for layers without their own (dense_layers below the default)
@@ -185,12 +187,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print(
             f"{report['tokens']} tokens of {report['source']}; calibrated partial ratio {ratio:g} "
             f"({report['partial_ratio_rule']}): those columns hold {report['partial_share_skewed']:.1%} of "
-            f"Σ|Q|+Σ|K| skewed vs {report['partial_share_identity']:.1%} unskewed; calibrated alpha per "
+            f"Σ|Q|+Σ|K| skewed vs {report['partial_share_identity']:.1%} unskewed; by prompt length "
+            f"{_by_length(report['partial_ratio_by_length'])}; calibrated alpha per "
             f"layer {_spread(report['alpha_per_layer'])} ({report['alpha_per_layer_rule']}), for other "
             f"layers {report['alpha']:g} ({report['alpha_rule']})",
             file=sys.stderr,
         )
     return 0
+
+
+def _by_length(entries: list[dict[str, Any]]) -> str:
+    """'≤2048: 0.3, ≤4096: 0.4, longer: 0.75' for a calibration's ratio per prompt length."""
+    parts = [f"≤{e['tokens']}: {e['partial_ratio']:g}" for e in entries]
+    return ", ".join(parts + [f"longer: {entries[-1]['partial_ratio']:g}"]) if entries else "none"
 
 
 def _spread(values: list[float | None]) -> str:

@@ -261,7 +261,7 @@ def probe(
         "attend": config.attend,
         "knobs": policy.knobs(),
         # what the calibrated knobs (0 = calibrated) resolved to in this run
-        "partial_ratio_used": probe_policy.partial_ratio()[0],
+        "partial_ratio_used": probe_policy.partial_ratios()[0][0],
         "alpha_used": stats.get("alpha_used"),
         "ppl": math.exp(sum(nll) / len(nll)),
         "kv_fetched_fraction": stats["kv_fetched_fraction"],

@@ -24,7 +24,10 @@ the last ``tuning.POSITIONS`` positions of the text play decode steps, layer i r
 captured input; the smallest ratio whose speculated top-k holds ``tuning.RATIO_TARGET`` of what full-width
 speculation holds (averaged over the layers InfiniGen manages at its default knobs), then, per managed
 layer, the smallest alpha whose count rule keeps ``tuning.TARGET`` of that layer's dense attention, are
-stored with the skew.
+stored with the skew. A second pass over a longer prefix of the same text (up to ``tuning.LENGTHS``, within
+the model's context) calibrates the ratio again at the end of each longer window: the narrow rehearsal that
+serves 2k tokens loses needles among 8k (``ratio_by_length``; the policy picks each sequence's ratio by its
+prompt length). The skewing matrices and the alphas come from the first pass alone.
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 DEFAULT_CORPUS = "austen"
 DEFAULT_TOKENS = 2048
-TUNED_KNOBS = ("alpha", "alpha_per_layer", "partial_ratio")  # stored with the skew (``tune``)
+# stored with the skew (``tune``)
+TUNED_KNOBS = ("alpha", "alpha_per_layer", "partial_ratio", "ratio_by_length")
 
 
 def ensure_skew(loaded: LoadedModel) -> Skew:
@@ -77,17 +81,20 @@ def _complete(skew: Skew) -> bool:
 class _Capture:
     """Turns each layer's post-RoPE queries and keys into its skewing matrices and column scores."""
 
-    def __init__(self, spec: ModelSpec, bar: tqdm):
+    def __init__(self, spec: ModelSpec, bar: tqdm, ends: tuple[int, ...], fit: bool = True):
+        """``ends``: the window ends (in tokens) whose last positions play decode steps for ``tune``;
+        ``fit``: whether to compute the skewing matrices (the longer pass only needs the windows)."""
         self.spec = spec
+        self.ends, self.fit = ends, fit
         d = spec.head_dim
         shape = (spec.num_layers, spec.num_kv_heads)
         self.matrices = torch.zeros(*shape, d, d)
         self.scores = torch.zeros(*shape, d)
         self.identity_scores = torch.zeros(*shape, d)
         self.bar = bar
-        # for the calibrated knobs (``tune``), per layer: real queries of the last positions, keys, and the
-        # queries rehearsed from the previous layer's input
-        self.tuning_inputs: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        # for the calibrated knobs (``tune``), per window end and layer: real queries of the window's last
+        # positions, the keys up to its end, and the queries rehearsed from the previous layer's input
+        self.tuning_inputs: dict[int, dict[int, tuple[Tensor, Tensor, Tensor]]] = {end: {} for end in ends}
         self._previous: Tensor | None = None
 
     def hook(self, layer: int):
@@ -97,11 +104,15 @@ class _Capture:
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             positions = torch.arange(x.shape[1], device=x.device)[None]
             q, k = self.spec.query(layer, x, positions), self.spec.key(layer, x, positions)
-            self.add(layer, q, k)
+            if self.fit:
+                self.add(layer, q, k)
+            else:
+                self.bar.update(1)
             previous = x if self._previous is None else self._previous
-            last = min(tuning.POSITIONS, x.shape[1] - 1)
-            rehearsed = self.spec.query(layer, previous[:, -last:], positions[:, -last:])
-            self.tuning_inputs[layer] = (q[0, :, -last:].cpu(), k[0].cpu(), rehearsed[0].cpu())
+            for end in self.ends:
+                window = slice(end - min(tuning.POSITIONS, end - 1), end)
+                rehearsed = self.spec.query(layer, previous[:, window], positions[:, window])[0]
+                self.tuning_inputs[end][layer] = (q[0, :, window].cpu(), k[0, :, :end].cpu(), rehearsed.cpu())
             self._previous = x
 
         return capture
@@ -147,17 +158,15 @@ def calibrate(
     the austen corpus); write them to the skew cache unless ``save`` is False."""
     ids, source = calibration_ids(loaded, text, tokens)
     spec = loaded.spec
-    with tqdm(total=spec.num_layers, desc="calibrate", unit="layer", leave=False) as bar:
-        capture = _Capture(spec, bar)
-        hooks = [
-            attention.register_forward_pre_hook(capture.hook(layer), with_kwargs=True)
-            for layer, attention in enumerate(spec.attention)
-        ]
-        try:
-            loaded.model(input_ids=ids.to(loaded.device), use_cache=False, logits_to_keep=1)
-        finally:
-            for hook in hooks:
-                hook.remove()
+    n = int(ids.shape[1])
+    capture = _captured(loaded, ids, (n,), fit=True)
+    longer = tuple(end for end in tuning.LENGTHS if n < end <= loaded.max_context)
+    windows = {n: capture.tuning_inputs[n]}
+    if longer:
+        long_ids = calibration_ids(loaded, text, max(longer))[0]
+        ends = tuple(end for end in longer if end <= long_ids.shape[1])  # a short text stops early
+        if ends:
+            windows.update(_captured(loaded, long_ids[:, : max(ends)], ends, fit=False).tuning_inputs)
     skew = Skew(
         weights_id=loaded.weights_id,
         model=loaded.name,
@@ -167,19 +176,40 @@ def calibrate(
         scores=capture.scores,
         identity_scores=capture.identity_scores,
     )
-    skew = replace(skew, tuned=tune(spec, skew, capture.tuning_inputs))
+    skew = replace(skew, tuned=tune(spec, skew, windows))
     if save:
         skew.save(skew_path(loaded.weights_id, source, skew.tokens))
     return skew
 
 
-def tune(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tensor, Tensor]]) -> dict:
-    """InfiniGen's calibrated knobs at its default budget and dense layers: first the partial ratio
-    (``tuning.RATIO_RULE``), then at that ratio the threshold of each managed layer (``tuning.LAYER_RULE``)
-    and one for every layer (``tuning.RULE``, used on layers not calibrated); each with its rule."""
+def _captured(loaded: LoadedModel, ids: Tensor, ends: tuple[int, ...], fit: bool) -> _Capture:
+    """One dense pass over ``ids`` [1, n] with every attention module's input captured (``_Capture``)."""
+    spec = loaded.spec
+    with tqdm(total=spec.num_layers, desc="calibrate", unit="layer", leave=False) as bar:
+        capture = _Capture(spec, bar, ends, fit)
+        hooks = [
+            attention.register_forward_pre_hook(capture.hook(layer), with_kwargs=True)
+            for layer, attention in enumerate(spec.attention)
+        ]
+        try:
+            loaded.model(input_ids=ids.to(loaded.device), use_cache=False, logits_to_keep=1)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    return capture
+
+
+def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor, Tensor, Tensor]]]) -> dict:
+    """InfiniGen's calibrated knobs at its default budget and dense layers, from ``windows`` (per window end,
+    the shortest first: per layer, its tuning inputs): first the partial ratio (``tuning.RATIO_RULE``), then
+    at that ratio the threshold of each managed layer (``tuning.LAYER_RULE``) and one for every layer
+    (``tuning.RULE``, used on layers not calibrated), both on the shortest window; then the ratio again at
+    the end of each longer window (``ratio_by_length``); each with its rule."""
     from .policy import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
 
     defaults = InfiniGenConfig()
+    shortest = min(windows)
+    inputs = windows[shortest]
     managed = [
         layer
         for layer in range(spec.num_layers)
@@ -187,7 +217,7 @@ def tune(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tensor, Te
     ]
     if not managed:  # nothing to rehearse at the defaults: the paper's constants
         rule = "paper (no managed layer to calibrate on)"
-        paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO}
+        paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO, "ratio_by_length": []}
         per_layer = {"alpha_per_layer": [None] * spec.num_layers, "layer_rule": rule}
         return {**paper, **per_layer, "rule": rule, "curve": [], "ratio_rule": rule, "ratio_curve": []}
     settings = {
@@ -195,21 +225,21 @@ def tune(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tensor, Te
         "budget": defaults.budget,
         "positions": inputs[managed[0]][0].shape[1],
     }
-    recalls = (
-        torch.tensor(
-            [
-                tuning.prompt_recall(
-                    *inputs[layer],
-                    [skew.projection(layer, ratio, defaults.skew) for ratio in tuning.RATIOS],
-                    spec.scaling(layer),
-                    defaults.budget,
-                )
-                for layer in managed
-            ]
-        )
-        .mean(0)
-        .tolist()
-    )
+
+    def recalls_at(end: int) -> list[float]:  # per ratio of tuning.RATIOS, the mean over managed layers
+        per_layer = [
+            tuning.prompt_recall(
+                *windows[end][layer],
+                [skew.projection(layer, ratio, defaults.skew) for ratio in tuning.RATIOS],
+                spec.scaling(layer),
+                defaults.budget,
+            )
+            for layer in managed
+        ]
+        return torch.tensor(per_layer).mean(0).tolist()
+
+    by_length = {end: recalls_at(end) for end in sorted(windows)}
+    recalls = by_length[shortest]
     ratio = tuning.pick_ratio(recalls)
     kept, fetched = [], []
     for layer in managed:
@@ -238,6 +268,16 @@ def tune(spec: ModelSpec, skew: Skew, inputs: dict[int, tuple[Tensor, Tensor, Te
         ),
         "ratio_curve": [
             {"partial_ratio": r, "recall": round(m, 4)} for r, m in zip(tuning.RATIOS, recalls, strict=True)
+        ],
+        # the ratio the same rule picks at the end of each window; a prompt takes the shortest window at
+        # least as long as itself (longer prompts: the longest)
+        "ratio_by_length": [
+            {
+                "tokens": end,
+                "partial_ratio": tuning.pick_ratio(curve),
+                "curve": [round(m, 4) for m in curve],
+            }
+            for end, curve in by_length.items()
         ],
     }
 

@@ -21,6 +21,15 @@ speculation holds, then, per layer, the smallest alpha whose count rule keeps 90
 attention, both on the calibration text); the paper's constants are ``--alpha 5`` (Llama family, every
 layer) and ``--partial-ratio 0.2``. ``stats()`` reports the values used and where they came from.
 
+The calibrated ratio depends on the context: a longer past holds more tokens that a narrow rehearsal
+mistakes for the real top-k (SmolLM2-135M: 0.3 serves 2k tokens, 8k needs 0.75). Calibration stores the
+ratio for windows of 2k, 4k and 8k tokens, and each sequence takes the one for its prompt length, fixed at
+its first decode step (the shortest calibrated window at least as long, else the longest). The prompt's
+partial keys are computed with the widest calibrated columns (the prompt length is not known while its
+chunks arrive), then cut to the widest the batch needs when decoding starts. Column sets are nested, so a
+sequence of the batch that needs fewer columns reads its own from that store, and its scores are those it
+would get alone.
+
 Layers below ``dense_layers`` load their full KV (nothing rehearses layer 0). Sliding-window layers
 (Gemma-3) attend to their window, fetched from the pool; the policy rehearses the global layers, each in
 the hook of the layer before it whatever that layer's type.
@@ -126,16 +135,21 @@ class InfiniGenConfig(PolicyConfig):
         ensure_skew(loaded)
 
     def rehearsal_share(self, spec: ModelSpec) -> float:
-        # the partial keys of the managed layers: ⌈ratio·d⌉ of d columns each
+        # the partial keys of the managed layers: ⌈ratio·d⌉ of d columns each (the calibration text's ratio;
+        # longer prompts may take more, see ``ratio_by_length``)
         ratio = self.resolve("partial_ratio", skewfile.cached_skew(spec))[0]
         columns = max(1, math.ceil(ratio * spec.head_dim)) / spec.head_dim
         managed = [i >= self.dense_layers and not spec.is_sliding(i) for i in range(spec.num_layers)]
         return columns * sum(managed) / spec.num_layers
 
-    def resolve(self, name: str, skew: Skew | None, layer: int | None = None) -> tuple[float, str]:
+    def resolve(
+        self, name: str, skew: Skew | None, layer: int | None = None, tokens: int | None = None
+    ) -> tuple[float, str]:
         """The value of the calibrated knob ``name`` ("alpha" or "partial_ratio") with ``skew``, and where it
         came from: this config's when set, else the model's calibrated one (alpha: ``layer``'s own when it
-        was calibrated, else the one for all layers), else (a calibration without it) the paper's."""
+        was calibrated, else the one for all layers; partial_ratio: the one for a prompt of ``tokens``
+        when given and calibrated per length, else the calibration text's), else (a calibration without
+        it) the paper's."""
         given = getattr(self, name)
         if given:
             return float(given), "given"
@@ -144,11 +158,24 @@ class InfiniGenConfig(PolicyConfig):
             paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO}[name]
             return paper, "paper (this calibration has none)"
         if name == "partial_ratio":
+            by_length = tuned.get("ratio_by_length") or []
+            if tokens is not None and by_length:
+                entry = next((e for e in by_length if e["tokens"] >= tokens), by_length[-1])
+                rule = f"calibrated at {entry['tokens']} tokens: {tuned['ratio_rule']}"
+                return float(entry["partial_ratio"]), rule
             return float(tuned[name]), f"calibrated: {tuned['ratio_rule']}"
         per_layer = tuned.get("alpha_per_layer") or []
         if layer is not None and layer < len(per_layer) and per_layer[layer] is not None:
             return float(per_layer[layer]), f"calibrated: {tuned['layer_rule']}"
         return float(tuned[name]), f"calibrated: {tuned['rule']}"
+
+    def widest_ratio(self, skew: Skew | None) -> float:
+        """The widest partial ratio any prompt length resolves to: the prompt's partial keys are computed
+        with it before its length is known."""
+        ratio = self.resolve("partial_ratio", skew)[0]
+        tuned = skew.tuned if skew is not None and not self.partial_ratio else None
+        by_length = (tuned or {}).get("ratio_by_length") or []
+        return max([ratio] + [float(entry["partial_ratio"]) for entry in by_length])
 
 
 class InfiniGenPolicy(HostPoolPolicy):
@@ -167,10 +194,16 @@ class InfiniGenPolicy(HostPoolPolicy):
             skew.check(spec)
         self._skew = skew
         self._alpha: dict[int, tuple[float, str]] = {}  # per layer: (alpha in use, where it came from)
-        self._ratio: tuple[float, str] | None = None  # (partial ratio in use, where it came from)
+        # per sequence: (partial ratio in use, where it came from), fixed at the first decode step
+        self._ratios: list[tuple[float, str]] | None = None
         layers = range(spec.num_layers)
         self._slots = [SlotTable() for _ in layers]
-        self._proj: list[Tensor | None] = [None] * spec.num_layers  # [kv_heads, d, k] for managed layers
+        # per managed layer: [kv_heads, d, k] onto the widest calibrated columns; then, from the first decode
+        # step, which of those columns the store keeps ([kv_heads, k'], None: all) and the rows of each
+        # ratio of the batch with their own columns within the store ([kv_heads, k''], None: all)
+        self._proj: list[Tensor | None] = [None] * spec.num_layers
+        self._stored: list[Tensor | None] = [None] * spec.num_layers
+        self._row_groups: list[list[tuple[Tensor, Tensor | None]] | None] = [None] * spec.num_layers
         self._seen = [0] * spec.num_layers  # positions (mask columns) seen per layer
         self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
         self._padding: list[int] = []  # left-padding tokens per sequence, kept on the host (no sync per step)
@@ -212,12 +245,51 @@ class InfiniGenPolicy(HostPoolPolicy):
         return self.host_pool.extend(layer, k, v)
 
     def _partial_keys(self, layer: int, k: Tensor) -> Tensor | None:
+        """[batch, kv_heads, tokens, k]: the partial skewed keys of ``k``, in the columns the store keeps."""
         if not self.managed(layer):
             return None
         if self._proj[layer] is None:
-            self._proj[layer] = self._skew_data().projection(layer, self.partial_ratio()[0], self.config.skew)
+            skew = self._skew_data()
+            self._proj[layer] = skew.projection(layer, self.config.widest_ratio(skew), self.config.skew)
             self._proj[layer] = self._proj[layer].to(k.device, k.dtype)
-        return torch.matmul(k, self._proj[layer])  # [batch, kv_heads, tokens, k]
+        if self._step:
+            self._settle_columns(layer)
+        return self._in_store(layer, torch.matmul(k, self._proj[layer]))
+
+    def _in_store(self, layer: int, wide: Tensor) -> Tensor:
+        """``wide`` [..., kv_heads, rows, k]: values in the widest columns, cut to the store's."""
+        kept = self._stored[layer]
+        if kept is None:
+            return wide
+        return torch.gather(wide, -1, kept[:, None, :].expand(*wide.shape[:-1], -1))
+
+    def _settle_columns(self, layer: int) -> None:
+        """At the first decode step: each sequence's ratio by its prompt length, and the store of ``layer``
+        cut to the columns of the widest of them."""
+        if self._row_groups[layer] is not None:
+            return
+        skew, flag = self._skew_data(), self.config.skew
+        if self._ratios is None:
+            self._ratios = [
+                self.config.resolve("partial_ratio", skew, tokens=n) for n in self._real_tokens(layer)
+            ]
+        ratios = sorted({ratio for ratio, _ in self._ratios})
+        device = self._proj[layer].device
+        widest = skew.columns(layer, self.config.widest_ratio(skew), flag)
+        stored = skew.columns(layer, ratios[-1], flag)
+        if stored.shape[1] < widest.shape[1]:
+            self._stored[layer] = _positions(widest, stored).to(device)
+            slots = self._slots[layer]
+            kept = self._stored[layer][None, :, :, None]
+            slots.partial = torch.gather(
+                slots.partial, 2, kept.expand(*slots.partial.shape[:2], -1, slots.partial.shape[3])
+            )
+        groups = []
+        for ratio in ratios:
+            rows = torch.tensor([b for b, (r, _) in enumerate(self._ratios) if r == ratio], device=device)
+            own = None if ratio == ratios[-1] else _positions(stored, skew.columns(layer, ratio, flag))
+            groups.append((rows, None if own is None else own.to(device)))
+        self._row_groups[layer] = groups
 
     def _skew_data(self) -> Skew:
         if self._skew is None:
@@ -236,11 +308,10 @@ class InfiniGenPolicy(HostPoolPolicy):
             self._alpha[layer] = self.config.resolve("alpha", self._skew_data(), layer)
         return self._alpha[layer]
 
-    def partial_ratio(self) -> tuple[float, str]:
-        """The share of key columns in use and where it came from (:meth:`InfiniGenConfig.resolve`)."""
-        if self._ratio is None:
-            self._ratio = self.config.resolve("partial_ratio", self._skew_data())
-        return self._ratio
+    def partial_ratios(self) -> list[tuple[float, str]]:
+        """Per sequence, the share of key columns in use and where it came from
+        (:meth:`InfiniGenConfig.resolve`); empty before the first decode step."""
+        return list(self._ratios or [])
 
     # -- decode: rehearsal and prefetch ----------------------------------------------------------------------
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
@@ -301,8 +372,23 @@ class InfiniGenPolicy(HostPoolPolicy):
         query = spec.query(layer, x, position_ids)  # [batch, heads, 1, d]
         grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
         scaling = spec.scaling(layer)
-        partial_q = torch.matmul(grouped, self._proj[layer]) * scaling  # [batch, kv_heads, group, k]
-        scores = torch.matmul(partial_q, slots.view("partial"))  # [batch, kv_heads, group, slots]
+        self._settle_columns(layer)
+        # [batch, kv_heads, group, k] in the store's columns
+        partial_q = self._in_store(layer, torch.matmul(grouped, self._proj[layer])) * scaling
+        keys = slots.view("partial")
+        groups = self._row_groups[layer]
+        if len(groups) == 1:
+            scores = torch.matmul(partial_q, keys)  # [batch, kv_heads, group, slots]
+        else:  # each sequence scores with its own columns, as it would alone
+            scores = partial_q.new_empty(*partial_q.shape[:3], keys.shape[-1])
+            for rows, own in groups:
+                q_rows, k_rows = partial_q[rows], keys[rows]
+                if own is not None:
+                    q_rows = torch.gather(q_rows, 3, own[None, :, None, :].expand(*q_rows.shape[:3], -1))
+                    k_rows = torch.gather(
+                        k_rows, 2, own[None, :, :, None].expand(len(rows), -1, -1, keys.shape[-1])
+                    )
+                scores[rows] = torch.matmul(q_rows, k_rows)
         if self._has_padding():
             scores = scores.masked_fill(~self._slot_real(layer)[:, :, None], -math.inf)
         # The heads of a group differ in logit scale (one may put everything on a sink token): compare each
@@ -446,6 +532,19 @@ class InfiniGenPolicy(HostPoolPolicy):
                 alpha_used=[self._alpha[i][0] if i in self._alpha else None for i in range(len(self._slots))],
                 alpha_source="; ".join(sources),
             )
-        if self._ratio is not None:
-            out.update(partial_ratio_used=self._ratio[0], partial_ratio_source=self._ratio[1])
+        if self._ratios:
+            out.update(
+                # per sequence of the batch (by its prompt length)
+                partial_ratio_used=[ratio for ratio, _ in self._ratios],
+                partial_ratio_source="; ".join(dict.fromkeys(source for _, source in self._ratios)),
+            )
         return out
+
+
+def _positions(columns: Tensor, subset: Tensor) -> Tensor:
+    """[kv_heads, k]: where each of ``subset``'s columns sits in ``columns`` [kv_heads, K] (both ascending
+    per head); the calibrated column sets are nested (the top-k of one score per head)."""
+    at = torch.searchsorted(columns, subset)
+    if not torch.equal(torch.gather(columns, 1, at.clamp(max=columns.shape[1] - 1)), subset):
+        raise PolicyError("infinigen: the partial columns of a narrower ratio are not among the wider's")
+    return at

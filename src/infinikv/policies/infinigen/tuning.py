@@ -41,6 +41,7 @@ POSITIONS = 256  # query positions (the last ones of the calibration text) that 
 SLACK = 0.001  # when the budget cap keeps less than the target: alphas this close to the cap's share tie
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
 RATIO_TARGET = 0.9  # share of full-width speculation's recall of the real top-k the calibrated ratio keeps
+LENGTHS = (4096, 8192)  # window ends, beyond the calibration text's, at which the ratio is calibrated again
 RATIO_RULE = (
     "smallest partial ratio of {ratios} whose speculated top-k holds >= {target:.0%} of the real top-k "
     "tokens that full-width speculation holds (k = the budget cap {budget}), averaged over the managed "
