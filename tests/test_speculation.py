@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -87,6 +88,22 @@ def test_probe_run_is_an_infinigen_run(tiny, tiny_skew, monkeypatch, tmp_path):
     assert math.isfinite(dense["layers"][0]["recall_budget"])
     paths = write(result, tmp_path / "out")
     assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+
+
+def test_probe_reads_a_store_cut_to_the_prompt_lengths_ratio(tiny, tiny_skew, monkeypatch, tmp_path):
+    """With ratios per prompt length, a prompt that takes fewer columns than the widest calibrated is probed
+    with those columns, and the probe's run is still InfiniGen's."""
+    ratios = [{"tokens": 200, "partial_ratio": 0.25}, {"tokens": 4096, "partial_ratio": 0.75}]
+    skew = dataclasses.replace(tiny_skew, tuned={**tiny_skew.tuned, "ratio_by_length": ratios})
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    knobs = InfiniGenConfig(alpha=3.0, budget=0.3)
+    result = probe(tiny, knobs, SpeculationConfig(str(text), context=160, scored=40))
+    reference = ppl.perplexity(tiny, knobs, ppl.PerplexityConfig(str(text), context=160, prefill=120))
+    assert result["partial_ratio_used"] == 0.25 and reference["stats"]["partial_ratio_used"] == [0.25]
+    assert result["ppl"] == pytest.approx(reference["ppl"], rel=1e-5)
+    assert all(0 <= row["recall_realq_budget"] <= 1 for row in result["layers"])
 
 
 def test_prompt_coverage_is_the_probe_on_the_dense_trajectory(tiny, tiny_skew, monkeypatch, tmp_path):

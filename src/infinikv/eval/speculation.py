@@ -150,7 +150,7 @@ class SpeculationProbe(InfiniGenPolicy):
         mass = torch.softmax(logits, dim=-1).mean(dim=2)  # [batch, kv_heads, n + 1]
         past_mass, new_mass = mass[..., :n], mass[..., n]
         real_scores = group_relative_max(logits[..., :n].flatten(1, 2), group)
-        realq = torch.matmul(query, self._proj[layer].float()) * scaling
+        realq = self._in_store(layer, torch.matmul(query, self._proj[layer].float())) * scaling
         realq = torch.matmul(realq, self._slots[layer].view("partial")[..., :n].float())
         realq = group_relative_max(realq.masked_fill(~real[:, :, None, :n], -math.inf).flatten(1, 2), group)
         sums = self.sums[layer]
@@ -261,7 +261,7 @@ def probe(
         "attend": config.attend,
         "knobs": policy.knobs(),
         # what the calibrated knobs (0 = calibrated) resolved to in this run
-        "partial_ratio_used": probe_policy.partial_ratios()[0][0],
+        "partial_ratio_used": policy.resolve("partial_ratio", probe_policy.skew(), tokens=prefill)[0],
         "alpha_used": stats.get("alpha_used"),
         "ppl": math.exp(sum(nll) / len(nll)),
         "kv_fetched_fraction": stats["kv_fetched_fraction"],

@@ -112,7 +112,9 @@ class _Capture:
             for end in self.ends:
                 window = slice(end - min(tuning.POSITIONS, end - 1), end)
                 rehearsed = self.spec.query(layer, previous[:, window], positions[:, window])[0]
-                self.tuning_inputs[end][layer] = (q[0, :, window].cpu(), k[0, :, :end].cpu(), rehearsed.cpu())
+                # q copied (a CPU view would keep the whole pass's queries alive); k shared across windows
+                window_q = q[0, :, window].to("cpu", copy=True)
+                self.tuning_inputs[end][layer] = (window_q, k[0, :, :end].cpu(), rehearsed.cpu())
             self._previous = x
 
         return capture

@@ -22,9 +22,11 @@ attention, both on the calibration text); the paper's constants are ``--alpha 5`
 layer) and ``--partial-ratio 0.2``. ``stats()`` reports the values used and where they came from.
 
 The calibrated ratio depends on the context: a longer past holds more tokens that a narrow rehearsal
-mistakes for the real top-k (SmolLM2-135M: 0.3 serves 2k tokens, 8k needs 0.75). Calibration stores the
-ratio for windows of 2k, 4k and 8k tokens, and each sequence takes the one for its prompt length, fixed at
-its first decode step (the shortest calibrated window at least as long, else the longest). The prompt's
+mistakes for the real top-k (SmolLM2-135M: 0.3 serves 2k tokens, 4k and 8k need 0.75). Calibration stores
+the ratio for the calibration text's length (2k) and for 4k and 8k windows where the model's context and
+the text reach, and each sequence takes the one for its prompt length, fixed at its first decode step (the
+shortest calibrated window at least as long, else the longest). The alphas stay those calibrated at the
+calibration text's ratio. The prompt's
 partial keys are computed with the widest calibrated columns (the prompt length is not known while its
 chunks arrive), then cut to the widest the batch needs when decoding starts. Column sets are nested, so a
 sequence of the batch that needs fewer columns reads its own from that store, and its scores are those it
@@ -95,15 +97,15 @@ class InfiniGenConfig(PolicyConfig):
         0.0,
         "threshold in logit units: tokens within alpha of a head's best speculative score are counted "
         "(inf = all, then the budget alone decides); 0 = the model's calibrated alpha per layer (infinikv "
-        "calibrate; calibrated at the calibrated partial_ratio); the paper's constant for Llama-family "
-        "models is 5",
+        "calibrate; calibrated at the calibration text's partial_ratio); the paper's constant for "
+        "Llama-family models is 5",
         low=0,
         allow_inf=True,
     )
     partial_ratio: float = knob(
         0.0,
-        "share of head_dim columns used for speculation; 0 = the model's calibrated share (infinikv "
-        "calibrate); the paper's is 0.2",
+        "share of head_dim columns used for speculation; 0 = the model's calibrated share for the prompt's "
+        "length (infinikv calibrate: 2k, 4k and 8k windows); the paper's is 0.2",
         low=0,
         high=1,
     )
@@ -291,6 +293,10 @@ class InfiniGenPolicy(HostPoolPolicy):
             groups.append((rows, None if own is None else own.to(device)))
         self._row_groups[layer] = groups
 
+    def skew(self) -> Skew:
+        """The calibration in use (loaded from the cache on first use)."""
+        return self._skew_data()
+
     def _skew_data(self) -> Skew:
         if self._skew is None:
             self._skew = skewfile.cached_skew(self.spec)
@@ -376,18 +382,14 @@ class InfiniGenPolicy(HostPoolPolicy):
         # [batch, kv_heads, group, k] in the store's columns
         partial_q = self._in_store(layer, torch.matmul(grouped, self._proj[layer])) * scaling
         keys = slots.view("partial")
-        groups = self._row_groups[layer]
-        if len(groups) == 1:
-            scores = torch.matmul(partial_q, keys)  # [batch, kv_heads, group, slots]
-        else:  # each sequence scores with its own columns, as it would alone
-            scores = partial_q.new_empty(*partial_q.shape[:3], keys.shape[-1])
-            for rows, own in groups:
+        scores = torch.matmul(partial_q, keys)  # [batch, kv_heads, group, slots], in the store's columns
+        for rows, own in self._row_groups[layer]:
+            if own is not None:  # a sequence that needs fewer columns scores with its own, as it would alone
                 q_rows, k_rows = partial_q[rows], keys[rows]
-                if own is not None:
-                    q_rows = torch.gather(q_rows, 3, own[None, :, None, :].expand(*q_rows.shape[:3], -1))
-                    k_rows = torch.gather(
-                        k_rows, 2, own[None, :, :, None].expand(len(rows), -1, -1, keys.shape[-1])
-                    )
+                q_rows = torch.gather(q_rows, 3, own[None, :, None, :].expand(*q_rows.shape[:3], -1))
+                k_rows = torch.gather(
+                    k_rows, 2, own[None, :, :, None].expand(len(rows), -1, -1, keys.shape[-1])
+                )
                 scores[rows] = torch.matmul(q_rows, k_rows)
         if self._has_padding():
             scores = scores.masked_fill(~self._slot_real(layer)[:, :, None], -math.inf)

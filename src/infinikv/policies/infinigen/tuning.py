@@ -19,7 +19,13 @@ Llama; 20 % of the columns). What they cost depends on the model:
   (:data:`LAYER_RULE`; SmolLM2: 3 to 12). One alpha for all layers, the smallest keeping ``TARGET`` on
   average (:data:`RULE`), is stored too, for layers not calibrated (``dense_layers`` below the default).
 
-The measurement is the decode path on the dense trajectory, computed from the one dense pass calibration
+The columns a rehearsal needs grow with the context: among more past tokens, more are mistaken for the
+real top-k (SmolLM2-135M: 0.3 holds the target at 2k tokens, 0.75 at 4k and 8k). The ratio is therefore
+picked again, by the same rule, at the end of longer windows of the text (:data:`LENGTHS`, within the
+model's context), and a prompt takes the ratio of its length. The alphas are calibrated at the calibration
+text's ratio only.
+
+The measurement is the decode path on the dense trajectory, computed from the dense passes calibration
 already makes: query position t of the text plays a decode step whose past is tokens 0..t-1 and whose new
 token is t; layer i's speculation comes from layer i-1's normalised input, as in decoding. The attention
 kept is the real softmax weight (over tokens 0..t, averaged over the query heads of a KV group) on the
