@@ -50,7 +50,7 @@ class _Spy:
         def spy_choose(policy, scores, real_tokens, alpha, reserved=None):
             index, per_row = choose(policy, scores, real_tokens, alpha, reserved)
             self.choices.append((scores.clone(), list(real_tokens), index.clone(), per_row.clone(), reserved))
-            self.alphas.append(float(alpha[0]) if isinstance(alpha, torch.Tensor) else alpha)
+            self.alphas.append(alpha)
             return index, per_row
 
         def spy_decode(policy, layer, k_new, v_new):
@@ -255,7 +255,7 @@ def test_heads_of_a_group_are_compared_on_their_own_scale(tiny, calibrated, monk
     logits[..., :8] = torch.tensor([sink, spread] + [sink] * (group - 2))
     query = (logits / spec.attention[layer].scaling).reshape(1, spec.num_heads, 1, d)
     monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
-    index, per_row = policy.choose(policy.speculate(layer, None, None), [8], policy.row_alphas(layer)[0][0])
+    index, per_row = policy.choose(policy.speculate(layer, None, None), [8], policy.alpha(layer)[0])
     assert per_row.tolist() == [4]
     assert index[0].sort(dim=-1).values.tolist() == [[0, 1, 2, 3]] * kv
 
@@ -324,7 +324,6 @@ def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrat
         "tokens": 256,
         "partial_ratio": tuned["partial_ratio"],
         "curve": [entry["recall"] for entry in tuned["ratio_curve"]],
-        "alpha_per_layer": tuned["alpha_per_layer"],
     }
     assert stats["partial_ratio_used"] == [tuned["partial_ratio"]]  # a prompt shorter than 256 tokens
     assert stats["partial_ratio_source"].startswith("calibrated at 256 tokens")
@@ -334,7 +333,7 @@ def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrat
     assert stats["partial_ratio_used"] == [0.5] and stats["partial_ratio_source"] == "given"
     older = dataclasses.replace(skews[tiny.weights_id], tuned=None)  # a file from before calibrated knobs
     policy = InfiniGenPolicy(InfiniGenConfig(), tiny.spec, torch.device("cpu"), skew=older)
-    assert policy.config.resolve("alpha", older, 2) == (5.0, "paper (this calibration has none)")
+    assert policy.alpha(2) == (5.0, "paper (this calibration has none)")
     assert policy.config.resolve("partial_ratio", older, tokens=100) == (
         0.2,
         "paper (this calibration has none)",
@@ -354,12 +353,6 @@ def test_calibration_repeats_the_ratio_rule_at_longer_windows(tiny):
     assert config.resolve("partial_ratio", skew, tokens=9000)[0] == by_length[1]["partial_ratio"]
     assert config.resolve("partial_ratio", skew, tokens=256)[0] == by_length[0]["partial_ratio"]
     assert config.widest_ratio(skew) == max(entry["partial_ratio"] for entry in by_length)
-    long_alphas = by_length[1]["alpha_per_layer"]
-    assert long_alphas[:2] == [None, None] and all(a in calibration.tuning.ALPHAS for a in long_alphas[2:])
-    assert config.resolve("alpha", skew, 2, tokens=300) == (
-        long_alphas[2],
-        f"calibrated at 4096 tokens: {skew.tuned['layer_rule']}",
-    )
 
 
 def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeypatch):
@@ -367,27 +360,21 @@ def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeyp
     generate what they generate alone; the store keeps the widest columns the batch needs."""
     short, long = "A short one.", PROMPTS[0]
     length = len(tiny.tokenizer(short)["input_ids"])
-    layers = tiny.spec.num_layers
-    ratios = [
-        {"tokens": length, "partial_ratio": 0.25, "alpha_per_layer": [None, None] + [2.0] * (layers - 2)},
-        {"tokens": 4096, "partial_ratio": 0.75, "alpha_per_layer": [None, None] + [3.0] * (layers - 2)},
-    ]
+    ratios = [{"tokens": length, "partial_ratio": 0.25}, {"tokens": 4096, "partial_ratio": 0.75}]
     tuned = {**skews[tiny.weights_id].tuned, "ratio_by_length": ratios}
     skew = dataclasses.replace(skews[tiny.weights_id], tuned=tuned)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
     spy = _Spy(monkeypatch)
     d = tiny.spec.head_dim
     alone = []
-    for prompt, ratio, alpha in ((short, 0.25, 2.0), (long, 0.75, 3.0)):
+    for prompt, ratio in ((short, 0.25), (long, 0.75)):
         tokens, stats = _tokens(tiny, "infinigen", prompts=[prompt], new=8, budget=0.5, window=0)
         alone += tokens
         assert stats["partial_ratio_used"] == [ratio]
-        assert stats["alpha_used"] == [None, None] + [alpha] * (layers - 2)
         assert spy.policies[-1]._slots[2].partial.shape[2] == math.ceil(ratio * d)
     tokens, stats = _tokens(tiny, "infinigen", prompts=[short, long], new=8, budget=0.5, window=0)
     assert tokens == alone
     assert stats["partial_ratio_used"] == [0.25, 0.75]
-    assert stats["alpha_used"] == [None, None] + [[2.0, 3.0]] * (layers - 2)
     assert spy.policies[-1]._slots[2].partial.shape[2] == math.ceil(0.75 * d)
 
 
@@ -397,9 +384,7 @@ def test_each_layer_counts_with_its_own_calibrated_alpha(tiny, skews, monkeypatc
     skew = skews[tiny.weights_id]
     layers = tiny.spec.num_layers
     per_layer = [None, None, 0.5] + [None] * (layers - 3)  # layer 3 on: none, so the alpha for all
-    # ratios per length without alphas of their own: the calibration text's alphas serve every length
-    lengths = [{k: v for k, v in e.items() if k != "alpha_per_layer"} for e in skew.tuned["ratio_by_length"]]
-    tuned = {**skew.tuned, "alpha_per_layer": per_layer, "alpha": 3.0, "ratio_by_length": lengths}
+    tuned = {**skew.tuned, "alpha_per_layer": per_layer, "alpha": 3.0}
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
     spy = _Spy(monkeypatch)
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=6, window=0)

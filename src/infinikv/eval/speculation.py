@@ -118,7 +118,7 @@ class SpeculationProbe(InfiniGenPolicy):
         return scores
 
     def choose(
-        self, scores: Tensor, real_tokens: list[int], alpha: float | Tensor, reserved: Tensor | None = None
+        self, scores: Tensor, real_tokens: list[int], alpha: float, reserved: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         index, per_row = super().choose(scores, real_tokens, alpha, reserved)
         ranked = scores if reserved is None else reserved_first(scores, reserved)

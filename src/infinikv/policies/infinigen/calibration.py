@@ -240,39 +240,21 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
         ]
         return torch.tensor(per_layer).mean(0).tolist()
 
-    def coverage_at(end: int, ratio: float) -> tuple[list[Tensor], list[Tensor], list[float | None]]:
-        """Per managed layer at ``ratio`` over the window ending at ``end``: attention kept and share
-        fetched per alpha of the grid; and the alpha per layer (None where not managed)."""
-        kept, fetched = [], []
-        for layer in managed:
-            projection = skew.projection(layer, ratio, defaults.skew)
-            share, fraction = tuning.prompt_coverage(
-                *windows[end][layer], projection, spec.scaling(layer), defaults.budget
-            )
-            kept.append(share)
-            fetched.append(fraction)
-        per_layer: list[float | None] = [None] * spec.num_layers
-        for layer, share in zip(managed, kept, strict=True):
-            per_layer[layer] = tuning.pick_alpha(share.tolist())
-        return kept, fetched, per_layer
-
     by_length = {end: recalls_at(end) for end in sorted(windows)}
     recalls = by_length[shortest]
     ratio = tuning.pick_ratio(recalls)
-    kept, fetched, per_layer = coverage_at(shortest, ratio)
-    kept_mean, fetched_mean = torch.stack(kept).mean(0).tolist(), torch.stack(fetched).mean(0).tolist()
-    lengths = []
-    for end, curve in by_length.items():
-        ratio_here = tuning.pick_ratio(curve)
-        alphas_here = per_layer if end == shortest else coverage_at(end, ratio_here)[2]
-        lengths.append(
-            {
-                "tokens": end,
-                "partial_ratio": ratio_here,
-                "curve": [round(m, 4) for m in curve],
-                "alpha_per_layer": alphas_here,
-            }
+    kept, fetched = [], []
+    for layer in managed:
+        projection = skew.projection(layer, ratio, defaults.skew)
+        share, fraction = tuning.prompt_coverage(
+            *inputs[layer], projection, spec.scaling(layer), defaults.budget
         )
+        kept.append(share)
+        fetched.append(fraction)
+    kept_mean, fetched_mean = torch.stack(kept).mean(0).tolist(), torch.stack(fetched).mean(0).tolist()
+    per_layer: list[float | None] = [None] * spec.num_layers
+    for layer, share in zip(managed, kept, strict=True):
+        per_layer[layer] = tuning.pick_alpha(share.tolist())
     return {
         "alpha_per_layer": per_layer,
         "layer_rule": tuning.LAYER_RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),
@@ -289,10 +271,16 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
         "ratio_curve": [
             {"partial_ratio": r, "recall": round(m, 4)} for r, m in zip(tuning.RATIOS, recalls, strict=True)
         ],
-        # the ratio the same rule picks at the end of each window, and at that ratio the alpha per layer
-        # (LAYER_RULE there); a prompt takes the shortest window at least as long as itself (longer
-        # prompts: the longest)
-        "ratio_by_length": lengths,
+        # the ratio the same rule picks at the end of each window; a prompt takes the shortest window at
+        # least as long as itself (longer prompts: the longest)
+        "ratio_by_length": [
+            {
+                "tokens": end,
+                "partial_ratio": tuning.pick_ratio(curve),
+                "curve": [round(m, 4) for m in curve],
+            }
+            for end, curve in by_length.items()
+        ],
     }
 
 

@@ -148,9 +148,10 @@ class InfiniGenConfig(PolicyConfig):
         self, name: str, skew: Skew | None, layer: int | None = None, tokens: int | None = None
     ) -> tuple[float, str]:
         """The value of the calibrated knob ``name`` ("alpha" or "partial_ratio") with ``skew``, and where it
-        came from: this config's when set, else the model's calibrated one (for a prompt of ``tokens`` when
-        given and calibrated per length, else the calibration text's; alpha: ``layer``'s own when it was
-        calibrated, else the one for all layers), else (a calibration without it) the paper's."""
+        came from: this config's when set, else the model's calibrated one (alpha: ``layer``'s own when it
+        was calibrated, else the one for all layers; partial_ratio: the one for a prompt of ``tokens``
+        when given and calibrated per length, else the calibration text's), else (a calibration without
+        it) the paper's."""
         given = getattr(self, name)
         if given:
             return float(given), "given"
@@ -158,19 +159,16 @@ class InfiniGenConfig(PolicyConfig):
         if tuned is None or name not in tuned:
             paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO}[name]
             return paper, "paper (this calibration has none)"
-        by_length = tuned.get("ratio_by_length") or []
-        entry = None
-        if tokens is not None and by_length:  # the shortest window at least as long, else the longest
-            entry = next((e for e in by_length if e["tokens"] >= tokens), by_length[-1])
-        where = "calibrated" if entry is None else f"calibrated at {entry['tokens']} tokens"
         if name == "partial_ratio":
-            value = tuned[name] if entry is None else entry["partial_ratio"]
-            return float(value), f"{where}: {tuned['ratio_rule']}"
-        per_layer = (entry or {}).get("alpha_per_layer")
-        if not per_layer:  # a calibration with a ratio per length but one set of alphas
-            per_layer, where = tuned.get("alpha_per_layer") or [], "calibrated"
+            by_length = tuned.get("ratio_by_length") or []
+            if tokens is not None and by_length:
+                entry = next((e for e in by_length if e["tokens"] >= tokens), by_length[-1])
+                rule = f"calibrated at {entry['tokens']} tokens: {tuned['ratio_rule']}"
+                return float(entry["partial_ratio"]), rule
+            return float(tuned[name]), f"calibrated: {tuned['ratio_rule']}"
+        per_layer = tuned.get("alpha_per_layer") or []
         if layer is not None and layer < len(per_layer) and per_layer[layer] is not None:
-            return float(per_layer[layer]), f"{where}: {tuned['layer_rule']}"
+            return float(per_layer[layer]), f"calibrated: {tuned['layer_rule']}"
         return float(tuned[name]), f"calibrated: {tuned['rule']}"
 
     def widest_ratio(self, skew: Skew | None) -> float:
@@ -197,14 +195,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         if skew is not None:
             skew.check(spec)
         self._skew = skew
-        # per layer, per sequence: (alpha in use, where it came from), resolved at the first decode step
-        self._alpha: dict[int, list[tuple[float, str]]] = {}
-        self._alpha_rows: dict[int, Tensor] = {}  # the same values, [batch] on the compute device
+        self._alpha: dict[int, tuple[float, str]] = {}  # per layer: (alpha in use, where it came from)
         # per sequence: (partial ratio in use, where it came from), fixed at the first decode step
         self._ratios: list[tuple[float, str]] | None = None
-        self._prompt: list[int] | None = (
-            None  # per sequence: real prompt tokens, set at the first decode step
-        )
         layers = range(spec.num_layers)
         self._slots = [SlotTable() for _ in layers]
         # per managed layer: [kv_heads, d, k] onto the widest calibrated columns; then, from the first decode
@@ -280,7 +273,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         skew, flag = self._skew_data(), self.config.skew
         if self._ratios is None:
             self._ratios = [
-                self.config.resolve("partial_ratio", skew, tokens=n) for n in self._prompt_tokens(layer)
+                self.config.resolve("partial_ratio", skew, tokens=n) for n in self._real_tokens(layer)
             ]
         ratios = sorted({ratio for ratio, _ in self._ratios})
         device = self._proj[layer].device
@@ -315,20 +308,11 @@ class InfiniGenPolicy(HostPoolPolicy):
                 )
         return self._skew
 
-    def row_alphas(self, layer: int) -> list[tuple[float, str]]:
-        """Per sequence, ``layer``'s threshold for its prompt length and where it came from
-        (:meth:`InfiniGenConfig.resolve`)."""
+    def alpha(self, layer: int) -> tuple[float, str]:
+        """``layer``'s threshold and where it came from (:meth:`InfiniGenConfig.resolve`)."""
         if layer not in self._alpha:
-            skew, prompts = self._skew_data(), self._prompt_tokens(layer)
-            self._alpha[layer] = [self.config.resolve("alpha", skew, layer, tokens=n) for n in prompts]
+            self._alpha[layer] = self.config.resolve("alpha", self._skew_data(), layer)
         return self._alpha[layer]
-
-    def _prompt_tokens(self, layer: int) -> list[int]:
-        """Per sequence, its real prompt tokens: the length its calibrated knobs follow (fixed at the first
-        decode step)."""
-        if self._prompt is None:
-            self._prompt = self._real_tokens(layer)
-        return self._prompt
 
     def partial_ratios(self) -> list[tuple[float, str]]:
         """Per sequence, the share of key columns in use and where it came from
@@ -380,11 +364,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         them each row attends to (None: all)."""
         start = time.perf_counter()
         scores = self.speculate(layer, x, position_ids)
-        if layer not in self._alpha_rows:  # the per-sequence alphas, on the device once
-            values = [alpha for alpha, _ in self.row_alphas(layer)]
-            self._alpha_rows[layer] = torch.tensor(values, device=scores.device)
-        alphas = self._alpha_rows[layer]
-        index, per_row = self.choose(scores, self._real_tokens(layer), alphas, self._reserved(layer))
+        index, per_row = self.choose(
+            scores, self._real_tokens(layer), self.alpha(layer)[0], self._reserved(layer)
+        )
         self._selected[layer].append(per_row.float().mean())
         self._rehearsal_s += time.perf_counter() - start
         return index, self.row_extras_hidden(index, per_row)
@@ -417,16 +399,13 @@ class InfiniGenPolicy(HostPoolPolicy):
         return (scores - best.masked_fill(best == -math.inf, 0)).amax(dim=2)
 
     def choose(
-        self, scores: Tensor, real_tokens: list[int], alpha: float | Tensor, reserved: Tensor | None = None
+        self, scores: Tensor, real_tokens: list[int], alpha: float, reserved: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Slots to fetch from speculative ``scores`` [batch, kv_heads, slots] (-inf = never): the top-n' per
-        head, n' the mean over heads of each row's count within ``alpha`` (one, or [batch]: each row's) of
-        its best, capped by the budget (of the row's ``real_tokens``) and its real slots. ``reserved``
-        [batch, kv_heads, slots] (sinks and recent window) are counted and come first. Returns (index
-        [batch, kv_heads, max n'], n' per row)."""
+        head, n' the mean over heads of each row's count within ``alpha`` of its best, capped by the budget
+        (of the row's ``real_tokens``) and its real slots. ``reserved`` [batch, kv_heads, slots] (sinks and
+        recent window) are counted and come first. Returns (index [batch, kv_heads, max n'], n' per row)."""
         best = scores.amax(dim=-1, keepdim=True)
-        if isinstance(alpha, Tensor):
-            alpha = alpha.to(scores.dtype).view(-1, 1, 1)
         wanted = scores > best - alpha
         if reserved is not None:
             wanted = wanted | reserved
@@ -549,11 +528,10 @@ class InfiniGenPolicy(HostPoolPolicy):
             skew_source=None if self._skew is None else f"{self._skew.source} ({self._skew.tokens} tokens)",
         )
         if self._alpha:
-            sources = dict.fromkeys(source for rows in self._alpha.values() for _, source in rows)
+            sources = dict.fromkeys(source for _, source in self._alpha.values())
             out.update(
-                # per layer (None for the layers that load their full KV or their window): the alpha, or
-                # in a batch whose prompt lengths take different ones, the list per sequence
-                alpha_used=[_per_row(self._alpha.get(i)) for i in range(len(self._slots))],
+                # per layer, None for the layers that load their full KV or their window
+                alpha_used=[self._alpha[i][0] if i in self._alpha else None for i in range(len(self._slots))],
                 alpha_source="; ".join(sources),
             )
         if self._ratios:
@@ -572,11 +550,3 @@ def _positions(columns: Tensor, subset: Tensor) -> Tensor:
     if not torch.equal(torch.gather(columns, 1, at.clamp(max=columns.shape[1] - 1)), subset):
         raise PolicyError("infinigen: the partial columns of a narrower ratio are not among the wider's")
     return at
-
-
-def _per_row(rows: list[tuple[float, str]] | None) -> float | list[float] | None:
-    """One value when every sequence has the same, else the list per sequence."""
-    if not rows:
-        return None
-    values = [value for value, _ in rows]
-    return values[0] if len(set(values)) == 1 else values
