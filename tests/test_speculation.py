@@ -69,14 +69,21 @@ def test_alpha_grid_reproduces_the_configured_alpha(tiny, tiny_skew, monkeypatch
     assert kept == sorted(kept)  # a larger alpha never keeps less
 
 
-def test_probe_run_is_an_infinigen_run(tiny, tiny_skew, monkeypatch, tmp_path):
-    """Attending to InfiniGen's selection, the probe's perplexity is InfiniGen's, and it writes its files."""
-    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: tiny_skew)
+def _probe_and_infinigen(tiny, skew, monkeypatch, tmp_path, knobs: InfiniGenConfig) -> tuple[dict, dict]:
+    """The probe over a 160-token window (40 scored) with ``skew``, and InfiniGen's perplexity run of it."""
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
     text = tmp_path / "t.txt"
     text.write_text(TEXT, encoding="utf-8")
-    knobs = InfiniGenConfig(alpha=3.0, budget=0.3)
     result = probe(tiny, knobs, SpeculationConfig(str(text), context=160, scored=40))
     reference = ppl.perplexity(tiny, knobs, ppl.PerplexityConfig(str(text), context=160, prefill=120))
+    return result, reference
+
+
+def test_probe_run_is_an_infinigen_run(tiny, tiny_skew, monkeypatch, tmp_path):
+    """Attending to InfiniGen's selection, the probe's perplexity is InfiniGen's, and it writes its files."""
+    knobs = InfiniGenConfig(alpha=3.0, budget=0.3)
+    result, reference = _probe_and_infinigen(tiny, tiny_skew, monkeypatch, tmp_path, knobs)
+    text = tmp_path / "t.txt"
     assert result["ppl"] == pytest.approx(reference["ppl"], rel=1e-5)
     assert result["kv_fetched_fraction"] == pytest.approx(reference["kv_fetched_fraction"])
     assert [r["layer"] for r in result["layers"]] == [2, 3]
@@ -95,12 +102,8 @@ def test_probe_reads_a_store_cut_to_the_prompt_lengths_ratio(tiny, tiny_skew, mo
     with those columns, and the probe's run is still InfiniGen's."""
     ratios = [{"tokens": 200, "partial_ratio": 0.25}, {"tokens": 4096, "partial_ratio": 0.75}]
     skew = dataclasses.replace(tiny_skew, tuned={**tiny_skew.tuned, "ratio_by_length": ratios})
-    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
-    text = tmp_path / "t.txt"
-    text.write_text(TEXT, encoding="utf-8")
     knobs = InfiniGenConfig(alpha=3.0, budget=0.3)
-    result = probe(tiny, knobs, SpeculationConfig(str(text), context=160, scored=40))
-    reference = ppl.perplexity(tiny, knobs, ppl.PerplexityConfig(str(text), context=160, prefill=120))
+    result, reference = _probe_and_infinigen(tiny, skew, monkeypatch, tmp_path, knobs)
     assert result["partial_ratio_used"] == 0.25 and reference["stats"]["partial_ratio_used"] == [0.25]
     assert result["ppl"] == pytest.approx(reference["ppl"], rel=1e-5)
     assert all(0 <= row["recall_realq_budget"] <= 1 for row in result["layers"])
