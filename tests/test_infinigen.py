@@ -419,3 +419,19 @@ def test_rehearsal_share_counts_the_partial_keys_of_managed_layers_only(tiny, ti
         columns = math.ceil(0.3 * spec.head_dim) / spec.head_dim
         assert config.rehearsal_share(spec) == pytest.approx(columns * len(managed) / spec.num_layers)
     assert InfiniGenConfig(partial_ratio=0.3).rehearsal_share(tiny_gemma.spec) < 0.3 / 2
+
+
+def test_rehearsal_share_follows_the_prompt_length(tiny, skews, monkeypatch):
+    """With ratios per prompt length, the bench's link model reads the columns of the cell's prompt length."""
+    ratios = [{"tokens": 100, "partial_ratio": 0.25}, {"tokens": 4096, "partial_ratio": 0.75}]
+    skew = dataclasses.replace(skews[tiny.weights_id])
+    monkeypatch.setattr(
+        skewfile,
+        "cached_skew",
+        lambda spec: dataclasses.replace(skew, tuned={**skew.tuned, "ratio_by_length": ratios}),
+    )
+    spec, config = tiny.spec, InfiniGenConfig(dense_layers=1)
+    managed = (spec.num_layers - 1) / spec.num_layers
+    for tokens, ratio in ((50, 0.25), (1000, 0.75)):
+        columns = math.ceil(ratio * spec.head_dim) / spec.head_dim
+        assert config.rehearsal_share(spec, tokens) == pytest.approx(columns * managed)

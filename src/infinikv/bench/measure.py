@@ -85,9 +85,12 @@ class BenchEntry:
     kind: str  # "policy" or "peer"
     make_cache: Callable[[], Cache]
     prefetches: bool  # starts the copy of layer i+1 during layer i (``Policy.prefetches``)
-    rehearsal_share: float = 0.0  # share of the cached keys the rehearsal reads per step (InfiniGen)
     # The policy whose prefill this entry's shared prefill replays (its own, or dense for the peers).
     prefill_policy: PolicyConfig | None = None
+
+    def rehearsal_share(self, loaded: LoadedModel, tokens: int) -> float:
+        """Share of the cached keys the rehearsal reads per step at a prompt of ``tokens`` (InfiniGen)."""
+        return self.prefill_policy.rehearsal_share(loaded.spec, tokens) if self.kind == "policy" else 0.0
 
     def driver(self, loaded: LoadedModel) -> Driver:
         # transformers' caches store what they are handed, so they can replay a dense-family prefill.
@@ -111,7 +114,6 @@ def make_entries(
                 "policy",
                 lambda c=config: InfinikvCache(loaded.model, c, device=loaded.device),
                 prefetches=POLICIES[name].prefetches,
-                rehearsal_share=config.rehearsal_share(loaded.spec),
                 prefill_policy=config,
             )
         )

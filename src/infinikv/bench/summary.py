@@ -77,7 +77,7 @@ def summarise_runs(
         copies=copies,
         device_read_bytes=weights
         + attended * token_bytes * batch
-        + entry.rehearsal_share * element_row * loaded.spec.num_layers * mean_cached * batch,
+        + entry.rehearsal_share(loaded, context) * element_row * loaded.spec.num_layers * mean_cached * batch,
         overlapped=entry.prefetches,
         layers=loaded.spec.num_layers,
     )

@@ -104,10 +104,10 @@ class PolicyConfig:
         """Model-level work before a policy first runs on ``loaded`` (a LoadedModel), e.g. InfiniGen's
         calibration. The drivers call it; most policies need nothing."""
 
-    def rehearsal_share(self, spec: Any) -> float:
+    def rehearsal_share(self, spec: Any, tokens: int | None = None) -> float:
         """Share of the cached keys (all layers, all columns) the policy reads on the compute device per
         decode step to choose what to fetch (InfiniGen's partial keys on its managed layers; ``spec``: the
-        ModelSpec); 0: none."""
+        ModelSpec; ``tokens``: the prompt length, when the share depends on it); 0: none."""
         return 0.0
 
 

@@ -136,10 +136,9 @@ class InfiniGenConfig(PolicyConfig):
 
         ensure_skew(loaded)
 
-    def rehearsal_share(self, spec: ModelSpec) -> float:
-        # the partial keys of the managed layers: ⌈ratio·d⌉ of d columns each (the calibration text's ratio;
-        # longer prompts may take more, see ``ratio_by_length``)
-        ratio = self.resolve("partial_ratio", skewfile.cached_skew(spec))[0]
+    def rehearsal_share(self, spec: ModelSpec, tokens: int | None = None) -> float:
+        # the partial keys of the managed layers: ⌈ratio·d⌉ of d columns each, at a prompt of ``tokens``
+        ratio = self.resolve("partial_ratio", skewfile.cached_skew(spec), tokens=tokens)[0]
         columns = max(1, math.ceil(ratio * spec.head_dim)) / spec.head_dim
         managed = [i >= self.dense_layers and not spec.is_sliding(i) for i in range(spec.num_layers)]
         return columns * sum(managed) / spec.num_layers
