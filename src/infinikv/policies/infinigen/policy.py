@@ -26,11 +26,10 @@ mistakes for the real top-k (SmolLM2-135M: 0.3 serves 2k tokens, 4k and 8k need 
 the ratio for the calibration text's length (2k) and for 4k and 8k windows where the model's context and
 the text reach, and each sequence takes the one for its prompt length, fixed at its first decode step (the
 shortest calibrated window at least as long, else the longest). The alphas stay those calibrated at the
-calibration text's ratio. The prompt's
-partial keys are computed with the widest calibrated columns (the prompt length is not known while its
-chunks arrive), then cut to the widest the batch needs when decoding starts. Column sets are nested, so a
-sequence of the batch that needs fewer columns reads its own from that store, and its scores are those it
-would get alone.
+calibration text's ratio. The prompt's partial keys are computed with the widest calibrated columns (the
+prompt length is not known while its chunks arrive), then cut to the widest the batch needs when decoding
+starts. Column sets are nested, so a sequence of the batch that needs fewer columns reads its own from
+that store, and its scores are those it would get alone.
 
 Layers below ``dense_layers`` load their full KV (nothing rehearses layer 0). Sliding-window layers
 (Gemma-3) attend to their window, fetched from the pool; the policy rehearses the global layers, each in
@@ -250,7 +249,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if not self.managed(layer):
             return None
         if self._proj[layer] is None:
-            skew = self._skew_data()
+            skew = self.skew()
             self._proj[layer] = skew.projection(layer, self.config.widest_ratio(skew), self.config.skew)
             self._proj[layer] = self._proj[layer].to(k.device, k.dtype)
         if self._step:
@@ -269,7 +268,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         cut to the columns of the widest of them."""
         if self._row_groups[layer] is not None:
             return
-        skew, flag = self._skew_data(), self.config.skew
+        skew, flag = self.skew(), self.config.skew
         if self._ratios is None:
             self._ratios = [
                 self.config.resolve("partial_ratio", skew, tokens=n) for n in self._real_tokens(layer)
@@ -294,9 +293,6 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def skew(self) -> Skew:
         """The calibration in use (loaded from the cache on first use)."""
-        return self._skew_data()
-
-    def _skew_data(self) -> Skew:
         if self._skew is None:
             self._skew = skewfile.cached_skew(self.spec)
             if self._skew is None:
@@ -310,7 +306,7 @@ class InfiniGenPolicy(HostPoolPolicy):
     def alpha(self, layer: int) -> tuple[float, str]:
         """``layer``'s threshold and where it came from (:meth:`InfiniGenConfig.resolve`)."""
         if layer not in self._alpha:
-            self._alpha[layer] = self.config.resolve("alpha", self._skew_data(), layer)
+            self._alpha[layer] = self.config.resolve("alpha", self.skew(), layer)
         return self._alpha[layer]
 
     def partial_ratios(self) -> list[tuple[float, str]]:
