@@ -271,6 +271,7 @@ def _copy_timing(cache, copies: int, steps: int) -> dict[str, float | None]:
         "hidden_s_per_step": max(copy_s - stalled_s, 0.0) / steps,
         "hidden_fraction": max(copy_s - stalled_s, 0.0) / copy_s if copy_s else None,
         "issue_s_per_step": issue_s / steps,
+        "device_gather": pool.device_gather,  # rows read from the pinned pool by a kernel (else host-staged)
     }
 
 

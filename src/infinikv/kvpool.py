@@ -10,11 +10,17 @@ CUDA), shaped [batch, kv_heads, tokens, head_dim]. Policies read from it in one 
 Both return a :class:`Transfer` at once; ``Transfer.wait()`` hands back the device tensors. On CUDA the copy
 runs on a side stream and ``wait`` makes the compute stream wait on its event; on CPU the copy is done on a
 worker thread (``overlap="thread"``) or right away (``overlap="none"``). Every byte that crosses is counted.
+
+On CUDA a row gather runs on the device: with unified addressing every pinned host page is mapped into the
+device's address space, so an ``index_select`` kernel on the copy stream reads the chosen rows across the link
+itself (zero-copy). The host neither gathers rows nor waits for the index. Where the pinned store cannot be
+seen from the device, rows are gathered on the host into pinned memory and copied as one block.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -87,6 +93,13 @@ class Transfer:
         return self._result
 
 
+class _DeviceArray:
+    """Hands a device pointer to ``torch.as_tensor`` through the CUDA array interface."""
+
+    def __init__(self, interface: dict):
+        self.__cuda_array_interface__ = interface
+
+
 def _timed_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)
 
@@ -113,6 +126,7 @@ class KVPool:
         self.counters = TransferCounters()
         self._stream = torch.cuda.Stream(self.compute_device) if self.on_cuda else None
         self._executor = ThreadPoolExecutor(1) if (not self.on_cuda and overlap == "thread") else None
+        self.device_gather = self.on_cuda and self.host  # cleared if the pinned store is not device-visible
 
     # -- storage ------------------------------------------------------------------------------------------
     def length(self, layer: int) -> int:
@@ -141,6 +155,7 @@ class KVPool:
             capacity = (1 << (capacity * row - 1).bit_length()) // row
         new_k = self._alloc((batch, heads, capacity, dim), like.dtype)
         new_v = self._alloc((batch, heads, capacity, dim), like.dtype)
+        self._release_store()
         if stored is not None:
             n = self._length[layer]
             new_k[:, :, :n].copy_(self._keys[layer][:, :, :n])
@@ -184,7 +199,14 @@ class KVPool:
         new_v = self._alloc((*keys.shape[:2], max(kept, 1), keys.shape[-1]), values.dtype)
         torch.gather(keys, 2, expanded, out=new_k[:, :, :kept])
         torch.gather(values, 2, expanded, out=new_v[:, :, :kept])
+        self._release_store()
         self._keys[layer], self._values[layer], self._length[layer] = new_k, new_v, kept
+
+    def _release_store(self) -> None:
+        """Called before a store is replaced: a device-side gather may still be reading it, and a freed pinned
+        block can be handed out again at once (rare: stores grow by a quarter and are cut once)."""
+        if self._stream is not None and self.device_gather:
+            self._stream.synchronize()
 
     def nbytes(self) -> int:
         """Bytes of K/V held (live tokens only, not spare capacity)."""
@@ -203,7 +225,7 @@ class KVPool:
         fill with the new token's K/V: one copy into a buffer of the final size instead of copy + concatenate.
         """
         stores, length = (self._keys[layer], self._values[layer]), self._length[layer]
-        if index is not None:
+        if index is not None and not self.device_gather:
             index = index.to("cpu")
         if self._executor is not None:
             return Transfer(self._executor.submit(self._copy, stores, length, index, extra), self.counters)
@@ -243,18 +265,48 @@ class KVPool:
         batch, heads, capacity, _ = store_shape
         if extra:
             index = torch.cat([index, index.new_zeros(batch, heads, extra)], dim=2)
-        offsets = torch.arange(batch * heads).view(batch, heads, 1) * capacity
+        offsets = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * capacity
         return (index + offsets).view(-1)
 
     def _gather_rows(self, store: Tensor, rows: Tensor, shape: tuple[int, ...]) -> Tensor:
         """Whole head_dim rows copied in one index_select (a per-element gather is an order of magnitude
-        slower); on CUDA into pinned memory, then one asynchronous copy to the device."""
+        slower); on CUDA by a kernel reading the pinned store (module docstring), else into pinned memory on
+        the host, then one asynchronous copy to the device."""
         flat = store.view(-1, store.shape[-1])
         if not self.on_cuda:
             return flat.index_select(0, rows).view(shape)
+        if self.device_gather:
+            mapped = self._device_view(flat)
+            if mapped is not None:
+                return mapped.index_select(0, rows.to(self.compute_device)).view(store.dtype).view(shape)
+            rows = rows.to("cpu")
         staged = torch.empty((rows.numel(), flat.shape[1]), dtype=store.dtype, pin_memory=True)
         torch.index_select(flat, 0, rows, out=staged)
         return staged.view(shape).to(self.compute_device, non_blocking=True)
+
+    def _device_view(self, flat: Tensor) -> Tensor | None:
+        """``flat`` (a pinned host tensor) as a CUDA tensor over the same memory, as integers of its element
+        size (bfloat16 has no array-interface type code); None, and host gathers from then on, if the device
+        cannot address it."""
+        size = flat.element_size()
+        as_int = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+        interface = {
+            "shape": tuple(as_int.shape),
+            "typestr": f"<i{size}",
+            "data": (as_int.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+        }
+        try:
+            mapped = torch.as_tensor(_DeviceArray(interface), device=self.compute_device)
+        except (RuntimeError, TypeError, ValueError) as error:
+            self.device_gather = False
+            warnings.warn(
+                f"pinned K/V pool not addressable from the device ({error}); gathering on the host",
+                stacklevel=2,
+            )
+            return None
+        return mapped
 
     def _into(self, source: Tensor, extra: int) -> Tensor:
         """``source`` copied to the compute device, into a buffer with ``extra`` spare token slots."""
