@@ -378,6 +378,43 @@ def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeyp
     assert spy.policies[-1]._slots[2].partial.shape[2] == math.ceil(0.75 * d)
 
 
+def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny, skews, monkeypatch):
+    """A sequence whose prompt length takes other columns than the calibration text's fetches its budget
+    (the top scores); the one at the calibrated ratio counts with its layer's alpha; batched, each generates
+    what it generates alone; a given alpha counts every sequence."""
+    short, long = "A short one.", PROMPTS[0]
+    length = len(tiny.tokenizer(short)["input_ids"])
+    tuned = skews[tiny.weights_id].tuned
+    ratios = [
+        {"tokens": length, "partial_ratio": tuned["partial_ratio"]},
+        {"tokens": 4096, "partial_ratio": 1.0},
+    ]
+    # alpha 0.01 on every layer: few tokens within it, so the count is far below the budget
+    per_layer = [None, None] + [0.01] * (tiny.spec.num_layers - 2)
+    tuned = {**tuned, "ratio_by_length": ratios, "alpha_per_layer": per_layer}
+    skew = dataclasses.replace(skews[tiny.weights_id], tuned=tuned)
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
+    spy = _Spy(monkeypatch)
+    knobs = dict(new=8, budget=0.5, window=0)
+    alone = []
+    for prompt, rule in ((short, "alpha"), (long, "budget")):
+        tokens, stats = _tokens(tiny, "infinigen", prompts=[prompt], **knobs)
+        alone += tokens
+        assert stats["count_rule_used"][0].startswith(rule)
+    spy.choices.clear()
+    tokens, stats = _tokens(tiny, "infinigen", prompts=[short, long], **knobs)
+    assert tokens == alone
+    assert stats["count_rule_used"][0] == "alpha" and stats["count_rule_used"][1].startswith("budget")
+    for scores, real_tokens, _, per_row, _ in spy.choices:
+        within = (scores > scores.amax(-1, keepdim=True) - 0.01).sum(-1).float().mean(-1).ceil().long()
+        available = int((scores[1] > -math.inf).sum(-1).min())
+        assert int(per_row[0]) == min(int(within[0]), resolve_budget(0.5, real_tokens[0]))
+        assert int(per_row[1]) == min(available, resolve_budget(0.5, real_tokens[1]))
+        assert int(per_row[1]) > int(within[1])  # the alpha would have fetched fewer
+    _, stats = _tokens(tiny, "infinigen", prompts=[short, long], alpha=0.01, **knobs)
+    assert stats["count_rule_used"] == ["alpha", "alpha"]
+
+
 def test_each_layer_counts_with_its_own_calibrated_alpha(tiny, skews, monkeypatch):
     """alpha 0: every managed layer uses the alpha calibrated for it (a layer without one, the alpha for all
     layers); the count rule runs with that layer's alpha."""

@@ -25,11 +25,18 @@ The calibrated ratio depends on the context: a longer past holds more tokens tha
 mistakes for the real top-k (SmolLM2-135M: 0.3 serves 2k tokens, 4k and 8k need 0.75). Calibration stores
 the ratio for the calibration text's length (2k) and for 4k and 8k windows where the model's context and
 the text reach, and each sequence takes the one for its prompt length, fixed at its first decode step (the
-shortest calibrated window at least as long, else the longest). The alphas stay those calibrated at the
-calibration text's ratio. The prompt's partial keys are computed with the widest calibrated columns (the
-prompt length is not known while its chunks arrive), then cut to the widest the batch needs when decoding
-starts. Column sets are nested, so a sequence of the batch that needs fewer columns reads its own from
-that store, and its scores are those it would get alone.
+shortest calibrated window at least as long, else the longest). The prompt's partial keys are computed with
+the widest calibrated columns (the prompt length is not known while its chunks arrive), then cut to the
+widest the batch needs when decoding starts. Column sets are nested, so a sequence of the batch that needs
+fewer columns reads its own from that store, and its scores are those it would get alone.
+
+A calibrated alpha is a threshold on scores over the columns it was calibrated with (the calibration text's
+ratio): with more columns the scores spread further, fewer tokens come within the same alpha, and the count
+stops following the budget (SmolLM2-135M at 8k: +1.6 % perplexity at budgets 20 % and 40 % alike). A
+sequence that rehearses with other columns therefore fetches its budget, the top scores of each head
+(alpha inf); alphas calibrated again at those columns for the same 90 % of the attention came out smaller
+and lost more (docs/results-infinigen.md). A given ``--alpha`` applies to every sequence. ``stats()``
+reports per sequence which rule counted (``count_rule_used``).
 
 Layers below ``dense_layers`` load their full KV (nothing rehearses layer 0). Sliding-window layers
 (Gemma-3) attend to their window, fetched from the pool; the policy rehearses the global layers, each in
@@ -96,8 +103,8 @@ class InfiniGenConfig(PolicyConfig):
         0.0,
         "threshold in logit units: tokens within alpha of a head's best speculative score are counted "
         "(inf = all, then the budget alone decides); 0 = the model's calibrated alpha per layer (infinikv "
-        "calibrate; calibrated at the calibration text's partial_ratio); the paper's constant for "
-        "Llama-family models is 5",
+        "calibrate; it counts sequences that rehearse at the calibration text's partial_ratio, the others "
+        "fetch their budget); the paper's constant for Llama-family models is 5",
         low=0,
         allow_inf=True,
     )
@@ -169,6 +176,17 @@ class InfiniGenConfig(PolicyConfig):
             return float(per_layer[layer]), f"calibrated: {tuned['layer_rule']}"
         return float(tuned[name]), f"calibrated: {tuned['rule']}"
 
+    def alpha_holds(self, skew: Skew | None, ratio: float) -> tuple[bool, str]:
+        """Whether the alpha in use counts a sequence that rehearses with ``ratio`` of the columns, and why:
+        a given alpha, or the paper's, always; calibrated alphas only at the ratio they were calibrated at."""
+        tuned = skew.tuned if skew is not None else None
+        if self.alpha or tuned is None or "alpha" not in tuned:
+            return True, "alpha"
+        calibrated_at = float(tuned["partial_ratio"])
+        if ratio == calibrated_at:
+            return True, "alpha"
+        return False, f"budget (alphas calibrated at partial ratio {calibrated_at:g}, this one's {ratio:g})"
+
     def widest_ratio(self, skew: Skew | None) -> float:
         """The widest partial ratio any prompt length resolves to: the prompt's partial keys are computed
         with it before its length is known."""
@@ -194,8 +212,10 @@ class InfiniGenPolicy(HostPoolPolicy):
             skew.check(spec)
         self._skew = skew
         self._alpha: dict[int, tuple[float, str]] = {}  # per layer: (alpha in use, where it came from)
-        # per sequence: (partial ratio in use, where it came from), fixed at the first decode step
+        # per sequence: (partial ratio in use, where it came from), fixed at the first decode step, and
+        # whether the alpha counts it (else its budget does) with the rule's name
         self._ratios: list[tuple[float, str]] | None = None
+        self._count_rules: list[tuple[bool, str]] = []
         layers = range(spec.num_layers)
         self._slots = [SlotTable() for _ in layers]
         # per managed layer: [kv_heads, d, k] onto the widest calibrated columns; then, from the first decode
@@ -273,6 +293,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             self._ratios = [
                 self.config.resolve("partial_ratio", skew, tokens=n) for n in self._real_tokens(layer)
             ]
+            self._count_rules = [self.config.alpha_holds(skew, ratio) for ratio, _ in self._ratios]
         ratios = sorted({ratio for ratio, _ in self._ratios})
         device = self._proj[layer].device
         widest = skew.columns(layer, self.config.widest_ratio(skew), flag)
@@ -308,6 +329,15 @@ class InfiniGenPolicy(HostPoolPolicy):
         if layer not in self._alpha:
             self._alpha[layer] = self.config.resolve("alpha", self.skew(), layer)
         return self._alpha[layer]
+
+    def _row_alphas(self, layer: int) -> float | Tensor:
+        """``layer``'s alpha for the sequences it counts, inf (the budget) for the others: one number when the
+        batch agrees, else [batch, 1, 1]."""
+        alpha = self.alpha(layer)[0]
+        per_row = [alpha if holds else math.inf for holds, _ in self._count_rules]
+        if len(set(per_row)) <= 1:
+            return per_row[0] if per_row else alpha
+        return torch.tensor(per_row, device=self._proj[layer].device)[:, None, None]
 
     def partial_ratios(self) -> list[tuple[float, str]]:
         """Per sequence, the share of key columns in use and where it came from
@@ -358,9 +388,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, and which of
         them each row attends to (None: all)."""
         start = time.perf_counter()
-        scores = self.speculate(layer, x, position_ids)
+        scores = self.speculate(layer, x, position_ids)  # settles each sequence's columns and count rule
         index, per_row = self.choose(
-            scores, self._real_tokens(layer), self.alpha(layer)[0], self._reserved(layer)
+            scores, self._real_tokens(layer), self._row_alphas(layer), self._reserved(layer)
         )
         self._selected[layer].append(per_row.float().mean())
         self._rehearsal_s += time.perf_counter() - start
@@ -394,10 +424,11 @@ class InfiniGenPolicy(HostPoolPolicy):
         return (scores - best.masked_fill(best == -math.inf, 0)).amax(dim=2)
 
     def choose(
-        self, scores: Tensor, real_tokens: list[int], alpha: float, reserved: Tensor | None = None
+        self, scores: Tensor, real_tokens: list[int], alpha: float | Tensor, reserved: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """Slots to fetch from speculative ``scores`` [batch, kv_heads, slots] (-inf = never): the top-n' per
-        head, n' the mean over heads of each row's count within ``alpha`` of its best, capped by the budget
+        head, n' the mean over heads of each row's count within ``alpha`` (one, or [batch, 1, 1]) of its best,
+        capped by the budget
         (of the row's ``real_tokens``) and its real slots. ``reserved`` [batch, kv_heads, slots] (sinks and
         recent window) are counted and come first. Returns (index [batch, kv_heads, max n'], n' per row)."""
         best = scores.amax(dim=-1, keepdim=True)
@@ -534,6 +565,8 @@ class InfiniGenPolicy(HostPoolPolicy):
                 # per sequence of the batch (by its prompt length)
                 partial_ratio_used=[ratio for ratio, _ in self._ratios],
                 partial_ratio_source="; ".join(dict.fromkeys(source for _, source in self._ratios)),
+                # per sequence: "alpha", or "budget (why)" where the calibrated alphas do not hold
+                count_rule_used=[rule for _, rule in self._count_rules],
             )
         return out
 

@@ -23,7 +23,8 @@ The columns a rehearsal needs grow with the context: among more past tokens, mor
 real top-k (SmolLM2-135M: 0.3 holds the target at 2k tokens, 0.75 at 4k and 8k). The ratio is therefore
 picked again, by the same rule, at the end of longer windows of the text (:data:`LENGTHS`, within the
 model's context), and a prompt takes the ratio of its length. The alphas are calibrated at the calibration
-text's ratio only.
+text's ratio only, and only sequences that rehearse at that ratio are counted with them (the policy's module
+docstring says why the others fetch their budget).
 
 The measurement is the decode path on the dense trajectory, computed from the dense passes calibration
 already makes: query position t of the text plays a decode step whose past is tokens 0..t-1 and whose new
