@@ -84,6 +84,17 @@ def test_fetch_of_rows_gathers_the_right_rows_and_counts_their_bytes():
     pool.close()
 
 
+def test_rows_are_gathered_on_the_host_where_the_device_cannot_read_the_pool(monkeypatch):
+    pool, k = _pool(300)
+    monkeypatch.setattr(KVPool, "_device_view", lambda self, flat: None)
+    index = torch.stack([torch.randperm(300)[:21] for _ in range(2 * 4)]).view(2, 4, 21).to(CUDA)
+    keys, values = pool.fetch(0, index).wait()
+    torch.cuda.synchronize()
+    expected = torch.gather(k, 2, index[..., None].expand(-1, -1, -1, k.shape[-1]))
+    assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    pool.close()
+
+
 def test_full_offload_counts_every_cached_byte(tiny_cuda):
     steps = 6
     config = GenerationConfig(max_new_tokens=steps, prefill_chunk=64)

@@ -405,6 +405,7 @@ def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny,
     tokens, stats = _tokens(tiny, "infinigen", prompts=[short, long], **knobs)
     assert tokens == alone
     assert stats["count_rule_used"][0] == "alpha" and stats["count_rule_used"][1].startswith("budget")
+    assert spy.choices
     for scores, real_tokens, _, per_row, _ in spy.choices:
         within = (scores > scores.amax(-1, keepdim=True) - 0.01).sum(-1).float().mean(-1).ceil().long()
         available = int((scores[1] > -math.inf).sum(-1).min())

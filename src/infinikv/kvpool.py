@@ -234,6 +234,8 @@ class KVPool:
         issued = time.perf_counter()
         self._stream.wait_stream(torch.cuda.current_stream(self.compute_device))
         timing = CopyTiming(_timed_event(), _timed_event())
+        if index is not None and index.is_cuda:  # read on the copy stream: not to be reused before that
+            index.record_stream(self._stream)
         with torch.cuda.stream(self._stream):
             timing.start.record(self._stream)
             result = self._copy(stores, length, index, extra)
@@ -278,8 +280,10 @@ class KVPool:
         if self.device_gather:
             mapped = self._device_view(flat)
             if mapped is not None:
-                return mapped.index_select(0, rows.to(self.compute_device)).view(store.dtype).view(shape)
-            rows = rows.to("cpu")
+                if not rows.is_cuda:  # a pinned source keeps the copy asynchronous
+                    rows = rows.pin_memory().to(self.compute_device, non_blocking=True)
+                return mapped.index_select(0, rows).view(store.dtype).view(shape)
+        rows = rows.to("cpu")
         staged = torch.empty((rows.numel(), flat.shape[1]), dtype=store.dtype, pin_memory=True)
         torch.index_select(flat, 0, rows, out=staged)
         return staged.view(shape).to(self.compute_device, non_blocking=True)
@@ -323,6 +327,8 @@ class KVPool:
         return out
 
     def close(self) -> None:
+        if self._stream is not None:  # no kernel may still read the pinned stores once they are dropped
+            self._stream.synchronize()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

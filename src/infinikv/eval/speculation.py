@@ -118,7 +118,7 @@ class SpeculationProbe(InfiniGenPolicy):
         return scores
 
     def choose(
-        self, scores: Tensor, real_tokens: list[int], alpha: float, reserved: Tensor | None = None
+        self, scores: Tensor, real_tokens: list[int], alpha: float | Tensor, reserved: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         index, per_row = super().choose(scores, real_tokens, alpha, reserved)
         ranked = scores if reserved is None else reserved_first(scores, reserved)
@@ -263,6 +263,7 @@ def probe(
         # what the calibrated knobs (0 = calibrated) resolved to in this run
         "partial_ratio_used": policy.resolve("partial_ratio", probe_policy.skew(), tokens=prefill)[0],
         "alpha_used": stats.get("alpha_used"),
+        "count_rule_used": (stats.get("count_rule_used") or ["alpha"])[0],
         "ppl": math.exp(sum(nll) / len(nll)),
         "kv_fetched_fraction": stats["kv_fetched_fraction"],
         "layers": probe_policy.layer_report(),
@@ -283,7 +284,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['text']}, {result['context']} tokens ({result['prefill']} prefilled, {result['scored']} "
         f"scored through the decode path), layers attend to: {result['attend']}; knobs: {knobs} (partial "
         f"ratio used {result['partial_ratio_used']:g}, alpha per managed layer "
-        f"{_alphas(result['alpha_used'])}). "
+        f"{_alphas(result['alpha_used'])}, count by {result.get('count_rule_used', 'alpha')}). "
         f"Perplexity of this run {result['ppl']:.3f}, KV fetched {result['kv_fetched_fraction']:.3f}.",
         "",
         "| layer | fetched | recall@budget | spec mass@budget | oracle mass@budget | best mass@budget "

@@ -111,7 +111,8 @@ class InfiniGenConfig(PolicyConfig):
     partial_ratio: float = knob(
         0.0,
         "share of head_dim columns used for speculation; 0 = the model's calibrated share for the prompt's "
-        "length (infinikv calibrate: 2k, 4k and 8k windows); the paper's is 0.2",
+        "length (infinikv calibrate: 2k, 4k and 8k windows); the paper's is 0.2 (with calibrated alphas, a "
+        "ratio other than the calibration text's fetches the budget: see alpha)",
         low=0,
         high=1,
     )
@@ -176,14 +177,15 @@ class InfiniGenConfig(PolicyConfig):
             return float(per_layer[layer]), f"calibrated: {tuned['layer_rule']}"
         return float(tuned[name]), f"calibrated: {tuned['rule']}"
 
-    def alpha_holds(self, skew: Skew | None, ratio: float) -> tuple[bool, str]:
+    def alpha_holds(self, skew: Skew | None, ratio: float, head_dim: int) -> tuple[bool, str]:
         """Whether the alpha in use counts a sequence that rehearses with ``ratio`` of the columns, and why:
-        a given alpha, or the paper's, always; calibrated alphas only at the ratio they were calibrated at."""
+        a given alpha, or the paper's, always; calibrated alphas only at as many columns as they were
+        calibrated with."""
         tuned = skew.tuned if skew is not None else None
-        if self.alpha or tuned is None or "alpha" not in tuned:
+        if self.alpha or tuned is None or "alpha" not in tuned or "partial_ratio" not in tuned:
             return True, "alpha"
         calibrated_at = float(tuned["partial_ratio"])
-        if ratio == calibrated_at:
+        if math.ceil(ratio * head_dim) == math.ceil(calibrated_at * head_dim):
             return True, "alpha"
         return False, f"budget (alphas calibrated at partial ratio {calibrated_at:g}, this one's {ratio:g})"
 
@@ -212,6 +214,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             skew.check(spec)
         self._skew = skew
         self._alpha: dict[int, tuple[float, str]] = {}  # per layer: (alpha in use, where it came from)
+        self._row_alpha: dict[int, float | Tensor] = {}  # per layer: its alpha per sequence (_row_alphas)
         # per sequence: (partial ratio in use, where it came from), fixed at the first decode step, and
         # whether the alpha counts it (else its budget does) with the rule's name
         self._ratios: list[tuple[float, str]] | None = None
@@ -293,7 +296,8 @@ class InfiniGenPolicy(HostPoolPolicy):
             self._ratios = [
                 self.config.resolve("partial_ratio", skew, tokens=n) for n in self._real_tokens(layer)
             ]
-            self._count_rules = [self.config.alpha_holds(skew, ratio) for ratio, _ in self._ratios]
+            head_dim = self.spec.head_dim
+            self._count_rules = [self.config.alpha_holds(skew, r, head_dim) for r, _ in self._ratios]
         ratios = sorted({ratio for ratio, _ in self._ratios})
         device = self._proj[layer].device
         widest = skew.columns(layer, self.config.widest_ratio(skew), flag)
@@ -330,14 +334,18 @@ class InfiniGenPolicy(HostPoolPolicy):
             self._alpha[layer] = self.config.resolve("alpha", self.skew(), layer)
         return self._alpha[layer]
 
-    def _row_alphas(self, layer: int) -> float | Tensor:
+    def _row_alphas(self, layer: int, dtype: torch.dtype) -> float | Tensor:
         """``layer``'s alpha for the sequences it counts, inf (the budget) for the others: one number when the
-        batch agrees, else [batch, 1, 1]."""
-        alpha = self.alpha(layer)[0]
-        per_row = [alpha if holds else math.inf for holds, _ in self._count_rules]
-        if len(set(per_row)) <= 1:
-            return per_row[0] if per_row else alpha
-        return torch.tensor(per_row, device=self._proj[layer].device)[:, None, None]
+        batch agrees, else [batch, 1, 1] in the scores' ``dtype`` (as a number would be)."""
+        if layer not in self._row_alpha:
+            alpha = self.alpha(layer)[0]
+            per_row = [alpha if holds else math.inf for holds, _ in self._count_rules]
+            if len(set(per_row)) <= 1:
+                self._row_alpha[layer] = per_row[0] if per_row else alpha
+            else:
+                device = self._proj[layer].device
+                self._row_alpha[layer] = torch.tensor(per_row, dtype=dtype, device=device)[:, None, None]
+        return self._row_alpha[layer]
 
     def partial_ratios(self) -> list[tuple[float, str]]:
         """Per sequence, the share of key columns in use and where it came from
@@ -390,7 +398,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         start = time.perf_counter()
         scores = self.speculate(layer, x, position_ids)  # settles each sequence's columns and count rule
         index, per_row = self.choose(
-            scores, self._real_tokens(layer), self._row_alphas(layer), self._reserved(layer)
+            scores, self._real_tokens(layer), self._row_alphas(layer, scores.dtype), self._reserved(layer)
         )
         self._selected[layer].append(per_row.float().mean())
         self._rehearsal_s += time.perf_counter() - start
