@@ -64,8 +64,10 @@ class Transfer:
         counters: TransferCounters,
         event: torch.cuda.Event | None = None,
         timing: CopyTiming | None = None,
+        keep: Tensor | None = None,
     ):
         self._result = result
+        self._keep = keep  # an input the copy reads, held until the compute stream waits for the copy
         self._event = event
         self._counters = counters
         self._timing = timing
@@ -88,7 +90,7 @@ class Transfer:
             self._timing.wait_end.record(stream)
             for tensor in self._result:  # made on the copy stream, used on this one
                 tensor.record_stream(stream)
-            self._event = None
+            self._event = self._keep = None
         self._counters.wait_s += time.perf_counter() - start
         return self._result
 
@@ -234,15 +236,15 @@ class KVPool:
         issued = time.perf_counter()
         self._stream.wait_stream(torch.cuda.current_stream(self.compute_device))
         timing = CopyTiming(_timed_event(), _timed_event())
-        if index is not None and index.is_cuda:  # read on the copy stream: not to be reused before that
-            index.record_stream(self._stream)
         with torch.cuda.stream(self._stream):
             timing.start.record(self._stream)
             result = self._copy(stores, length, index, extra)
             timing.end.record(self._stream)
         timing.issue_s = time.perf_counter() - issued
         self.counters.timings.append(timing)
-        return Transfer(result, self.counters, timing.end, timing)
+        # The copy stream reads a device index: it stays alive until the compute stream has waited for the
+        # copy, so its memory cannot be handed to compute-stream work the copy still races with.
+        return Transfer(result, self.counters, timing.end, timing, keep=index)
 
     def _copy(
         self, stores: tuple[Tensor, Tensor], length: int, index: Tensor | None, extra: int
