@@ -436,9 +436,9 @@ class InfiniGenPolicy(HostPoolPolicy):
     ) -> tuple[Tensor, Tensor]:
         """Slots to fetch from speculative ``scores`` [batch, kv_heads, slots] (-inf = never): the top-n' per
         head, n' the mean over heads of each row's count within ``alpha`` (one, or [batch, 1, 1]) of its best,
-        capped by the budget
-        (of the row's ``real_tokens``) and its real slots. ``reserved`` [batch, kv_heads, slots] (sinks and
-        recent window) are counted and come first. Returns (index [batch, kv_heads, max n'], n' per row)."""
+        capped by the budget (of the row's ``real_tokens``) and its real slots. ``reserved`` [batch, kv_heads,
+        slots] (sinks and recent window) are counted and come first. Returns (index [batch, kv_heads,
+        max n'], n' per row)."""
         best = scores.amax(dim=-1, keepdim=True)
         wanted = scores > best - alpha
         if reserved is not None:
