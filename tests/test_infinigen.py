@@ -84,6 +84,7 @@ def test_config_validation():
         dict(eviction="random"),
         dict(dense_layers=-1),
         dict(dense_layers=1.5),
+        dict(first_layers="rehearsed"),
         dict(skew="yes"),
     ):
         with pytest.raises(PolicyError):
@@ -112,19 +113,56 @@ def _decode_logits(loaded, policy, steps: int = 12, **knobs) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-@pytest.mark.parametrize("dense_layers", [0, 2])
-def test_full_budget_equals_dense(kind, dense_layers, tiny, tiny_gemma, calibrated):
+@pytest.mark.parametrize(("dense_layers", "first_layers"), [(0, "dense"), (2, "dense"), (2, "own")])
+def test_full_budget_equals_dense(kind, dense_layers, first_layers, tiny, tiny_gemma, calibrated):
     loaded = tiny if kind == "llama" else tiny_gemma
+    knobs = dict(alpha=math.inf, dense_layers=dense_layers, first_layers=first_layers)
     dense, _ = _tokens(loaded, "dense")
-    full, stats = _tokens(loaded, "infinigen", alpha=math.inf, budget=1.0, dense_layers=dense_layers)
+    full, stats = _tokens(loaded, "infinigen", budget=1.0, **knobs)
     assert full == dense
     assert stats["selected_tokens_mean"] > 0  # layers really were rehearsed and selected
     # Logits match too, and the comparison is sensitive: a 3-token budget moves them.
     reference = _decode_logits(loaded, "dense")
-    same = _decode_logits(loaded, "infinigen", alpha=math.inf, budget=1.0, dense_layers=dense_layers)
+    same = _decode_logits(loaded, "infinigen", budget=1.0, **knobs)
     assert torch.allclose(same, reference, atol=1e-4, rtol=1e-4)
-    starved = _decode_logits(loaded, "infinigen", alpha=math.inf, budget=3, dense_layers=dense_layers)
+    starved = _decode_logits(loaded, "infinigen", budget=3, **knobs)
     assert (starved - reference).abs().max() > 1e-2
+
+
+def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypatch):
+    """With first_layers "own", layers below dense_layers fetch a budget's tokens chosen from their own
+    attention input (not rehearsed from the layer before), and the others still rehearse one layer ahead."""
+    seen: dict[int, list[torch.Tensor]] = {}  # per layer, the inputs its attention received
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda _m, args, kwargs, i=i: seen.setdefault(i, []).append(kwargs["hidden_states"].clone()),
+            with_kwargs=True,
+        )
+        for i, layer in enumerate(tiny.model.model.layers)
+    ]
+    speculated: list[tuple[int, torch.Tensor]] = []
+    speculate = InfiniGenPolicy.speculate
+
+    def spy(policy, layer, x, position_ids):
+        speculated.append((layer, x.clone()))
+        return speculate(policy, layer, x, position_ids)
+
+    monkeypatch.setattr(InfiniGenPolicy, "speculate", spy)
+    try:
+        _, stats = _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=2, first_layers="own")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    step_of = {layer: 0 for layer in seen}
+    for layer, x in speculated:  # decode steps in order: the prefill input is seen[i][0]
+        step_of[layer] += 1
+        source = layer if layer < 2 else layer - 1
+        assert torch.equal(x, seen[source][step_of[layer]])
+    per_layer = stats["selected_tokens_per_layer"]
+    assert per_layer[0] is not None and per_layer[1] is not None and per_layer[0]["max"] <= 3
+    _, dense_first = _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=2, first_layers="dense")
+    assert dense_first["selected_tokens_per_layer"][0] is None
+    assert stats["decode_bytes_h2d"] < dense_first["decode_bytes_h2d"]
 
 
 @pytest.mark.parametrize("skewed", [True, False])
@@ -273,7 +311,7 @@ def test_stats(tiny, calibrated):
     assert 0 < stats["kv_fetch_fraction"] < 1
     assert stats["decode_bytes_h2d"] <= stats["bytes_h2d"]
     per_layer = stats["selected_tokens_per_layer"]
-    assert per_layer[0] is None and per_layer[1] is None and per_layer[2]["max"] >= per_layer[2]["mean"] > 0
+    assert all(layer["max"] >= layer["mean"] > 0 for layer in per_layer)  # the first two with their own query
     assert stats["rehearsal_s"] > 0 and stats["kv_bytes_device"] > 0 and stats["evicted_tokens"] == 0
 
 
@@ -319,7 +357,10 @@ def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrat
     assert tuned["partial_ratio"] in calibration.tuning.RATIOS and "full-width" in tuned["ratio_rule"]
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4)
     assert stats["alpha"] == 0 and stats["partial_ratio"] == 0  # the knobs: 0 = calibrated
-    assert stats["alpha_used"] == tuned["alpha_per_layer"] and stats["alpha_source"].startswith("calibrated")
+    # layers without their own calibrated alpha (the first two, which select with their own query) count
+    # with the one for all layers
+    expected = [tuned["alpha"] if alpha is None else alpha for alpha in tuned["alpha_per_layer"]]
+    assert stats["alpha_used"] == expected and stats["alpha_source"].startswith("calibrated")
     assert tuned["ratio_by_length"][0] == {  # the calibration text's window first
         "tokens": 256,
         "partial_ratio": tuned["partial_ratio"],
@@ -328,7 +369,7 @@ def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrat
     assert stats["partial_ratio_used"] == [tuned["partial_ratio"]]  # a prompt shorter than 256 tokens
     assert stats["partial_ratio_source"].startswith("calibrated at 256 tokens")
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4, alpha=5.0, partial_ratio=0.5)
-    assert stats["alpha_used"] == [None, None] + [5.0] * (tiny.spec.num_layers - 2)
+    assert stats["alpha_used"] == [5.0] * tiny.spec.num_layers
     assert stats["alpha_source"] == "given"
     assert stats["partial_ratio_used"] == [0.5] and stats["partial_ratio_source"] == "given"
     older = dataclasses.replace(skews[tiny.weights_id], tuned=None)  # a file from before calibrated knobs
@@ -390,7 +431,7 @@ def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny,
         {"tokens": 4096, "partial_ratio": 1.0},
     ]
     # alpha 0.01 on every layer: few tokens within it, so the count is far below the budget
-    per_layer = [None, None] + [0.01] * (tiny.spec.num_layers - 2)
+    per_layer = [0.01] * tiny.spec.num_layers
     tuned = {**tuned, "ratio_by_length": ratios, "alpha_per_layer": per_layer}
     skew = dataclasses.replace(skews[tiny.weights_id], tuned=tuned)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
@@ -426,9 +467,9 @@ def test_each_layer_counts_with_its_own_calibrated_alpha(tiny, skews, monkeypatc
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
     spy = _Spy(monkeypatch)
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=6, window=0)
-    expected = [None, None, 0.5] + [3.0] * (layers - 3)
+    expected = [3.0, 3.0, 0.5] + [3.0] * (layers - 3)  # the first two select with their own query
     assert stats["alpha_used"] == expected
-    assert spy.alphas and spy.alphas == expected[2:] * (len(spy.alphas) // (layers - 2))
+    assert spy.alphas and sorted(spy.alphas) == sorted(expected * (len(spy.alphas) // layers))
     for alpha, (scores, real_tokens, _, per_row, _) in zip(spy.alphas, spy.choices, strict=True):
         counts = (scores > scores.amax(-1, keepdim=True) - alpha).sum(-1).float().mean(-1).ceil().long()
         assert int(per_row[0]) == min(int(counts[0]), resolve_budget(0.2, real_tokens[0]))
@@ -452,11 +493,17 @@ def test_rehearsal_share_counts_the_partial_keys_of_managed_layers_only(tiny, ti
     on the managed layers (not the dense ones, not Gemma-3's sliding layers), as a share of all the keys."""
     for loaded in (tiny, tiny_gemma):
         spec = loaded.spec
-        config = InfiniGenConfig(partial_ratio=0.3, dense_layers=1)
-        managed = [layer for layer in range(spec.num_layers) if layer >= 1 and not spec.is_sliding(layer)]
         columns = math.ceil(0.3 * spec.head_dim) / spec.head_dim
-        assert config.rehearsal_share(spec) == pytest.approx(columns * len(managed) / spec.num_layers)
-    assert InfiniGenConfig(partial_ratio=0.3).rehearsal_share(tiny_gemma.spec) < 0.3 / 2
+        for first_layers in ("dense", "own"):
+            config = InfiniGenConfig(partial_ratio=0.3, dense_layers=1, first_layers=first_layers)
+            managed = [
+                layer
+                for layer in range(spec.num_layers)
+                if (layer >= 1 or first_layers == "own") and not spec.is_sliding(layer)
+            ]
+            assert config.rehearsal_share(spec) == pytest.approx(columns * len(managed) / spec.num_layers)
+    dense_first = InfiniGenConfig(partial_ratio=0.3, first_layers="dense")
+    assert dense_first.rehearsal_share(tiny_gemma.spec) < 0.3 / 2
 
 
 def test_rehearsal_share_follows_the_prompt_length(tiny, skews, monkeypatch):
@@ -468,7 +515,7 @@ def test_rehearsal_share_follows_the_prompt_length(tiny, skews, monkeypatch):
         "cached_skew",
         lambda spec: dataclasses.replace(skew, tuned={**skew.tuned, "ratio_by_length": ratios}),
     )
-    spec, config = tiny.spec, InfiniGenConfig(dense_layers=1)
+    spec, config = tiny.spec, InfiniGenConfig(dense_layers=1, first_layers="dense")
     managed = (spec.num_layers - 1) / spec.num_layers
     for tokens, ratio in ((50, 0.25), (1000, 0.75)):
         columns = math.ceil(ratio * spec.head_dim) / spec.head_dim

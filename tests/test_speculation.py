@@ -86,7 +86,7 @@ def test_probe_run_is_an_infinigen_run(tiny, tiny_skew, monkeypatch, tmp_path):
     text = tmp_path / "t.txt"
     assert result["ppl"] == pytest.approx(reference["ppl"], rel=1e-5)
     assert result["kv_fetched_fraction"] == pytest.approx(reference["kv_fetched_fraction"])
-    assert [r["layer"] for r in result["layers"]] == [2, 3]
+    assert [r["layer"] for r in result["layers"]] == [0, 1, 2, 3]  # the first two select with their own query
     for row in result["layers"]:
         assert 0 <= row["recall_budget"] <= 1 and 0 < row["mass_spec_fetched"] <= 1
     dense = probe(tiny, knobs, SpeculationConfig(str(text), context=160, scored=40, attend="dense"))
@@ -111,11 +111,11 @@ def test_probe_reads_a_store_cut_to_the_prompt_lengths_ratio(tiny, tiny_skew, mo
 
 def test_prompt_coverage_is_the_probe_on_the_dense_trajectory(tiny, tiny_skew, monkeypatch, tmp_path):
     """Calibration's one-pass alpha curve (each prompt position as a decode step) equals the probe's, measured
-    through the decode path with every layer attending densely."""
+    through the decode path with every layer attending densely, on the rehearsed layers (those calibrated)."""
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: tiny_skew)
     text = tmp_path / "t.txt"
     text.write_text(TEXT, encoding="utf-8")
-    knobs = InfiniGenConfig(budget=0.3, partial_ratio=0.25)
+    knobs = InfiniGenConfig(budget=0.3, partial_ratio=0.25, first_layers="dense")
     result = probe(tiny, knobs, SpeculationConfig(str(text), context=160, scored=41, attend="dense"))
     ids = ppl.make_windows(tiny, ppl.PerplexityConfig(str(text), 160, 119))[:, :159]  # 40 decode steps
 

@@ -17,8 +17,9 @@ Same rules as ``infinigen`` so the two compare at matched bytes: per KV head, ea
 are taken relative to that head's best and the group's heads are combined by max (a token counts if any
 head of the group wants it); k = ``resolve_budget(budget, real past tokens)`` per sequence (the gather is as
 wide as the largest; a shorter row's extra entries are its own masked padding, so each sequence attends
-to what it would alone); the first ``dense_layers`` layers load their full KV; sliding-window layers
-attend to their window.
+to what it would alone); every layer selects, as InfiniGen's do by default (its first layers with their own
+query; ``dense_layers`` loads the first layers whole, as InfiniGen's ``--first-layers dense``);
+sliding-window layers attend to their window.
 ``n_sink``/``window`` reserve part of the budget for the first and the most recent tokens (StreamingLLM's
 sinks and window, which later selectors keep): the ceiling of a selector that keeps them.
 """
@@ -46,7 +47,9 @@ class OracleConfig(PolicyConfig):
         low=0,
         open_low=True,
     )
-    dense_layers: int = knob(2, "the first layers, which load their full KV (as InfiniGen's)", low=0)
+    dense_layers: int = knob(
+        0, "the first layers, which load their full KV (InfiniGen's select too, with their own query)", low=0
+    )
     n_sink: int = knob(0, "first real tokens always among the budget's tokens", low=0)
     window: int = knob(0, "most recent past tokens always among the budget's tokens", low=0)
 
