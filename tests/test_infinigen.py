@@ -131,7 +131,8 @@ def test_full_budget_equals_dense(kind, dense_layers, first_layers, tiny, tiny_g
 
 def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypatch):
     """With first_layers "own", layers below dense_layers fetch a budget's tokens chosen from their own
-    attention input (not rehearsed from the layer before), and the others still rehearse one layer ahead."""
+    attention input (not rehearsed from the layer before), before the look-ahead starts the next layer's
+    copy, and the others still rehearse one layer ahead."""
     seen: dict[int, list[torch.Tensor]] = {}  # per layer, the inputs its attention received
     hooks = [
         layer.self_attn.register_forward_pre_hook(
@@ -149,19 +150,22 @@ def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypa
 
     monkeypatch.setattr(InfiniGenPolicy, "speculate", spy)
     try:
-        _, stats = _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=2, first_layers="own")
+        _, stats = _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=3, first_layers="own")
     finally:
         for hook in hooks:
             hook.remove()
+    layers = tiny.spec.num_layers  # 4: layers 0-2 select with their own input, layer 3 is rehearsed
+    order = [layer for layer, _ in speculated]
+    assert order and order == list(range(layers)) * (len(order) // layers)  # own copy before the look-ahead
     step_of = {layer: 0 for layer in seen}
     for layer, x in speculated:  # decode steps in order: the prefill input is seen[i][0]
         step_of[layer] += 1
-        source = layer if layer < 2 else layer - 1
+        source = layer if layer < 3 else layer - 1
         assert torch.equal(x, seen[source][step_of[layer]])
     per_layer = stats["selected_tokens_per_layer"]
-    assert per_layer[0] is not None and per_layer[1] is not None and per_layer[0]["max"] <= 3
-    _, dense_first = _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=2, first_layers="dense")
-    assert dense_first["selected_tokens_per_layer"][0] is None
+    assert all(per_layer[layer]["max"] <= 3 for layer in range(layers))
+    _, dense_first = _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=3, first_layers="dense")
+    assert dense_first["selected_tokens_per_layer"][:3] == [None] * 3
     assert stats["decode_bytes_h2d"] < dense_first["decode_bytes_h2d"]
 
 

@@ -2,10 +2,11 @@
 
 Three pieces join a transformers model to a policy, all installed once per model by :func:`install`:
 
-1. a forward pre-hook on each attention module: in a decode step, for a policy that declares
-   ``prefetches``, it runs the look-ahead here, once for all such policies — ``policy.plan(i + 1, x,
-   position_ids)`` from layer i's normalised input x (layer 0 also plans itself) — then gives the policy
-   the layer's own input (``policy.before_attention``), and passes the cache on to the attention function;
+1. a forward pre-hook on each attention module: in a decode step it gives the policy the layer's own
+   normalised input x (``policy.before_attention``; first, so a copy the layer starts for itself is not
+   queued behind the look-ahead's), then, for a policy that declares ``prefetches``, runs the look-ahead
+   here, once for all such policies — ``policy.plan(i + 1, x, position_ids)`` (layer 0 also plans
+   itself) — and passes the cache on to the attention function;
 2. ``InfinikvCache.update`` (called by the attention module after q/k/v and RoPE): prefill chunks go to
    ``policy.prefill``, decode tokens to ``policy.decode``, which returns the K/V the layer attends to;
 3. the attention function registered as ``"infinikv"``: it fits the model's mask to the policy's selection
@@ -108,12 +109,13 @@ class InfinikvCache(Cache):
             policy.key_valid = None if mask is None else mask[:, 0, -1, :]
         if not self._is_decode(layer, x.shape[1]):
             return
+        # First: a copy the layer starts for itself must not queue behind the next layer's.
+        policy.before_attention(layer, x, position_ids)
         if policy.prefetches:
             # Look one layer ahead, so the copy for layer i+1 overlaps layer i's compute.
             for target in (0, 1) if layer == 0 else (layer + 1,):
                 if target < policy.spec.num_layers:
                     policy.plan(target, x, position_ids)
-        policy.before_attention(layer, x, position_ids)
 
     # -- called from the attention module via Cache.update -------------------------------------------------
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -173,7 +173,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "partial_ratio_by_length": skew.tuned["ratio_by_length"],
         "alpha_per_layer": skew.tuned["alpha_per_layer"],
         "alpha_per_layer_rule": skew.tuned["layer_rule"],
-        "alpha": skew.tuned["alpha"],  # for layers without their own (dense_layers below the default)
+        "alpha": skew.tuned["alpha"],  # for layers without their own (the first dense_layers)
         "alpha_rule": skew.tuned["rule"],
         "alpha_curve": skew.tuned["curve"],
     }

@@ -22,7 +22,7 @@ speed path the top-k by |Q̃| of the prompt itself.
 The same pass calibrates the share of columns ``partial_ratio`` and the threshold ``alpha`` (``tuning.py``):
 the last ``tuning.POSITIONS`` positions of the text play decode steps, layer i rehearsed from layer i-1's
 captured input; the smallest ratio whose speculated top-k holds ``tuning.RATIO_TARGET`` of what full-width
-speculation holds (averaged over the layers InfiniGen manages at its default knobs), then, per managed
+speculation holds (averaged over the layers InfiniGen rehearses at its default knobs), then, per rehearsed
 layer, the smallest alpha whose count rule keeps ``tuning.TARGET`` of that layer's dense attention, are
 stored with the skew. A second pass over a longer prefix of the same text (up to ``tuning.LENGTHS``, within
 the model's context) calibrates the ratio again at the end of each longer window: the narrow rehearsal that

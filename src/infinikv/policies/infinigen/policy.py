@@ -43,9 +43,9 @@ lost accuracy). The paper loads them whole (``first_layers`` dense): on SmolLM2-
 6.7 % of full offload's bytes, two fifths of what InfiniGen moves at budget 10 %. By default (``own``) they
 select like the others, by the same count rule and budget, from their own query once it is computed: those
 two copies are not prefetched (each waits on its layer), and the bytes drop to the budget's
-(docs/results-infinigen.md measures both). Sliding-window layers
-(Gemma-3) attend to their window, fetched from the pool; the policy rehearses the global layers, each in
-the hook of the layer before it whatever that layer's type.
+(docs/results-infinigen.md measures both). Sliding-window layers (Gemma-3) attend to their window, fetched
+from the pool; the policy rehearses the other global layers, each in the hook of the layer before it
+whatever that layer's type.
 
 Where this differs from the paper's artifact: one skewing matrix per KV head (grouped-query attention);
 scores use the layer's own attention scale (1/√d for Llama); with grouped-query attention each query head's
@@ -373,16 +373,16 @@ class InfiniGenPolicy(HostPoolPolicy):
         return list(self._ratios or [])
 
     # -- decode: rehearsal and prefetch ----------------------------------------------------------------------
-    def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if layer == 0:  # the cache plans layer 0 first in every decode step
+    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        if layer == 0:  # the cache calls this before anything else of a decode step
             self._step += 1
+        if self.managed(layer) and not self.rehearsed(layer):
+            self._in_flight[layer] = self.start_fetch(layer, x, position_ids)
+
+    def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if self.managed(layer) and not self.rehearsed(layer):
             return  # it selects with its own input (before_attention)
         super().plan(layer, x, position_ids)
-
-    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if self.managed(layer) and not self.rehearsed(layer):
-            self._in_flight[layer] = self.start_fetch(layer, x, position_ids)
 
     def start_fetch(
         self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None

@@ -17,7 +17,8 @@ Llama; 20 % of the columns). What they cost depends on the model:
   Calibration measures, at the chosen ratio, the attention each managed layer's count rule keeps at each
   alpha of a grid and picks, per layer, the smallest alpha that keeps ``TARGET`` of that layer's attention
   (:data:`LAYER_RULE`; SmolLM2: 3 to 12). One alpha for all layers, the smallest keeping ``TARGET`` on
-  average (:data:`RULE`), is stored too, for layers not calibrated (``dense_layers`` below the default).
+  average (:data:`RULE`), is stored too, for layers not calibrated: the first ``dense_layers``, which select
+  with their own query (``first_layers`` own), and any below a default ``dense_layers`` set lower.
 
 The columns a rehearsal needs grow with the context: among more past tokens, more are mistaken for the
 real top-k (SmolLM2-135M: 0.3 holds the target at 2k tokens, 0.75 at 4k and 8k). The ratio is therefore
