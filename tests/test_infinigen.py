@@ -85,6 +85,8 @@ def test_config_validation():
         dict(dense_layers=-1),
         dict(dense_layers=1.5),
         dict(first_layers="rehearsed"),
+        dict(own_query_layers="x"),
+        dict(own_query_layers="3,-1"),
         dict(skew="yes"),
     ):
         with pytest.raises(PolicyError):
@@ -167,6 +169,43 @@ def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypa
     _, dense_first = _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=3, first_layers="dense")
     assert dense_first["selected_tokens_per_layer"][:3] == [None] * 3
     assert stats["decode_bytes_h2d"] < dense_first["decode_bytes_h2d"]
+
+
+def test_own_query_layers_choose_with_their_own_input(tiny, calibrated, monkeypatch):
+    """A later layer named in own_query_layers chooses from its own input, the others still one layer ahead;
+    at full budget that is dense, token for token; a layer the model does not have is a clear error."""
+    speculated: list[tuple[int, torch.Tensor]] = []
+    speculate = InfiniGenPolicy.speculate
+
+    def spy(policy, layer, x, position_ids):
+        speculated.append((layer, x.clone()))
+        return speculate(policy, layer, x, position_ids)
+
+    seen: dict[int, list[torch.Tensor]] = {}
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda _m, args, kwargs, i=i: seen.setdefault(i, []).append(kwargs["hidden_states"].clone()),
+            with_kwargs=True,
+        )
+        for i, layer in enumerate(tiny.model.model.layers)
+    ]
+    monkeypatch.setattr(InfiniGenPolicy, "speculate", spy)
+    try:
+        _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=1, own_query_layers="2")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    step_of = {layer: 0 for layer in seen}
+    for layer, x in speculated:
+        step_of[layer] += 1
+        source = layer if layer in (0, 2) else layer - 1  # layer 1 and 3 rehearsed from the one before
+        assert torch.equal(x, seen[source][step_of[layer]])
+    monkeypatch.setattr(InfiniGenPolicy, "speculate", speculate)
+    dense, _ = _tokens(tiny, "dense")
+    full, _ = _tokens(tiny, "infinigen", alpha=math.inf, budget=1.0, own_query_layers="2,3")
+    assert full == dense
+    with pytest.raises(PolicyError, match="own_query_layers"):
+        _tokens(tiny, "infinigen", own_query_layers=str(tiny.spec.num_layers))
 
 
 @pytest.mark.parametrize("skewed", [True, False])

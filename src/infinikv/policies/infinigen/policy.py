@@ -140,6 +140,11 @@ class InfiniGenConfig(PolicyConfig):
         "prefetched: it waits on the layer; calibrated alpha: the one for all layers)",
         choices=FIRST_LAYERS,
     )
+    own_query_layers: str = knob(
+        "",
+        "comma-separated later layers that also choose with their own query, once it exists (not "
+        "prefetched), for a layer whose rehearsal from the layer before misses (SmolLM2-135M: 20)",
+    )
     skew: bool = knob(
         True, "false: the identity instead of the skewing matrices (partial columns by the same rule)"
     )
@@ -150,6 +155,23 @@ class InfiniGenConfig(PolicyConfig):
         low=0,
     )
     window: int = knob(32, "most recent past tokens always fetched on managed layers (paper: 0)", low=0)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.own_query_set()  # a malformed list fails here, before any model work
+
+    def own_query_set(self) -> frozenset[int]:
+        """The layers of ``own_query_layers``."""
+        try:
+            layers = frozenset(int(part) for part in self.own_query_layers.split(",") if part.strip())
+        except ValueError:
+            layers = frozenset([-1])
+        if any(layer < 0 for layer in layers):
+            raise PolicyError(
+                f"own_query_layers must be comma-separated layer numbers, got {self.own_query_layers!r}",
+                knob="own_query_layers",
+            )
+        return layers
 
     def prepare(self, loaded: Any) -> None:
         from .calibration import ensure_skew
@@ -229,6 +251,13 @@ class InfiniGenPolicy(HostPoolPolicy):
         if skew is not None:
             skew.check(spec)
         self._skew = skew
+        self._own_query = config.own_query_set()
+        if any(layer >= spec.num_layers for layer in self._own_query):
+            last = spec.num_layers - 1
+            raise PolicyError(
+                f"own_query_layers: this model's layers are 0-{last}, got {config.own_query_layers!r}",
+                knob="own_query_layers",
+            )
         self._alpha: dict[int, tuple[float, str]] = {}  # per layer: (alpha in use, where it came from)
         self._row_alpha: dict[int, float | Tensor] = {}  # per layer: its alpha per sequence (_row_alphas)
         # per sequence: (partial ratio in use, where it came from), fixed at the first decode step, and
@@ -262,7 +291,7 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def rehearsed(self, layer: int) -> bool:
         """Selected from the previous layer's input, one layer ahead (else from its own, when it comes)."""
-        return self.managed(layer) and layer >= self.config.dense_layers
+        return self.managed(layer) and layer >= self.config.dense_layers and layer not in self._own_query
 
     def limit(self, layer: int, seen: int) -> int:
         """Most tokens the pool may hold for ``layer`` after ``seen`` tokens."""
