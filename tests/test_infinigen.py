@@ -131,17 +131,16 @@ def test_full_budget_equals_dense(kind, dense_layers, first_layers, tiny, tiny_g
     assert (starved - reference).abs().max() > 1e-2
 
 
-def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypatch):
-    """With first_layers "own", layers below dense_layers fetch a budget's tokens chosen from their own
-    attention input (not rehearsed from the layer before), before the look-ahead starts the next layer's
-    copy, and the others still rehearse one layer ahead."""
-    seen: dict[int, list[torch.Tensor]] = {}  # per layer, the inputs its attention received
+def _speculation_inputs(loaded, monkeypatch, **knobs):
+    """Run InfiniGen with ``knobs``: (each speculate call's (layer, input) in order, each layer's attention
+    inputs in order (the prefill's first), the run's stats)."""
+    seen: dict[int, list[torch.Tensor]] = {}
     hooks = [
         layer.self_attn.register_forward_pre_hook(
             lambda _m, args, kwargs, i=i: seen.setdefault(i, []).append(kwargs["hidden_states"].clone()),
             with_kwargs=True,
         )
-        for i, layer in enumerate(tiny.model.model.layers)
+        for i, layer in enumerate(loaded.model.model.layers)
     ]
     speculated: list[tuple[int, torch.Tensor]] = []
     speculate = InfiniGenPolicy.speculate
@@ -152,10 +151,19 @@ def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypa
 
     monkeypatch.setattr(InfiniGenPolicy, "speculate", spy)
     try:
-        _, stats = _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=3, first_layers="own")
+        _, stats = _tokens(loaded, "infinigen", new=4, budget=3, **knobs)
     finally:
         for hook in hooks:
             hook.remove()
+        monkeypatch.setattr(InfiniGenPolicy, "speculate", speculate)
+    return speculated, seen, stats
+
+
+def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypatch):
+    """With first_layers "own", layers below dense_layers fetch a budget's tokens chosen from their own
+    attention input (not rehearsed from the layer before), before the look-ahead starts the next layer's
+    copy, and the others still rehearse one layer ahead."""
+    speculated, seen, stats = _speculation_inputs(tiny, monkeypatch, dense_layers=3, first_layers="own")
     layers = tiny.spec.num_layers  # 4: layers 0-2 select with their own input, layer 3 is rehearsed
     order = [layer for layer, _ in speculated]
     assert order and order == list(range(layers)) * (len(order) // layers)  # own copy before the look-ahead
@@ -174,33 +182,12 @@ def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypa
 def test_own_query_layers_choose_with_their_own_input(tiny, calibrated, monkeypatch):
     """A later layer named in own_query_layers chooses from its own input, the others still one layer ahead;
     at full budget that is dense, token for token; a layer the model does not have is a clear error."""
-    speculated: list[tuple[int, torch.Tensor]] = []
-    speculate = InfiniGenPolicy.speculate
-
-    def spy(policy, layer, x, position_ids):
-        speculated.append((layer, x.clone()))
-        return speculate(policy, layer, x, position_ids)
-
-    seen: dict[int, list[torch.Tensor]] = {}
-    hooks = [
-        layer.self_attn.register_forward_pre_hook(
-            lambda _m, args, kwargs, i=i: seen.setdefault(i, []).append(kwargs["hidden_states"].clone()),
-            with_kwargs=True,
-        )
-        for i, layer in enumerate(tiny.model.model.layers)
-    ]
-    monkeypatch.setattr(InfiniGenPolicy, "speculate", spy)
-    try:
-        _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=1, own_query_layers="2")
-    finally:
-        for hook in hooks:
-            hook.remove()
+    speculated, seen, _ = _speculation_inputs(tiny, monkeypatch, dense_layers=1, own_query_layers="2")
     step_of = {layer: 0 for layer in seen}
     for layer, x in speculated:
         step_of[layer] += 1
         source = layer if layer in (0, 2) else layer - 1  # layer 1 and 3 rehearsed from the one before
         assert torch.equal(x, seen[source][step_of[layer]])
-    monkeypatch.setattr(InfiniGenPolicy, "speculate", speculate)
     dense, _ = _tokens(tiny, "dense")
     full, _ = _tokens(tiny, "infinigen", alpha=math.inf, budget=1.0, own_query_layers="2,3")
     assert full == dense

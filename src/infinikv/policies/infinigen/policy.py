@@ -162,16 +162,13 @@ class InfiniGenConfig(PolicyConfig):
 
     def own_query_set(self) -> frozenset[int]:
         """The layers of ``own_query_layers``."""
-        try:
-            layers = frozenset(int(part) for part in self.own_query_layers.split(",") if part.strip())
-        except ValueError:
-            layers = frozenset([-1])
-        if any(layer < 0 for layer in layers):
+        parts = [part.strip() for part in self.own_query_layers.split(",") if part.strip()]
+        if not all(part.isdigit() for part in parts):
             raise PolicyError(
                 f"own_query_layers must be comma-separated layer numbers, got {self.own_query_layers!r}",
                 knob="own_query_layers",
             )
-        return layers
+        return frozenset(int(part) for part in parts)
 
     def prepare(self, loaded: Any) -> None:
         from .calibration import ensure_skew
@@ -251,13 +248,20 @@ class InfiniGenPolicy(HostPoolPolicy):
         if skew is not None:
             skew.check(spec)
         self._skew = skew
-        self._own_query = config.own_query_set()
-        if any(layer >= spec.num_layers for layer in self._own_query):
+        named = config.own_query_set()
+        if any(layer >= spec.num_layers for layer in named):
             last = spec.num_layers - 1
             raise PolicyError(
                 f"own_query_layers: this model's layers are 0-{last}, got {config.own_query_layers!r}",
                 knob="own_query_layers",
             )
+        self._managed = [config.selects(spec, layer) for layer in range(spec.num_layers)]
+        # managed layers that choose with their own input (before_attention), not one layer ahead (plan)
+        self._own_query = {
+            layer
+            for layer, managed in enumerate(self._managed)
+            if managed and (layer < config.dense_layers or layer in named)
+        }
         self._alpha: dict[int, tuple[float, str]] = {}  # per layer: (alpha in use, where it came from)
         self._row_alpha: dict[int, float | Tensor] = {}  # per layer: its alpha per sequence (_row_alphas)
         # per sequence: (partial ratio in use, where it came from), fixed at the first decode step, and
@@ -287,11 +291,7 @@ class InfiniGenPolicy(HostPoolPolicy):
     # -- which layer does what -------------------------------------------------------------------------------
     def managed(self, layer: int) -> bool:
         """Selectively fetched (the others load their full KV or their window)."""
-        return self.config.selects(self.spec, layer)
-
-    def rehearsed(self, layer: int) -> bool:
-        """Selected from the previous layer's input, one layer ahead (else from its own, when it comes)."""
-        return self.managed(layer) and layer >= self.config.dense_layers and layer not in self._own_query
+        return self._managed[layer]
 
     def limit(self, layer: int, seen: int) -> int:
         """Most tokens the pool may hold for ``layer`` after ``seen`` tokens."""
@@ -405,11 +405,11 @@ class InfiniGenPolicy(HostPoolPolicy):
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if layer == 0:  # the cache calls this before anything else of a decode step
             self._step += 1
-        if self.managed(layer) and not self.rehearsed(layer):
+        if layer in self._own_query:
             self._in_flight[layer] = self.start_fetch(layer, x, position_ids)
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if self.managed(layer) and not self.rehearsed(layer):
+        if layer in self._own_query:
             return  # it selects with its own input (before_attention)
         super().plan(layer, x, position_ids)
 
