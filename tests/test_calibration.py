@@ -164,8 +164,10 @@ def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
     assert report["alpha"] in calibration.tuning.ALPHAS and len(report["alpha_curve"]) == len(
         calibration.tuning.ALPHAS
     )
-    assert report["alpha_per_layer"][:2] == [None, None]  # the dense layers have none
-    assert set(report["alpha_per_layer"][2:]) <= set(calibration.tuning.ALPHAS)
+    # every layer has its own (the first two scored with their own query)
+    assert set(report["alpha_per_layer"]) <= set(calibration.tuning.ALPHAS)
+    assert [row["layer"] for row in report["own_query_curve"]] == [2, 3]  # the rehearsed layers
+    assert report["own_query_layers"] == []  # at most an eighth of two layers
     assert report["partial_ratio"] in calibration.tuning.RATIOS
     assert main([*args, "--tokens", "96"]) == 0
     assert "calibrated alpha per layer" in capsys.readouterr().err
@@ -188,8 +190,11 @@ def test_calibrated_knobs_are_stored_with_the_skew_and_reloaded(tiny, tmp_path, 
     assert kept == sorted(kept) and 0 < kept[0] <= kept[-1] <= 1  # a larger alpha never keeps less
     assert made.tuned["alpha"] == calibration.tuning.pick_alpha(kept)
     per_layer = made.tuned["alpha_per_layer"]
-    assert len(per_layer) == tiny.spec.num_layers and per_layer[:2] == [None, None]
-    assert all(alpha in calibration.tuning.ALPHAS for alpha in per_layer[2:])
+    assert len(per_layer) == tiny.spec.num_layers
+    assert all(alpha in calibration.tuning.ALPHAS for alpha in per_layer)
+    kept = {row["layer"]: row["recall_kept"] for row in made.tuned["own_query_curve"]}
+    assert list(kept) == [2, 3] and all(0 < share <= 1 for share in kept.values())
+    assert made.tuned["own_query_layers"] == calibration.tuning.pick_own_query(kept)
     reloaded = skewfile.cached_skew(tiny.spec)
     assert reloaded.tuned == made.tuned
 
@@ -210,6 +215,16 @@ def test_pick_ratio_takes_the_smallest_share_close_enough_to_full_width():
     assert calibration.tuning.pick_ratio([0.5, 0.7, 0.78, 0.8], ratios, target=0.9) == 0.5
     assert calibration.tuning.pick_ratio([0.5, 0.73, 0.78, 0.8], ratios, target=0.9) == 0.2
     assert calibration.tuning.pick_ratio([0.1, 0.2, 0.3, 0.8], ratios, target=0.9) == 1.0
+
+
+def test_pick_own_query_takes_the_worst_rehearsed_layers_below_the_target_up_to_the_share():
+    pick = calibration.tuning.pick_own_query
+    kept = {2: 0.95, 3: 0.7, 4: 0.85, 5: 0.99, 6: 0.89, 7: 0.97, 8: 0.96, 9: 0.98}
+    assert pick(kept, target=0.9, most_share=0.25) == [3, 4]  # three below 0.9, the two worst kept
+    assert pick(kept, target=0.9, most_share=0.5) == [3, 4, 6]
+    assert pick(kept, target=0.8, most_share=0.5) == [3]
+    assert pick(kept, target=0.9, most_share=0.1) == []  # an eighth of fewer than 8 layers is none
+    assert pick({layer: 0.99 for layer in range(16)}, target=0.9, most_share=0.5) == []
 
 
 def test_speculation_recall_is_one_when_speculation_sees_the_real_query_at_full_width(tiny_skew):

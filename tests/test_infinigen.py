@@ -72,6 +72,9 @@ def _tokens(loaded, policy, prompts=PROMPTS, new=24, **knobs):
 def test_config_validation():
     assert make_config("infinigen") == InfiniGenConfig()
     assert make_config("infinigen", alpha=math.inf).alpha == math.inf
+    assert InfiniGenConfig().own_query_set() is None  # the calibrated layers
+    assert make_config("infinigen", own_query_layers="none").own_query_set() == frozenset()
+    assert make_config("infinigen", own_query_layers="3, 1").own_query_set() == {1, 3}
     for bad in (
         dict(alpha=-1),
         dict(alpha=math.nan),
@@ -87,6 +90,7 @@ def test_config_validation():
         dict(first_layers="rehearsed"),
         dict(own_query_layers="x"),
         dict(own_query_layers="3,-1"),
+        dict(own_query_layers="none,3"),
         dict(skew="yes"),
     ):
         with pytest.raises(PolicyError):
@@ -189,10 +193,30 @@ def test_own_query_layers_choose_with_their_own_input(tiny, calibrated, monkeypa
         source = layer if layer in (0, 2) else layer - 1  # layer 1 and 3 rehearsed from the one before
         assert torch.equal(x, seen[source][step_of[layer]])
     dense, _ = _tokens(tiny, "dense")
-    full, _ = _tokens(tiny, "infinigen", alpha=math.inf, budget=1.0, own_query_layers="2,3")
+    full, stats = _tokens(tiny, "infinigen", alpha=math.inf, budget=1.0, own_query_layers="2,3")
     assert full == dense
+    assert stats["own_query_layers_used"] == [0, 1, 2, 3] and stats["own_query_source"] == "given"
     with pytest.raises(PolicyError, match="own_query_layers"):
         _tokens(tiny, "infinigen", own_query_layers=str(tiny.spec.num_layers))
+
+
+def test_calibrated_own_query_layers_are_used_by_default_and_flags_override(tiny, skews, monkeypatch):
+    """own_query_layers calibrated (the default): the layers the calibration names choose with their own
+    input; none, or a given list, overrides it."""
+    skew = skews[tiny.weights_id]
+    tuned = {**skew.tuned, "own_query_layers": [3]}
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
+    for knobs, own in ((dict(), (0, 1, 3)), (dict(own_query_layers="none"), (0, 1))):
+        speculated, seen, stats = _speculation_inputs(tiny, monkeypatch, **knobs)
+        step_of = {layer: 0 for layer in seen}
+        for layer, x in speculated:
+            step_of[layer] += 1
+            assert torch.equal(x, seen[layer if layer in own else layer - 1][step_of[layer]])
+        assert stats["own_query_layers_used"] == list(own)
+        assert stats["own_query_source"].startswith("calibrated" if not knobs else "given")
+    without = {key: value for key, value in skew.tuned.items() if key != "own_query_layers"}
+    older = dataclasses.replace(skew, tuned=without)  # a calibration from before own-query layers
+    assert InfiniGenConfig().resolve_own_query(older)[0] == frozenset()
 
 
 @pytest.mark.parametrize("skewed", [True, False])
@@ -387,9 +411,9 @@ def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrat
     assert tuned["partial_ratio"] in calibration.tuning.RATIOS and "full-width" in tuned["ratio_rule"]
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4)
     assert stats["alpha"] == 0 and stats["partial_ratio"] == 0  # the knobs: 0 = calibrated
-    # layers without their own calibrated alpha (the first two, which select with their own query) count
-    # with the one for all layers
-    expected = [tuned["alpha"] if alpha is None else alpha for alpha in tuned["alpha_per_layer"]]
+    # every layer has its own calibrated alpha (the first two scored with their own query)
+    expected = tuned["alpha_per_layer"]
+    assert None not in expected
     assert stats["alpha_used"] == expected and stats["alpha_source"].startswith("calibrated")
     assert tuned["ratio_by_length"][0] == {  # the calibration text's window first
         "tokens": 256,

@@ -173,9 +173,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "partial_ratio_by_length": skew.tuned["ratio_by_length"],
         "alpha_per_layer": skew.tuned["alpha_per_layer"],
         "alpha_per_layer_rule": skew.tuned["layer_rule"],
-        "alpha": skew.tuned["alpha"],  # for layers without their own (the first dense_layers)
+        "alpha": skew.tuned["alpha"],  # for layers without their own (below a dense_layers set lower)
         "alpha_rule": skew.tuned["rule"],
         "alpha_curve": skew.tuned["curve"],
+        # later layers that choose with their own query, not rehearsed from the layer before
+        "own_query_layers": skew.tuned["own_query_layers"],
+        "own_query_rule": skew.tuned["own_query_rule"],
+        "own_query_curve": skew.tuned["own_query_curve"],
     }
     ratio = report["partial_ratio"]
     report["partial_share_skewed"] = round(concentration(skew, ratio), 4)
@@ -190,7 +194,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"Σ|Q|+Σ|K| skewed vs {report['partial_share_identity']:.1%} unskewed; by prompt length "
             f"{_by_length(report['partial_ratio_by_length'])}; calibrated alpha per "
             f"layer {_spread(report['alpha_per_layer'])} ({report['alpha_per_layer_rule']}), for other "
-            f"layers {report['alpha']:g} ({report['alpha_rule']})",
+            f"layers {report['alpha']:g} ({report['alpha_rule']}); layers choosing with their own query "
+            f"{_listed(report['own_query_layers'])} ({report['own_query_rule']})",
             file=sys.stderr,
         )
     return 0
@@ -200,6 +205,10 @@ def _by_length(entries: list[dict[str, Any]]) -> str:
     """'≤2048: 0.3, ≤4096: 0.4, longer: 0.75' for a calibration's ratio per prompt length."""
     parts = [f"≤{e['tokens']}: {e['partial_ratio']:g}" for e in entries]
     return ", ".join(parts + [f"longer: {entries[-1]['partial_ratio']:g}"]) if entries else "none"
+
+
+def _listed(layers: list[int]) -> str:
+    return ", ".join(map(str, layers)) if layers else "none"
 
 
 def _spread(values: list[float | None]) -> str:

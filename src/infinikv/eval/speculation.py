@@ -2,10 +2,10 @@
 
 InfiniGen (Lee et al., OSDI 2024, https://arxiv.org/abs/2406.19707) chooses layer i's tokens from a
 *speculated* score: layer i-1's input times a few skewed columns of layer i's query weights, against the
-same columns of layer i's keys (its first layers, with ``first_layers`` own, score with their own input:
-there ``recall_realq_budget`` equals ``recall_budget``). The ``oracle`` policy chooses from the real
-scores. This module measures, per layer, how far apart the two are while the text is fed through
-the decode path (a dense prefill, then teacher-forced decode steps, with
+same columns of layer i's keys (its first layers, with ``first_layers`` own, and its own-query layers score
+with their own input: there ``recall_realq_budget`` equals ``recall_budget``). The ``oracle`` policy chooses
+from the real scores. This module measures, per layer, how far apart the two are while the text is fed
+through the decode path (a dense prefill, then teacher-forced decode steps, with
 :class:`~infinikv.eval.runner.DecodeRun`):
 
 * ``recall_budget``: the share of the oracle's top-k (k = the budget cap) that the speculated top-k holds;

@@ -22,12 +22,14 @@ speed path the top-k by |Q̃| of the prompt itself.
 The same pass calibrates the share of columns ``partial_ratio`` and the threshold ``alpha`` (``tuning.py``):
 the last ``tuning.POSITIONS`` positions of the text play decode steps, layer i rehearsed from layer i-1's
 captured input; the smallest ratio whose speculated top-k holds ``tuning.RATIO_TARGET`` of what full-width
-speculation holds (averaged over the layers InfiniGen rehearses at its default knobs), then, per rehearsed
-layer, the smallest alpha whose count rule keeps ``tuning.TARGET`` of that layer's dense attention, are
-stored with the skew. A second pass over a longer prefix of the same text (up to ``tuning.LENGTHS``, within
-the model's context) calibrates the ratio again at the end of each longer window: the narrow rehearsal that
-serves 2k tokens loses needles among 8k (``ratio_by_length``; the policy picks each sequence's ratio by its
-prompt length). The skewing matrices and the alphas come from the first pass alone.
+speculation holds (averaged over the layers InfiniGen rehearses at its default knobs), the layers whose
+rehearsal keeps less than ``tuning.OWN_TARGET`` of what their own query finds (they choose with it), then,
+per managed layer, the smallest alpha whose count rule keeps ``tuning.TARGET`` of that layer's dense
+attention, are stored with the skew. A second pass over a longer prefix of the same text (up to
+``tuning.LENGTHS``, within the model's context) calibrates the ratio again at the end of each longer window:
+the narrow rehearsal that serves 2k tokens loses needles among 8k (``ratio_by_length``; the policy picks each
+sequence's ratio by its prompt length); the own-query layers are chosen over every window. The skewing
+matrices and the alphas come from the first pass alone.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ Tensor = torch.Tensor
 DEFAULT_CORPUS = "austen"
 DEFAULT_TOKENS = 2048
 # stored with the skew (``tune``)
-TUNED_KNOBS = ("alpha", "alpha_per_layer", "partial_ratio", "ratio_by_length")
+TUNED_KNOBS = ("alpha", "alpha_per_layer", "partial_ratio", "ratio_by_length", "own_query_layers")
 
 
 def ensure_skew(loaded: LoadedModel) -> Skew:
@@ -203,57 +205,82 @@ def _captured(loaded: LoadedModel, ids: Tensor, ends: tuple[int, ...], fit: bool
 
 def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor, Tensor, Tensor]]]) -> dict:
     """InfiniGen's calibrated knobs at its default budget and dense layers, from ``windows`` (per window end,
-    the shortest first: per layer, its tuning inputs): first the partial ratio (``tuning.RATIO_RULE``), then
-    at that ratio the threshold of each managed layer (``tuning.LAYER_RULE``) and one for every layer
-    (``tuning.RULE``, used on layers not calibrated), both on the shortest window; then the ratio again at
-    the end of each longer window (``ratio_by_length``); each with its rule."""
+    the shortest first: per layer, its tuning inputs): first the partial ratio (``tuning.RATIO_RULE``), on
+    the shortest window and again at the end of each longer one (``ratio_by_length``); then the layers that
+    choose with their own query (``tuning.OWN_QUERY_RULE``); then, at the shortest window's ratio, the
+    threshold of each managed layer (``tuning.LAYER_RULE``) and one for every layer (``tuning.RULE``, used on
+    layers not calibrated); each with its rule."""
     from .policy import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
 
     defaults = InfiniGenConfig()
     shortest = min(windows)
     inputs = windows[shortest]
-    managed = [
-        layer
-        for layer in range(spec.num_layers)
-        if layer >= defaults.dense_layers and not spec.is_sliding(layer) and layer in inputs
-    ]
-    if not managed:  # nothing to rehearse at the defaults: the paper's constants
+    calibrated = [layer for layer in range(spec.num_layers) if not spec.is_sliding(layer) and layer in inputs]
+    rehearsed = [layer for layer in calibrated if layer >= defaults.dense_layers]
+    if not rehearsed:  # nothing to rehearse at the defaults: the paper's constants
         rule = "paper (no managed layer to calibrate on)"
         paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO, "ratio_by_length": []}
         per_layer = {"alpha_per_layer": [None] * spec.num_layers, "layer_rule": rule}
-        return {**paper, **per_layer, "rule": rule, "curve": [], "ratio_rule": rule, "ratio_curve": []}
+        own = {"own_query_layers": [], "own_query_rule": rule, "own_query_curve": []}
+        return {**paper, **per_layer, **own, "rule": rule, "curve": [], "ratio_rule": rule, "ratio_curve": []}
     settings = {
         "dense_layers": defaults.dense_layers,
         "budget": defaults.budget,
-        "positions": inputs[managed[0]][0].shape[1],
+        "positions": inputs[rehearsed[0]][0].shape[1],
     }
 
-    def recalls_at(end: int) -> list[float]:  # per ratio of tuning.RATIOS, the mean over managed layers
-        per_layer = [
-            tuning.prompt_recall(
-                *windows[end][layer],
-                [skew.projection(layer, ratio, defaults.skew) for ratio in tuning.RATIOS],
-                spec.scaling(layer),
-                defaults.budget,
-            )
-            for layer in managed
-        ]
-        return torch.tensor(per_layer).mean(0).tolist()
+    def recalls_at(end: int) -> Tensor:  # [rehearsed layers, tuning.RATIOS]
+        return torch.tensor(
+            [
+                tuning.prompt_recall(
+                    *windows[end][layer],
+                    [skew.projection(layer, ratio, defaults.skew) for ratio in tuning.RATIOS],
+                    spec.scaling(layer),
+                    defaults.budget,
+                )
+                for layer in rehearsed
+            ]
+        )
 
     by_length = {end: recalls_at(end) for end in sorted(windows)}
-    recalls = by_length[shortest]
-    ratio = tuning.pick_ratio(recalls)
+    ratio_of = {end: tuning.pick_ratio(recalls.mean(0).tolist()) for end, recalls in by_length.items()}
+
+    # per rehearsed layer and window: the share of its own query's recall (same columns) that rehearsal keeps
+    shares = []
+    for end, recalls in by_length.items():
+        column = tuning.RATIOS.index(ratio_of[end])
+        own_recall = [
+            tuning.prompt_recall(
+                windows[end][layer][0],
+                windows[end][layer][1],
+                windows[end][layer][0],  # the layer's own query
+                [skew.projection(layer, ratio_of[end], defaults.skew)],
+                spec.scaling(layer),
+                defaults.budget,
+            )[0]
+            for layer in rehearsed
+        ]
+        rehearsed_recall = recalls[:, column].tolist()
+        shares.append(
+            [min(1.0, r / o) if o else 1.0 for r, o in zip(rehearsed_recall, own_recall, strict=True)]
+        )
+    kept_by_layer = dict(zip(rehearsed, torch.tensor(shares).mean(0).tolist(), strict=True))
+    own_query = tuning.pick_own_query(kept_by_layer)
+
+    ratio = ratio_of[shortest]
     kept, fetched = [], []
-    for layer in managed:
+    for layer in calibrated:
+        q, k, q_rehearsed = inputs[layer]
+        chooses_own = layer < defaults.dense_layers or layer in own_query
         projection = skew.projection(layer, ratio, defaults.skew)
         share, fraction = tuning.prompt_coverage(
-            *inputs[layer], projection, spec.scaling(layer), defaults.budget
+            q, k, q if chooses_own else q_rehearsed, projection, spec.scaling(layer), defaults.budget
         )
         kept.append(share)
         fetched.append(fraction)
     kept_mean, fetched_mean = torch.stack(kept).mean(0).tolist(), torch.stack(fetched).mean(0).tolist()
     per_layer: list[float | None] = [None] * spec.num_layers
-    for layer, share in zip(managed, kept, strict=True):
+    for layer, share in zip(calibrated, kept, strict=True):
         per_layer[layer] = tuning.pick_alpha(share.tolist())
     return {
         "alpha_per_layer": per_layer,
@@ -269,17 +296,30 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
             ratios=list(tuning.RATIOS), target=tuning.RATIO_TARGET, **settings
         ),
         "ratio_curve": [
-            {"partial_ratio": r, "recall": round(m, 4)} for r, m in zip(tuning.RATIOS, recalls, strict=True)
+            {"partial_ratio": r, "recall": round(m, 4)}
+            for r, m in zip(tuning.RATIOS, by_length[shortest].mean(0).tolist(), strict=True)
         ],
         # the ratio the same rule picks at the end of each window; a prompt takes the shortest window at
         # least as long as itself (longer prompts: the longest)
         "ratio_by_length": [
             {
                 "tokens": end,
-                "partial_ratio": tuning.pick_ratio(curve),
-                "curve": [round(m, 4) for m in curve],
+                "partial_ratio": ratio_of[end],
+                "curve": [round(m, 4) for m in recalls.mean(0).tolist()],
             }
-            for end, curve in by_length.items()
+            for end, recalls in by_length.items()
+        ],
+        "own_query_layers": own_query,
+        "own_query_rule": tuning.OWN_QUERY_RULE.format(
+            target=tuning.OWN_TARGET,
+            share=tuning.OWN_MAX_SHARE,
+            count=len(rehearsed),
+            ends=sorted(windows),
+            dense_layers=defaults.dense_layers,
+            budget=defaults.budget,
+        ),
+        "own_query_curve": [
+            {"layer": layer, "recall_kept": round(share, 4)} for layer, share in kept_by_layer.items()
         ],
     }
 

@@ -43,7 +43,10 @@ lost accuracy). The paper loads them whole (``first_layers`` dense): on SmolLM2-
 6.7 % of full offload's bytes, two fifths of what InfiniGen moves at budget 10 %. By default (``own``) they
 select like the others, by the same count rule and budget, from their own query once it is computed: those
 two copies are not prefetched (each waits on its layer), and the bytes drop to the budget's
-(docs/results-infinigen.md measures both). Sliding-window layers (Gemma-3) attend to their window, fetched
+(docs/results-infinigen.md measures both). A later layer whose rehearsal misses what its own query finds
+(its input moves far from the previous layer's) chooses the same way: ``own_query_layers``, by default the
+model's calibrated ones (``tuning.py``; SmolLM2-135M: layer 20), at most an eighth of the layers, so that
+most copies still overlap. Sliding-window layers (Gemma-3) attend to their window, fetched
 from the pool; the policy rehearses the other global layers, each in the hook of the layer before it
 whatever that layer's type.
 
@@ -141,9 +144,11 @@ class InfiniGenConfig(PolicyConfig):
         choices=FIRST_LAYERS,
     )
     own_query_layers: str = knob(
-        "",
-        "comma-separated later layers that also choose with their own query, once it exists (not "
-        "prefetched), for a layer whose rehearsal from the layer before misses (SmolLM2-135M: 20)",
+        "calibrated",
+        "later layers that also choose with their own query once it exists (their copy not prefetched), for "
+        "a layer whose rehearsal from the layer before misses: calibrated = the model's (infinikv calibrate: "
+        "those whose rehearsal keeps < 90 % of their own query's recall, at most 1/8 of the layers; "
+        "SmolLM2-135M: 20), none, or comma-separated layer numbers",
     )
     skew: bool = knob(
         True, "false: the identity instead of the skewing matrices (partial columns by the same rule)"
@@ -160,15 +165,30 @@ class InfiniGenConfig(PolicyConfig):
         super().__post_init__()
         self.own_query_set()  # a malformed list fails here, before any model work
 
-    def own_query_set(self) -> frozenset[int]:
-        """The layers of ``own_query_layers``."""
-        parts = [part.strip() for part in self.own_query_layers.split(",") if part.strip()]
+    def own_query_set(self) -> frozenset[int] | None:
+        """The layers of ``own_query_layers``; None for the model's calibrated ones."""
+        given = self.own_query_layers.strip()
+        if given == "calibrated":
+            return None
+        parts = [] if given == "none" else [part.strip() for part in given.split(",")]
         if not all(part.isdigit() for part in parts):
             raise PolicyError(
-                f"own_query_layers must be comma-separated layer numbers, got {self.own_query_layers!r}",
+                "own_query_layers must be calibrated, none or comma-separated layer numbers, got "
+                f"{self.own_query_layers!r}",
                 knob="own_query_layers",
             )
         return frozenset(int(part) for part in parts)
+
+    def resolve_own_query(self, skew: Skew | None) -> tuple[frozenset[int], str]:
+        """The later layers that choose with their own query with ``skew``, and where they came from (as
+        :meth:`resolve`)."""
+        named = self.own_query_set()
+        if named is not None:
+            return named, "given"
+        tuned = skew.tuned if skew is not None else None
+        if tuned is None or "own_query_layers" not in tuned:
+            return frozenset(), "none (this calibration names none; the paper rehearses every layer)"
+        return frozenset(tuned["own_query_layers"]), f"calibrated: {tuned['own_query_rule']}"
 
     def prepare(self, loaded: Any) -> None:
         from .calibration import ensure_skew
@@ -249,19 +269,17 @@ class InfiniGenPolicy(HostPoolPolicy):
             skew.check(spec)
         self._skew = skew
         named = config.own_query_set()
-        if any(layer >= spec.num_layers for layer in named):
+        if named is not None and any(layer >= spec.num_layers for layer in named):
             last = spec.num_layers - 1
             raise PolicyError(
                 f"own_query_layers: this model's layers are 0-{last}, got {config.own_query_layers!r}",
                 knob="own_query_layers",
             )
         self._managed = [config.selects(spec, layer) for layer in range(spec.num_layers)]
-        # managed layers that choose with their own input (before_attention), not one layer ahead (plan)
-        self._own_query = {
-            layer
-            for layer, managed in enumerate(self._managed)
-            if managed and (layer < config.dense_layers or layer in named)
-        }
+        # managed layers that choose with their own input (before_attention), not one layer ahead (plan);
+        # settled with the calibration at the first decode step (own_query)
+        self._own_query: frozenset[int] | None = None
+        self._own_query_source = ""
         self._alpha: dict[int, tuple[float, str]] = {}  # per layer: (alpha in use, where it came from)
         self._row_alpha: dict[int, float | Tensor] = {}  # per layer: its alpha per sequence (_row_alphas)
         # per sequence: (partial ratio in use, where it came from), fixed at the first decode step, and
@@ -292,6 +310,18 @@ class InfiniGenPolicy(HostPoolPolicy):
     def managed(self, layer: int) -> bool:
         """Selectively fetched (the others load their full KV or their window)."""
         return self._managed[layer]
+
+    def own_query(self) -> frozenset[int]:
+        """The managed layers that choose with their own query: the first ``dense_layers`` and the own-query
+        layers (:meth:`InfiniGenConfig.resolve_own_query`)."""
+        if self._own_query is None:
+            later, self._own_query_source = self.config.resolve_own_query(self.skew())
+            self._own_query = frozenset(
+                layer
+                for layer, managed in enumerate(self._managed)
+                if managed and (layer < self.config.dense_layers or layer in later)
+            )
+        return self._own_query
 
     def limit(self, layer: int, seen: int) -> int:
         """Most tokens the pool may hold for ``layer`` after ``seen`` tokens."""
@@ -405,11 +435,11 @@ class InfiniGenPolicy(HostPoolPolicy):
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if layer == 0:  # the cache calls this before anything else of a decode step
             self._step += 1
-        if layer in self._own_query:
+        if layer in self.own_query():
             self._in_flight[layer] = self.start_fetch(layer, x, position_ids)
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if layer in self._own_query:
+        if layer in self.own_query():
             return  # it selects with its own input (before_attention)
         super().plan(layer, x, position_ids)
 
@@ -622,6 +652,11 @@ class InfiniGenPolicy(HostPoolPolicy):
                 # per layer, None for the layers that load their full KV or their window
                 alpha_used=[self._alpha[i][0] if i in self._alpha else None for i in range(len(self._slots))],
                 alpha_source="; ".join(sources),
+            )
+        if self._own_query is not None:
+            out.update(
+                own_query_layers_used=sorted(self._own_query),  # the first layers' included
+                own_query_source=self._own_query_source,
             )
         if self._ratios:
             out.update(

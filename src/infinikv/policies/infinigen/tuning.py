@@ -16,9 +16,17 @@ Llama; 20 % of the columns). What they cost depends on the model:
   all, layer 20 fetches 2 % of the context and keeps 60 % of its attention while the mean layer keeps 92 %).
   Calibration measures, at the chosen ratio, the attention each managed layer's count rule keeps at each
   alpha of a grid and picks, per layer, the smallest alpha that keeps ``TARGET`` of that layer's attention
-  (:data:`LAYER_RULE`; SmolLM2: 3 to 12). One alpha for all layers, the smallest keeping ``TARGET`` on
-  average (:data:`RULE`), is stored too, for layers not calibrated: the first ``dense_layers``, which select
-  with their own query (``first_layers`` own), and any below a default ``dense_layers`` set lower.
+  (:data:`LAYER_RULE`; SmolLM2: 3 to 12). Each layer is measured with the query it chooses with: its own for
+  the first ``dense_layers`` (``first_layers`` own) and the own-query layers below, else the rehearsed one.
+  One alpha for all layers, the smallest keeping ``TARGET`` on average (:data:`RULE`), is stored too, for
+  layers not calibrated (below a default ``dense_layers`` set lower);
+* own-query layers: on a layer whose input changes much from the previous layer's, the rehearsal misses
+  what the layer's own query (through the same partial columns) finds (SmolLM2-135M: layer 20 keeps 84 % of
+  its own query's recall of the real top-k, the median layer 95 %). Such a layer does better choosing once
+  its own query exists, at the price of a copy that is not prefetched: calibration names the layers whose
+  rehearsal keeps less than :data:`OWN_TARGET` of their own query's recall, averaged over the calibration
+  windows, the lowest first and at most :data:`OWN_MAX_SHARE` of the rehearsed layers, so that most copies
+  still overlap (:data:`OWN_QUERY_RULE`).
 
 The columns a rehearsal needs grow with the context: among more past tokens, more are mistaken for the
 real top-k (SmolLM2-135M: 0.3 holds the target at 2k tokens, 0.75 at 4k and 8k). The ratio is therefore
@@ -50,6 +58,8 @@ SLACK = 0.001  # when the budget cap keeps less than the target: alphas this clo
 RATIOS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
 RATIO_TARGET = 0.9  # share of full-width speculation's recall of the real top-k the calibrated ratio keeps
 LENGTHS = (4096, 8192)  # window ends, beyond the calibration text's, at which the ratio is calibrated again
+OWN_TARGET = 0.9  # share of its own query's recall below which a layer's rehearsal gives way to that query
+OWN_MAX_SHARE = 0.125  # most own-query layers, as a share of the rehearsed ones (their copies wait)
 RATIO_RULE = (
     "smallest partial ratio of {ratios} whose speculated top-k holds >= {target:.0%} of the real top-k "
     "tokens that full-width speculation holds (k = the budget cap {budget}), averaged over the managed "
@@ -58,14 +68,22 @@ RATIO_RULE = (
 LAYER_RULE = (
     "per managed layer, the smallest alpha of {alphas} whose count rule keeps >= {target:.0%} of that "
     "layer's dense attention (or, when its budget cap keeps less, within 0.1 point of what the cap keeps), "
-    "over the last {positions} positions of the calibration text (budget {budget}, dense_layers "
-    "{dense_layers})"
+    "scored with the query it chooses with (its own on the first dense_layers {dense_layers} and the "
+    "own-query layers, else rehearsed), over the last {positions} positions of the calibration text "
+    "(budget {budget})"
 )
 RULE = (
     "smallest alpha of {alphas} whose count rule keeps >= {target:.0%} of the dense attention (or, when the "
     "budget cap keeps less, within 0.1 point of what the cap keeps), averaged over the managed layers "
-    "(dense_layers {dense_layers}, budget {budget}) and the last {positions} positions of the calibration "
-    "text"
+    "(dense_layers {dense_layers}, budget {budget}), each scored with the query it chooses with, and the "
+    "last {positions} positions of the calibration text"
+)
+OWN_QUERY_RULE = (
+    "per rehearsed layer (from dense_layers {dense_layers}), the share of its own query's recall of the real "
+    "top-k that the rehearsal from the previous layer's input keeps (partial columns at each window's "
+    "calibrated ratio, k = the budget cap {budget}), averaged over the windows ending at {ends} tokens; the "
+    "layers keeping < {target:.0%} choose with their own query, the lowest first, at most {share:.1%} of "
+    "the {count} rehearsed layers"
 )
 
 
@@ -201,3 +219,14 @@ def pick_ratio(
     reaches ``target`` of the full-width recall."""
     full = recalls[-1]
     return next(ratio for ratio, recall in zip(ratios, recalls, strict=True) if recall >= target * full)
+
+
+def pick_own_query(
+    kept: dict[int, float], target: float = OWN_TARGET, most_share: float = OWN_MAX_SHARE
+) -> list[int]:
+    """The layers that choose with their own query: of ``kept`` (per rehearsed layer, the share of its own
+    query's recall that its rehearsal keeps), those below ``target``, the lowest first, at most
+    ``most_share`` of them all (rounded down); in layer order."""
+    most = int(most_share * len(kept))
+    below = sorted((share, layer) for layer, share in kept.items() if share < target)
+    return sorted(layer for _, layer in below[:most])
