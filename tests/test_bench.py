@@ -167,6 +167,12 @@ def test_link_model_arithmetic():
     assert p.step_s == pytest.approx(0.1006 + 1e-3 / 30)  # overlapped: max + one layer of the smaller
     serial = StepTraffic(bytes_h2d=1e9, copies=60, device_read_bytes=1e9, overlapped=False, layers=30)
     assert project(serial, link, device).step_s == pytest.approx(0.1006 + 1e-3)
+    # a device-bound step whose 3 of 30 layers wait on their own query: their tenth of the link time is
+    # added after the overlapped rest
+    small = StepTraffic(bytes_h2d=1e7, copies=0, device_read_bytes=2e9, overlapped=True, layers=30)
+    waiting = StepTraffic(**{**small.__dict__, "waiting_layers": 3})
+    assert project(small, link, device).step_s == pytest.approx(2e-3 + 1e-3 / 30)
+    assert project(waiting, link, device).step_s == pytest.approx(2e-3 + 0.9e-3 / 30 + 0.1e-3)
 
 
 def test_crossover_bandwidth():

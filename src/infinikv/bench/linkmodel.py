@@ -10,7 +10,9 @@ InfiniGen (Lee et al., OSDI 2024, https://arxiv.org/abs/2406.19707) and FlexGen
 * Device time = bytes the step reads from device memory (weights + attended K/V + partial keys) / device
   memory bandwidth (single-token decode is memory-bound).
 * Policies that prefetch layer i+1 while layer i computes overlap the two, layer by layer: the step takes
-  max(link, device) plus one layer's worth of the smaller (the pipeline fill). Others add them.
+  max(link, device) plus one layer's worth of the smaller (the pipeline fill). Others add them. A layer
+  whose copy starts only once its own query exists (InfiniGen's first and own-query layers) waits for it:
+  its share of the link time (layers counted alike) is added, not overlapped.
 
 Figures are public specification numbers (theoretical peaks), stated with their sources in ``LINKS`` and
 ``DEVICES``; real transfers reach roughly 80-90 % of them, so projections are optimistic for the link.
@@ -68,6 +70,7 @@ class StepTraffic:
     device_read_bytes: float  # weights + attended K/V + side structures read from device memory
     overlapped: bool  # the policy prefetches layer i+1 during layer i
     layers: int
+    waiting_layers: int = 0  # of an overlapped policy: layers whose copy waits on their own query
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,9 @@ def project(traffic: StepTraffic, link: Link, device: Device) -> Projection:
     link_s = traffic.bytes_h2d / link.bandwidth + traffic.copies * link.latency
     device_s = traffic.device_read_bytes / device.bandwidth
     if traffic.overlapped and traffic.layers > 0:
-        step_s = max(link_s, device_s) + min(link_s, device_s) / traffic.layers
+        waiting_s = link_s * traffic.waiting_layers / traffic.layers
+        hidden_s = link_s - waiting_s
+        step_s = max(hidden_s, device_s) + min(hidden_s, device_s) / traffic.layers + waiting_s
     else:
         step_s = link_s + device_s
     return Projection(link_s, device_s, step_s)

@@ -80,6 +80,7 @@ def summarise_runs(
         + entry.rehearsal_share(loaded, context) * element_row * loaded.spec.num_layers * mean_cached * batch,
         overlapped=entry.prefetches,
         layers=loaded.spec.num_layers,
+        waiting_layers=len(runs[-1].stats_after.get("own_query_layers_used", [])),
     )
     row["traffic"] = {k: getattr(traffic, k) for k in traffic.__dataclass_fields__}
     row["projected_step_s"] = {
