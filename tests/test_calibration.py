@@ -195,8 +195,24 @@ def test_calibrated_knobs_are_stored_with_the_skew_and_reloaded(tiny, tmp_path, 
     kept = {row["layer"]: row["recall_kept"] for row in made.tuned["own_query_curve"]}
     assert list(kept) == [2, 3] and all(0 < share <= 1 for share in kept.values())
     assert made.tuned["own_query_layers"] == calibration.tuning.pick_own_query(kept)
+    # each layer's alpha at the defaults is the one scored as it chooses there: the first two by their
+    # own query, the others rehearsed (no own-query layer among two)
+    own, rehearsed = made.tuned["alpha_per_layer_own"], made.tuned["alpha_per_layer_rehearsed"]
+    assert per_layer == own[:2] + rehearsed[2:]
     reloaded = skewfile.cached_skew(tiny.spec)
     assert reloaded.tuned == made.tuned
+
+
+def test_an_own_query_layer_is_calibrated_with_its_own_query(tiny, monkeypatch):
+    """A layer the calibration names an own-query layer gets the alpha scored with its own query."""
+    monkeypatch.setattr(calibration.tuning, "pick_own_query", lambda kept: [3])
+    made = calibration.calibrate(tiny, text=TEXT, tokens=128, save=False)
+    tuned = made.tuned
+    assert tuned["own_query_layers"] == [3]
+    assert tuned["alpha_per_layer"] == tuned["alpha_per_layer_own"][:2] + [
+        tuned["alpha_per_layer_rehearsed"][2],
+        tuned["alpha_per_layer_own"][3],
+    ]
 
 
 def test_a_calibration_without_every_calibrated_knob_is_redone(tiny, tmp_path, monkeypatch):
@@ -223,7 +239,7 @@ def test_pick_own_query_takes_the_worst_rehearsed_layers_below_the_target_up_to_
     assert pick(kept, target=0.9, most_share=0.25) == [3, 4]  # three below 0.9, the two worst kept
     assert pick(kept, target=0.9, most_share=0.5) == [3, 4, 6]
     assert pick(kept, target=0.8, most_share=0.5) == [3]
-    assert pick(kept, target=0.9, most_share=0.1) == []  # an eighth of fewer than 8 layers is none
+    assert pick(kept, target=0.9, most_share=0.1) == []  # a tenth of 8 layers rounds down to none
     assert pick({layer: 0.99 for layer in range(16)}, target=0.9, most_share=0.5) == []
 
 

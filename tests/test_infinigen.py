@@ -195,25 +195,53 @@ def test_own_query_layers_choose_with_their_own_input(tiny, calibrated, monkeypa
     dense, _ = _tokens(tiny, "dense")
     full, stats = _tokens(tiny, "infinigen", alpha=math.inf, budget=1.0, own_query_layers="2,3")
     assert full == dense
-    assert stats["own_query_layers_used"] == [0, 1, 2, 3] and stats["own_query_source"] == "given"
+    assert stats["own_query_layers_used"] == [2, 3] and stats["own_query_source"] == "given"
+    assert stats["layers_by_own_query"] == [0, 1, 2, 3]
     with pytest.raises(PolicyError, match="own_query_layers"):
         _tokens(tiny, "infinigen", own_query_layers=str(tiny.spec.num_layers))
 
 
 def test_calibrated_own_query_layers_are_used_by_default_and_flags_override(tiny, skews, monkeypatch):
     """own_query_layers calibrated (the default): the layers the calibration names choose with their own
-    input; none, or a given list, overrides it."""
+    input, each layer counting with the alpha calibrated for how it chooses; none, or a given list,
+    overrides the calibrated layers."""
     skew = skews[tiny.weights_id]
-    tuned = {**skew.tuned, "own_query_layers": [3]}
+    layers = tiny.spec.num_layers
+    own_alphas, rehearsed_alphas = (
+        [1.0 + layer for layer in range(layers)],
+        [10.0 + layer for layer in range(layers)],
+    )
+    tuned = {
+        **skew.tuned,
+        "own_query_layers": [3],
+        "alpha_per_layer_own": own_alphas,
+        "alpha_per_layer_rehearsed": rehearsed_alphas,
+    }
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
-    for knobs, own in ((dict(), (0, 1, 3)), (dict(own_query_layers="none"), (0, 1))):
+    cases = (
+        (dict(), (0, 1, 3)),
+        (dict(own_query_layers="none"), (0, 1)),
+        (dict(own_query_layers=""), (0, 1)),
+        (dict(own_query_layers="2,"), (0, 1, 2)),
+        (dict(first_layers="dense"), (3,)),
+    )
+    for knobs, own in cases:
         speculated, seen, stats = _speculation_inputs(tiny, monkeypatch, **knobs)
         step_of = {layer: 0 for layer in seen}
         for layer, x in speculated:
             step_of[layer] += 1
             assert torch.equal(x, seen[layer if layer in own else layer - 1][step_of[layer]])
-        assert stats["own_query_layers_used"] == list(own)
-        assert stats["own_query_source"].startswith("calibrated" if not knobs else "given")
+        assert stats["layers_by_own_query"] == list(own)
+        assert stats["own_query_layers_used"] == [layer for layer in own if layer >= 2]
+        calibrated = "own_query_layers" not in knobs
+        assert stats["own_query_source"].startswith("calibrated" if calibrated else "given")
+        expected = [
+            (own_alphas if layer in own else rehearsed_alphas)[layer]
+            if layer >= 2 or knobs.get("first_layers") != "dense"
+            else None
+            for layer in range(layers)
+        ]
+        assert stats["alpha_used"] == expected
     without = {key: value for key, value in skew.tuned.items() if key != "own_query_layers"}
     older = dataclasses.replace(skew, tuned=without)  # a calibration from before own-query layers
     assert InfiniGenConfig().resolve_own_query(older)[0] == frozenset()
@@ -473,6 +501,12 @@ def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeyp
     assert spy.policies[-1]._slots[2].partial.shape[2] == math.ceil(0.75 * d)
 
 
+def _alphas_per_layer(tuned: dict, per_layer: list[float | None]) -> dict:
+    """``tuned`` with ``per_layer`` as each layer's calibrated alpha, however the layer chooses."""
+    ways = ("alpha_per_layer", "alpha_per_layer_own", "alpha_per_layer_rehearsed")
+    return {**tuned, **dict.fromkeys(ways, per_layer)}
+
+
 def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny, skews, monkeypatch):
     """A sequence whose prompt length takes other columns than the calibration text's fetches its budget
     (the top scores); the one at the calibrated ratio counts with its layer's alpha; batched, each generates
@@ -486,7 +520,7 @@ def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny,
     ]
     # alpha 0.01 on every layer: few tokens within it, so the count is far below the budget
     per_layer = [0.01] * tiny.spec.num_layers
-    tuned = {**tuned, "ratio_by_length": ratios, "alpha_per_layer": per_layer}
+    tuned = {**_alphas_per_layer(tuned, per_layer), "ratio_by_length": ratios}
     skew = dataclasses.replace(skews[tiny.weights_id], tuned=tuned)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
     spy = _Spy(monkeypatch)
@@ -517,7 +551,7 @@ def test_each_layer_counts_with_its_own_calibrated_alpha(tiny, skews, monkeypatc
     skew = skews[tiny.weights_id]
     layers = tiny.spec.num_layers
     per_layer = [None, None, 0.5] + [None] * (layers - 3)  # layer 3 on: none, so the alpha for all
-    tuned = {**skew.tuned, "alpha_per_layer": per_layer, "alpha": 3.0}
+    tuned = {**_alphas_per_layer(skew.tuned, per_layer), "alpha": 3.0}
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
     spy = _Spy(monkeypatch)
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=6, window=0)

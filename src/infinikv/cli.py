@@ -173,7 +173,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "partial_ratio_by_length": skew.tuned["ratio_by_length"],
         "alpha_per_layer": skew.tuned["alpha_per_layer"],
         "alpha_per_layer_rule": skew.tuned["layer_rule"],
-        "alpha": skew.tuned["alpha"],  # for layers without their own (below a dense_layers set lower)
+        "alpha_per_layer_own": skew.tuned["alpha_per_layer_own"],  # scored with the layer's own query
+        "alpha_per_layer_rehearsed": skew.tuned["alpha_per_layer_rehearsed"],  # and rehearsed
+        "alpha": skew.tuned["alpha"],  # one for all layers: a summary (the mean curve's)
         "alpha_rule": skew.tuned["rule"],
         "alpha_curve": skew.tuned["curve"],
         # later layers that choose with their own query, not rehearsed from the layer before
@@ -193,7 +195,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"({report['partial_ratio_rule']}): those columns hold {report['partial_share_skewed']:.1%} of "
             f"Σ|Q|+Σ|K| skewed vs {report['partial_share_identity']:.1%} unskewed; by prompt length "
             f"{_by_length(report['partial_ratio_by_length'])}; calibrated alpha per "
-            f"layer {_spread(report['alpha_per_layer'])} ({report['alpha_per_layer_rule']}), for other "
+            f"layer {_spread(report['alpha_per_layer'])} ({report['alpha_per_layer_rule']}), for all "
             f"layers {report['alpha']:g} ({report['alpha_rule']}); layers choosing with their own query "
             f"{_listed(report['own_query_layers'])} ({report['own_query_rule']})",
             file=sys.stderr,

@@ -80,7 +80,8 @@ def summarise_runs(
         + entry.rehearsal_share(loaded, context) * element_row * loaded.spec.num_layers * mean_cached * batch,
         overlapped=entry.prefetches,
         layers=loaded.spec.num_layers,
-        waiting_layers=len(runs[-1].stats_after.get("own_query_layers_used", [])),
+        # layer 0's copy waits for any prefetching policy (nothing runs before it): the pipeline fill
+        waiting_layers=len(set(runs[-1].stats_after.get("layers_by_own_query", [])) - {0}),
     )
     row["traffic"] = {k: getattr(traffic, k) for k in traffic.__dataclass_fields__}
     row["projected_step_s"] = {

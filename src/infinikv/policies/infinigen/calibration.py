@@ -56,7 +56,15 @@ Tensor = torch.Tensor
 DEFAULT_CORPUS = "austen"
 DEFAULT_TOKENS = 2048
 # stored with the skew (``tune``)
-TUNED_KNOBS = ("alpha", "alpha_per_layer", "partial_ratio", "ratio_by_length", "own_query_layers")
+TUNED_KNOBS = (
+    "alpha",
+    "alpha_per_layer",
+    "alpha_per_layer_own",
+    "alpha_per_layer_rehearsed",
+    "partial_ratio",
+    "ratio_by_length",
+    "own_query_layers",
+)
 
 
 def ensure_skew(loaded: LoadedModel) -> Skew:
@@ -208,8 +216,9 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
     the shortest first: per layer, its tuning inputs): first the partial ratio (``tuning.RATIO_RULE``), on
     the shortest window and again at the end of each longer one (``ratio_by_length``); then the layers that
     choose with their own query (``tuning.OWN_QUERY_RULE``); then, at the shortest window's ratio, the
-    threshold of each managed layer (``tuning.LAYER_RULE``) and one for every layer (``tuning.RULE``, used on
-    layers not calibrated); each with its rule."""
+    threshold of each managed layer (``tuning.LAYER_RULE``), scored with its own query and rehearsed, and one
+    for every layer (``tuning.RULE``: the mean curve's, a summary beside the per-layer ones); each with its
+    rule."""
     from .policy import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
 
     defaults = InfiniGenConfig()
@@ -242,6 +251,8 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
             ]
         )
 
+    # The ratio is picked on every rehearsed layer's recall, own-query ones included: which layers choose by
+    # their own query is decided at the ratio picked here, so it cannot be known first.
     by_length = {end: recalls_at(end) for end in sorted(windows)}
     ratio_of = {end: tuning.pick_ratio(recalls.mean(0).tolist()) for end, recalls in by_length.items()}
 
@@ -267,23 +278,34 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
     kept_by_layer = dict(zip(rehearsed, torch.tensor(shares).mean(0).tolist(), strict=True))
     own_query = tuning.pick_own_query(kept_by_layer)
 
+    # Each layer's alpha scored both ways, by its own query and rehearsed: a run whose own-query set differs
+    # from the defaults' (a given list, none, another dense_layers) takes the one for how the layer chooses.
     ratio = ratio_of[shortest]
     kept, fetched = [], []
+    by_query: dict[str, list[float | None]] = {way: [None] * spec.num_layers for way in ("own", "rehearsed")}
     for layer in calibrated:
         q, k, q_rehearsed = inputs[layer]
-        chooses_own = layer < defaults.dense_layers or layer in own_query
         projection = skew.projection(layer, ratio, defaults.skew)
-        share, fraction = tuning.prompt_coverage(
-            q, k, q if chooses_own else q_rehearsed, projection, spec.scaling(layer), defaults.budget
-        )
+        coverage = {
+            way: tuning.prompt_coverage(q, k, query, projection, spec.scaling(layer), defaults.budget)
+            for way, query in (("own", q), ("rehearsed", q_rehearsed))
+        }
+        for way, (share, _) in coverage.items():
+            by_query[way][layer] = tuning.pick_alpha(share.tolist())
+        share, fraction = coverage[
+            "own" if layer < defaults.dense_layers or layer in own_query else "rehearsed"
+        ]
         kept.append(share)
         fetched.append(fraction)
     kept_mean, fetched_mean = torch.stack(kept).mean(0).tolist(), torch.stack(fetched).mean(0).tolist()
-    per_layer: list[float | None] = [None] * spec.num_layers
-    for layer, share in zip(calibrated, kept, strict=True):
-        per_layer[layer] = tuning.pick_alpha(share.tolist())
+    per_layer: list[float | None] = [None] * spec.num_layers  # at the defaults: as each layer chooses
+    for layer in calibrated:
+        own = layer < defaults.dense_layers or layer in own_query
+        per_layer[layer] = by_query["own" if own else "rehearsed"][layer]
     return {
         "alpha_per_layer": per_layer,
+        "alpha_per_layer_own": by_query["own"],
+        "alpha_per_layer_rehearsed": by_query["rehearsed"],
         "layer_rule": tuning.LAYER_RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),
         "alpha": tuning.pick_alpha(kept_mean),
         "rule": tuning.RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),

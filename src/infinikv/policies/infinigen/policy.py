@@ -45,8 +45,9 @@ select like the others, by the same count rule and budget, from their own query 
 two copies are not prefetched (each waits on its layer), and the bytes drop to the budget's
 (docs/results-infinigen.md measures both). A later layer whose rehearsal misses what its own query finds
 (its input moves far from the previous layer's) chooses the same way: ``own_query_layers``, by default the
-model's calibrated ones (``tuning.py``; SmolLM2-135M: layer 20), at most an eighth of the layers, so that
-most copies still overlap. Sliding-window layers (Gemma-3) attend to their window, fetched
+model's calibrated ones (``tuning.py``; SmolLM2-135M: layers 9, 12 and 20), at most an eighth of the
+rehearsed layers, so that most copies still overlap. Each layer counts with the alpha calibrated for how
+it chooses (by its own query or rehearsed). Sliding-window layers (Gemma-3) attend to their window, fetched
 from the pool; the policy rehearses the other global layers, each in the hook of the layer before it
 whatever that layer's type.
 
@@ -140,15 +141,15 @@ class InfiniGenConfig(PolicyConfig):
         "own",
         "how the first dense_layers layers read their KV: dense = whole (the paper); own = the budget's top "
         "tokens by the layer's own partial query, chosen once that query exists (their copy is not "
-        "prefetched: it waits on the layer; calibrated alpha: the one for all layers)",
+        "prefetched: it waits on the layer; calibrated alpha: the layer's own, scored with its own query)",
         choices=FIRST_LAYERS,
     )
     own_query_layers: str = knob(
         "calibrated",
         "later layers that also choose with their own query once it exists (their copy not prefetched), for "
         "a layer whose rehearsal from the layer before misses: calibrated = the model's (infinikv calibrate: "
-        "those whose rehearsal keeps < 90 % of their own query's recall, at most 1/8 of the layers; "
-        "SmolLM2-135M: 20), none, or comma-separated layer numbers",
+        "those whose rehearsal keeps < 90 % of their own query's recall, at most 1/8 of the rehearsed "
+        "layers; SmolLM2-135M: 9, 12, 20), none (or empty), or comma-separated layer numbers",
     )
     skew: bool = knob(
         True, "false: the identity instead of the skewing matrices (partial columns by the same rule)"
@@ -167,10 +168,10 @@ class InfiniGenConfig(PolicyConfig):
 
     def own_query_set(self) -> frozenset[int] | None:
         """The layers of ``own_query_layers``; None for the model's calibrated ones."""
-        given = self.own_query_layers.strip()
+        given = self.own_query_layers.strip().lower()
         if given == "calibrated":
             return None
-        parts = [] if given == "none" else [part.strip() for part in given.split(",")]
+        parts = [] if given == "none" else [part.strip() for part in given.split(",") if part.strip()]
         if not all(part.isdigit() for part in parts):
             raise PolicyError(
                 "own_query_layers must be calibrated, none or comma-separated layer numbers, got "
@@ -206,13 +207,19 @@ class InfiniGenConfig(PolicyConfig):
         return not spec.is_sliding(layer) and (layer >= self.dense_layers or self.first_layers == "own")
 
     def resolve(
-        self, name: str, skew: Skew | None, layer: int | None = None, tokens: int | None = None
+        self,
+        name: str,
+        skew: Skew | None,
+        layer: int | None = None,
+        tokens: int | None = None,
+        own_query: bool | None = None,
     ) -> tuple[float, str]:
         """The value of the calibrated knob ``name`` ("alpha" or "partial_ratio") with ``skew``, and where it
         came from: this config's when set, else the model's calibrated one (alpha: ``layer``'s own when it
-        was calibrated, else the one for all layers; partial_ratio: the one for a prompt of ``tokens``
-        when given and calibrated per length, else the calibration text's), else (a calibration without
-        it) the paper's."""
+        was calibrated, scored as the layer chooses, by its own query or rehearsed (``own_query``; None: as
+        at the default knobs), else the one for all layers; partial_ratio: the one for a prompt of
+        ``tokens`` when given and calibrated per length, else the calibration text's), else (a calibration
+        without it) the paper's."""
         given = getattr(self, name)
         if given:
             return float(given), "given"
@@ -227,7 +234,8 @@ class InfiniGenConfig(PolicyConfig):
                 rule = f"calibrated at {entry['tokens']} tokens: {tuned['ratio_rule']}"
                 return float(entry["partial_ratio"]), rule
             return float(tuned[name]), f"calibrated: {tuned['ratio_rule']}"
-        per_layer = tuned.get("alpha_per_layer") or []
+        way = {None: "", True: "_own", False: "_rehearsed"}[own_query]
+        per_layer = tuned.get(f"alpha_per_layer{way}") or tuned.get("alpha_per_layer") or []
         if layer is not None and layer < len(per_layer) and per_layer[layer] is not None:
             return float(per_layer[layer]), f"calibrated: {tuned['layer_rule']}"
         return float(tuned[name]), f"calibrated: {tuned['rule']}"
@@ -410,7 +418,8 @@ class InfiniGenPolicy(HostPoolPolicy):
     def alpha(self, layer: int) -> tuple[float, str]:
         """``layer``'s threshold and where it came from (:meth:`InfiniGenConfig.resolve`)."""
         if layer not in self._alpha:
-            self._alpha[layer] = self.config.resolve("alpha", self.skew(), layer)
+            own = layer in self.own_query()
+            self._alpha[layer] = self.config.resolve("alpha", self.skew(), layer, own_query=own)
         return self._alpha[layer]
 
     def _row_alphas(self, layer: int, dtype: torch.dtype) -> float | Tensor:
@@ -654,9 +663,12 @@ class InfiniGenPolicy(HostPoolPolicy):
                 alpha_source="; ".join(sources),
             )
         if self._own_query is not None:
+            first = self.config.dense_layers
             out.update(
-                own_query_layers_used=sorted(self._own_query),  # the first layers' included
+                # the later layers (the knob's), and every layer whose copy waits on its own query
+                own_query_layers_used=sorted(layer for layer in self._own_query if layer >= first),
                 own_query_source=self._own_query_source,
+                layers_by_own_query=sorted(self._own_query),
             )
         if self._ratios:
             out.update(

@@ -6,8 +6,9 @@ id in their metadata: loading one made for other weights is an error. The file s
 rather than the columns, so any ``partial_ratio`` can use one file; it also stores the scores of the
 unskewed basis (identity) for the ``skew=False`` ablation, and, in its metadata ("tuned", JSON), the knobs
 calibrated for the model (``calibration.tune``: the share of key columns, on the calibration text and per
-prompt length, and the threshold ``alpha`` per layer and for all layers, each with the rule that chose it
-and its curve).
+prompt length, the threshold ``alpha`` per layer (scored with the layer's own query and rehearsed) and
+for all layers, and the layers that choose with their own query, each with the rule that chose it and its
+curve).
 """
 
 from __future__ import annotations
