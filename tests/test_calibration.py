@@ -170,7 +170,8 @@ def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
     assert report["own_query_layers"] == []  # at most an eighth of two layers
     assert report["partial_ratio"] in calibration.tuning.RATIOS
     assert main([*args, "--tokens", "96"]) == 0
-    assert "calibrated alpha per layer" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "calibrated alpha per layer" in err and "layers choosing with their own query none" in err
     assert main(["calibrate", "--model", str(model_dir), "--text", str(tmp_path / "missing.txt")]) == 2
     assert "cannot read calibration text" in capsys.readouterr().err
     assert main([*args, "--tokens", "1"]) == 2
