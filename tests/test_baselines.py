@@ -154,6 +154,18 @@ def test_quant_round_trip_within_half_step(bits):
     assert (error <= scale / 2 * (1 + 1e-4) + 1e-6).all()
 
 
+def test_kivi_decodes_a_prompt_shorter_than_its_full_precision_tail(tiny):
+    """Until residual + group_size tokens exist, KIVI has quantized nothing: the tail holds every token, it
+    attends to them all in full precision (so it is dense) and moves no bytes."""
+    knobs = dict(scheme="kivi", group_size=4, residual=16)
+    config = GenerationConfig(max_new_tokens=6)
+    prompt = "Hi."
+    assert len(tiny.tokenizer(prompt)["input_ids"]) + 6 < 16
+    result = Generator(tiny, "quant", **knobs).generate(prompt, config)[0]
+    assert result.token_ids == Generator(tiny, "dense").generate(prompt, config)[0].token_ids
+    assert result.stats["bytes_h2d"] == 0
+
+
 def test_quant_bytes_shrink_by_expected_factor(tiny):
     head_dim = tiny.spec.head_dim
     moved = {}

@@ -172,3 +172,42 @@ def test_rows_stop_at_their_own_limits(tiny):
         assert together.token_ids == alone.token_ids and len(together.token_ids) <= limit
     with pytest.raises(InputError, match="one limit per prompt"):
         generator.generate(prompts, config, row_max_new_tokens=[3, 8])
+
+
+def test_rows_whose_padding_breaks_the_policys_grid_run_in_their_own_batch(tiny):
+    """KIVI's key groups follow the batch's slot grid: rows batch together only when their lengths agree
+    modulo the group size; the others run apart. Rows keep their numbering for streaming, limits and
+    cancellation, and each equals its run alone."""
+    knobs = dict(bits=4, scheme="kivi", group_size=4, residual=4)
+    generator = Generator(tiny, "quant", **knobs)
+
+    def length(prompt: str) -> int:
+        return len(tiny.tokenizer(prompt)["input_ids"])
+
+    # rows 0 and 2 share a residue modulo 4, row 1 does not
+    third = next(
+        PROMPTS[2] + " ok" * k
+        for k in range(8)
+        if length(PROMPTS[2] + " ok" * k) % 4 == length(PROMPTS[0]) % 4
+    )
+    prompts = [PROMPTS[0], PROMPTS[1], third]
+    lengths = [length(prompt) for prompt in prompts]
+    assert lengths[0] != lengths[2] and lengths[1] % 4 != lengths[0] % 4
+    pieces: dict[int, str] = {}
+    limits = [6, 4, 5]
+    config = GenerationConfig(max_new_tokens=6)
+    batched = generator.generate(
+        prompts,
+        config,
+        on_text=lambda row, piece: pieces.update({row: pieces.get(row, "") + piece}),
+        cancelled=lambda row: row == 2,
+        row_max_new_tokens=limits,
+    )
+    for row, (prompt, limit, result) in enumerate(zip(prompts, limits, batched, strict=True)):
+        assert result.stats["batch_size"] == (1 if row == 1 else 2)
+        if row == 2:
+            assert result.finish_reason == "cancelled"
+            continue
+        alone = generator.generate([prompt], GenerationConfig(max_new_tokens=limit))[0]
+        assert result.token_ids == alone.token_ids and pieces.get(row, "") == result.text
+    assert Generator(tiny, "quant", bits=4).generate(prompts, config)[0].stats["batch_size"] == 3

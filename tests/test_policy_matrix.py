@@ -79,10 +79,6 @@ ALIGNED = [
 ]
 MISALIGNED = PROMPTS
 KIVI = {"scheme": "kivi", "group_size": 4, "residual": 4}
-# KIVI quantizes keys in groups of group_size token slots cut on the batch's slot grid: left padding that
-# is not a multiple of group_size puts a shorter row's tokens in other groups than it has alone, so their
-# scales (and greedy tokens) may differ. Per-row groups would need per-row partial groups, as quest's pages.
-GRID_BOUND = {"quant-kivi": "key groups"}
 
 
 VARIANTS = [pytest.param(policy, policy, {}, id=policy) for policy in POLICIES]
@@ -93,8 +89,6 @@ VARIANTS.append(pytest.param("quant-kivi", "quant", KIVI, id="quant-kivi"))
 @pytest.mark.parametrize("padding", ["aligned", "misaligned"])
 @pytest.mark.parametrize(("variant", "policy", "extra"), VARIANTS)
 def test_batch_invariance(variant, policy, extra, padding, model, request):
-    if padding == "misaligned" and variant in GRID_BOUND:
-        pytest.skip(f"not promised: {variant}'s {GRID_BOUND[variant]} follow the batch's slot grid")
     loaded = request.getfixturevalue(model)
     own = {f.name for f in fields(POLICIES[policy].config_class)}
     knobs = {**{k: v for k, v in TIGHT.items() if k in own}, **extra}

@@ -115,6 +115,9 @@ class Generator:
             raise InputError(
                 f"row_max_new_tokens needs one limit per prompt, each in 1..{config.max_new_tokens}"
             )
+        groups = self._padding_groups(prompts)
+        if len(groups) > 1:
+            return self._generate_groups(groups, prompts, config, on_text, progress, cancelled, limits)
         model = self.loaded.model
         input_ids, attention_mask, prompt_lengths = self._encode(prompts, limits)
         batch = input_ids.shape[0]
@@ -179,16 +182,58 @@ class Generator:
             results.append(RequestResult(prompt, texts[row], generated[row], finish[row] or "length", stats))
         return results
 
+    # -- batches the policy cannot share -------------------------------------------------------------------
+    def _padding_groups(self, prompts: list[str]) -> list[list[int]]:
+        """The rows that can share a batch, in order: all of them, unless the policy's ``padding_grid``
+        needs equal lengths modulo it (then one batch per residue)."""
+        grid = self.policy_config.padding_grid()
+        if grid == 1 or len(prompts) < 2:
+            return [list(range(len(prompts)))]
+        groups: dict[int, list[int]] = {}
+        for row, length in enumerate(self._lengths(prompts)):
+            groups.setdefault(length % grid, []).append(row)
+        return list(groups.values())
+
+    def _generate_groups(
+        self,
+        groups: list[list[int]],
+        prompts: list[str],
+        config: GenerationConfig,
+        on_text: Callable[[int, str], None] | None,
+        progress: bool,
+        cancelled: Callable[[int], bool] | None,
+        limits: list[int],
+    ) -> list[RequestResult]:
+        """:meth:`generate` for each group of rows in turn, with rows numbered as in the whole call."""
+        results: list[RequestResult | None] = [None] * len(prompts)
+        for rows in groups:
+            part = self.generate(
+                [prompts[row] for row in rows],
+                config,
+                on_text=None if on_text is None else lambda i, piece, rows=rows: on_text(rows[i], piece),
+                progress=progress,
+                cancelled=None if cancelled is None else lambda i, rows=rows: cancelled(rows[i]),
+                row_max_new_tokens=[limits[row] for row in rows],
+            )
+            for row, result in zip(rows, part, strict=True):
+                results[row] = result
+        return [result for result in results if result is not None]
+
     # -- the steps ------------------------------------------------------------------------------------------
-    def _encode(self, prompts: list[str], limits: list[int]) -> tuple[Tensor, Tensor, list[int]]:
-        tokenizer = self.loaded.tokenizer
+    def _lengths(self, prompts: list[str]) -> list[int]:
+        """Tokens per prompt; an empty prompt or none at all is an InputError."""
         if not prompts:
             raise InputError("no prompts given")
         lengths = []
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str) or not prompt.strip():
                 raise InputError(f"prompt {i + 1} is empty")
-            lengths.append(len(tokenizer(prompt)["input_ids"]))
+            lengths.append(len(self.loaded.tokenizer(prompt)["input_ids"]))
+        return lengths
+
+    def _encode(self, prompts: list[str], limits: list[int]) -> tuple[Tensor, Tensor, list[int]]:
+        tokenizer = self.loaded.tokenizer
+        lengths = self._lengths(prompts)
         limit = self.loaded.max_context
         for i, (n, new) in enumerate(zip(lengths, limits, strict=True)):
             if n + new > limit:

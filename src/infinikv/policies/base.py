@@ -105,6 +105,12 @@ class PolicyConfig:
         """Model-level work before a policy first runs on ``loaded`` (a LoadedModel), e.g. InfiniGen's
         calibration. The drivers call it; most policies need nothing."""
 
+    def padding_grid(self) -> int:
+        """A row of a left-padded batch gets what it gets alone only when its padding is a multiple of this
+        (1: any padding). A policy that groups token slots on the batch's shared grid (KIVI's key groups)
+        says how wide; ``Generator.generate`` then batches only rows whose lengths agree modulo it."""
+        return 1
+
     def rehearsal_share(self, spec: Any, tokens: int | None = None) -> float:
         """Share of the cached keys (all layers, all columns) the policy reads on the compute device per
         decode step to choose what to fetch (InfiniGen's partial keys on its managed layers; ``spec``: the

@@ -11,7 +11,9 @@ scale / 2. Codes are packed 8 / bits to a byte; scales and minimums are kept in 
 step copies a layer's packed codes and scales from the host pool (prefetched while the previous layer
 runs), dequantizes them on the device and attends densely; bytes moved count the compressed size. Groups
 along head_dim are min(group_size, head_dim) wide. KIVI's key groups skip left padding when taking their
-minimum and maximum. Gemma-3 sliding-window layers copy only what their window needs.
+minimum and maximum; they are cut on the batch's slot grid, so a batch holds only rows whose padding is a
+whole number of groups (``padding_grid``; the generator splits other batches). Gemma-3 sliding-window
+layers copy only what their window needs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ class QuantConfig(PolicyConfig):
         super().__post_init__()
         if self.bits not in (2, 4, 8, 16):
             raise PolicyError(f"bits must be 2, 4, 8 or 16, got {self.bits}", knob="bits")
+
+    def padding_grid(self) -> int:
+        # KIVI's key groups are cut on the batch's slot grid: only padding in whole groups keeps a row's
+        # groups (and scales) those it has alone
+        return self.group_size if self.scheme == "kivi" and self.bits != 16 else 1
 
 
 # -- codes ---------------------------------------------------------------------------------------------------
@@ -155,6 +162,8 @@ class QuantPolicy(HostPoolPolicy):
         """Begin copying what ``layer``'s next token attends to (``whole``: everything) from the pool:
         returns (first position copied, transfers)."""
         n = self.codes.length(layer)
+        if n == 0:  # kivi: every token so far is still in the full-precision tail
+            return 0, []
         window = self.spec.sliding_window[layer]
         first = 0
         if window is not None and not whole:  # the next token's window starts at seq_length - window + 1
@@ -176,6 +185,9 @@ class QuantPolicy(HostPoolPolicy):
         return first, transfers
 
     def _load(self, layer: int, transfers: list[Transfer], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if not transfers:  # nothing quantized yet (kivi): the tail holds every token
+            tail_k, tail_v = self.tail[layer]
+            return tail_k.to(dtype), tail_v.to(dtype)
         if self.raw:
             return transfers[0].wait()
         (key_codes, value_codes), (key_scale, key_min), (value_scale, value_min) = (
