@@ -211,3 +211,16 @@ def test_rows_whose_padding_breaks_the_policys_grid_run_in_their_own_batch(tiny)
         alone = generator.generate([prompt], GenerationConfig(max_new_tokens=limit))[0]
         assert result.token_ids == alone.token_ids and pieces.get(row, "") == result.text
     assert Generator(tiny, "quant", bits=4).generate(prompts, config)[0].stats["batch_size"] == 3
+
+
+def test_a_bad_prompt_fails_before_any_split_off_batch_runs(tiny, monkeypatch):
+    import infinikv.engine as engine
+
+    started = []
+    monkeypatch.setattr(engine, "Driver", lambda *args, **kwargs: started.append(args))
+    generator = Generator(tiny, "quant", bits=4, scheme="kivi", group_size=4, residual=4)
+    prompts = [PROMPTS[0], PROMPTS[1], "word " * tiny.max_context]
+    assert len({len(tiny.tokenizer(p)["input_ids"]) % 4 for p in prompts[:2]}) == 2  # split in two
+    with pytest.raises(InputError, match="exceeds the model's context"):
+        generator.generate(prompts, GenerationConfig(max_new_tokens=4))
+    assert started == []

@@ -115,7 +115,7 @@ class Generator:
             raise InputError(
                 f"row_max_new_tokens needs one limit per prompt, each in 1..{config.max_new_tokens}"
             )
-        groups = self._padding_groups(prompts)
+        groups = self._padding_groups(prompts, limits)
         if len(groups) > 1:
             return self._generate_groups(groups, prompts, config, on_text, progress, cancelled, limits)
         model = self.loaded.model
@@ -183,14 +183,15 @@ class Generator:
         return results
 
     # -- batches the policy cannot share -------------------------------------------------------------------
-    def _padding_groups(self, prompts: list[str]) -> list[list[int]]:
+    def _padding_groups(self, prompts: list[str], limits: list[int]) -> list[list[int]]:
         """The rows that can share a batch, in order: all of them, unless the policy's ``padding_grid``
-        needs equal lengths modulo it (then one batch per residue)."""
+        needs equal lengths modulo it (then one batch per residue; every prompt checked first, so a bad one
+        fails before any batch runs)."""
         grid = self.policy_config.padding_grid()
         if grid == 1 or len(prompts) < 2:
             return [list(range(len(prompts)))]
         groups: dict[int, list[int]] = {}
-        for row, length in enumerate(self._lengths(prompts)):
+        for row, length in enumerate(self._lengths(prompts, limits)):
             groups.setdefault(length % grid, []).append(row)
         return list(groups.values())
 
@@ -220,8 +221,9 @@ class Generator:
         return [result for result in results if result is not None]
 
     # -- the steps ------------------------------------------------------------------------------------------
-    def _lengths(self, prompts: list[str]) -> list[int]:
-        """Tokens per prompt; an empty prompt or none at all is an InputError."""
+    def _lengths(self, prompts: list[str], limits: list[int]) -> list[int]:
+        """Tokens per prompt; none at all, an empty prompt, or one that with its ``limits`` new tokens
+        exceeds the model's context is an InputError."""
         if not prompts:
             raise InputError("no prompts given")
         lengths = []
@@ -229,11 +231,6 @@ class Generator:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise InputError(f"prompt {i + 1} is empty")
             lengths.append(len(self.loaded.tokenizer(prompt)["input_ids"]))
-        return lengths
-
-    def _encode(self, prompts: list[str], limits: list[int]) -> tuple[Tensor, Tensor, list[int]]:
-        tokenizer = self.loaded.tokenizer
-        lengths = self._lengths(prompts)
         limit = self.loaded.max_context
         for i, (n, new) in enumerate(zip(lengths, limits, strict=True)):
             if n + new > limit:
@@ -241,7 +238,11 @@ class Generator:
                     f"prompt {i + 1} has {n} tokens; with {new} new tokens it exceeds "
                     f"the model's context of {limit} tokens"
                 )
-        encoded = tokenizer(prompts, return_tensors="pt", padding=True)
+        return lengths
+
+    def _encode(self, prompts: list[str], limits: list[int]) -> tuple[Tensor, Tensor, list[int]]:
+        lengths = self._lengths(prompts, limits)
+        encoded = self.loaded.tokenizer(prompts, return_tensors="pt", padding=True)
         device = self.loaded.device
         return encoded["input_ids"].to(device), encoded["attention_mask"].to(device), lengths
 
