@@ -90,6 +90,8 @@ def test_sampling_is_reproducible_and_top_p_floor_is_greedy(tiny):
     greedy = run(tiny, "dense", [PROMPTS[1]])[0]
     tiny_p = run(tiny, "dense", [PROMPTS[1]], temperature=1.0, top_p=1e-6, seed=3)[0]
     assert tiny_p.token_ids == greedy.token_ids
+    unseeded = [run(tiny, "dense", [PROMPTS[1]], temperature=1.0)[0].token_ids for _ in range(2)]
+    assert unseeded[0] != unseeded[1]  # no seed: a fresh random stream per call
 
 
 def test_stop_string_and_streaming(tiny):
@@ -211,6 +213,16 @@ def test_rows_whose_padding_breaks_the_policys_grid_run_in_their_own_batch(tiny)
         alone = generator.generate([prompt], GenerationConfig(max_new_tokens=limit))[0]
         assert result.token_ids == alone.token_ids and pieces.get(row, "") == result.text
     assert Generator(tiny, "quant", bits=4).generate(prompts, config)[0].stats["batch_size"] == 3
+    # a split-off batch whose rows are all cancelled does not run
+    lone = generator.generate(prompts, config, cancelled=lambda row: row == 1)
+    assert lone[1].finish_reason == "cancelled" and lone[1].token_ids == [] and lone[1].stats == {}
+    assert lone[0].token_ids == batched[0].token_ids[: len(lone[0].token_ids)]
+    # one random stream for the whole call: rows of different batches do not draw the same numbers
+    sampled = GenerationConfig(max_new_tokens=6, temperature=1.0, seed=5)
+    split = [r.token_ids for r in generator.generate([prompts[0], prompts[1]], sampled)]
+    assert split == [r.token_ids for r in generator.generate([prompts[0], prompts[1]], sampled)]
+    alone = [generator.generate([prompt], sampled)[0].token_ids for prompt in prompts[:2]]
+    assert split[0] == alone[0] and split[1] != alone[1]  # the second batch continues the stream
 
 
 def test_a_bad_prompt_fails_before_any_split_off_batch_runs(tiny, monkeypatch):

@@ -115,16 +115,48 @@ class Generator:
             raise InputError(
                 f"row_max_new_tokens needs one limit per prompt, each in 1..{config.max_new_tokens}"
             )
+        generator = torch.Generator(device="cpu")
+        if config.seed is not None:
+            generator.manual_seed(config.seed)
+        else:
+            generator.seed()  # unseeded sampling differs from call to call
         groups = self._padding_groups(prompts, limits)
-        if len(groups) > 1:
-            return self._generate_groups(groups, prompts, config, on_text, progress, cancelled, limits)
+        if len(groups) == 1:
+            return self._generate_batch(prompts, config, on_text, progress, cancelled, limits, generator)
+        # one batch per group in turn, rows numbered as in the whole call, one random stream for all
+        results: list[RequestResult | None] = [None] * len(prompts)
+        for rows in groups:
+            if cancelled is not None and all(cancelled(row) for row in rows):
+                part = [RequestResult(prompts[row], "", [], "cancelled") for row in rows]
+            else:
+                part = self._generate_batch(
+                    [prompts[row] for row in rows],
+                    config,
+                    None if on_text is None else lambda i, piece, rows=rows: on_text(rows[i], piece),
+                    progress,
+                    None if cancelled is None else lambda i, rows=rows: cancelled(rows[i]),
+                    [limits[row] for row in rows],
+                    generator,
+                )
+            for row, result in zip(rows, part, strict=True):
+                results[row] = result
+        return [result for result in results if result is not None]
+
+    def _generate_batch(
+        self,
+        prompts: list[str],
+        config: GenerationConfig,
+        on_text: Callable[[int, str], None] | None,
+        progress: bool,
+        cancelled: Callable[[int], bool] | None,
+        limits: list[int],
+        generator: torch.Generator,
+    ) -> list[RequestResult]:
+        """:meth:`generate` for prompts that share one left-padded batch."""
         model = self.loaded.model
         input_ids, attention_mask, prompt_lengths = self._encode(prompts, limits)
         batch = input_ids.shape[0]
         driver = Driver(self.loaded, InfinikvCache(model, self.policy_config, device=self.loaded.device))
-        generator = torch.Generator(device="cpu")
-        if config.seed is not None:
-            generator.manual_seed(config.seed)
 
         try:
             start = self._now()
@@ -194,31 +226,6 @@ class Generator:
         for row, length in enumerate(self._lengths(prompts, limits)):
             groups.setdefault(length % grid, []).append(row)
         return list(groups.values())
-
-    def _generate_groups(
-        self,
-        groups: list[list[int]],
-        prompts: list[str],
-        config: GenerationConfig,
-        on_text: Callable[[int, str], None] | None,
-        progress: bool,
-        cancelled: Callable[[int], bool] | None,
-        limits: list[int],
-    ) -> list[RequestResult]:
-        """:meth:`generate` for each group of rows in turn, with rows numbered as in the whole call."""
-        results: list[RequestResult | None] = [None] * len(prompts)
-        for rows in groups:
-            part = self.generate(
-                [prompts[row] for row in rows],
-                config,
-                on_text=None if on_text is None else lambda i, piece, rows=rows: on_text(rows[i], piece),
-                progress=progress,
-                cancelled=None if cancelled is None else lambda i, rows=rows: cancelled(rows[i]),
-                row_max_new_tokens=[limits[row] for row in rows],
-            )
-            for row, result in zip(rows, part, strict=True):
-                results[row] = result
-        return [result for result in results if result is not None]
 
     # -- the steps ------------------------------------------------------------------------------------------
     def _lengths(self, prompts: list[str], limits: list[int]) -> list[int]:
