@@ -229,7 +229,13 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
     if not rehearsed:  # nothing to rehearse at the defaults: the paper's constants
         rule = "paper (no managed layer to calibrate on)"
         paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO, "ratio_by_length": []}
-        per_layer = {"alpha_per_layer": [None] * spec.num_layers, "layer_rule": rule}
+        none = [None] * spec.num_layers
+        per_layer = {
+            "alpha_per_layer": none,
+            "alpha_per_layer_own": none,
+            "alpha_per_layer_rehearsed": none,
+            "layer_rule": rule,
+        }
         own = {"own_query_layers": [], "own_query_rule": rule, "own_query_curve": []}
         return {**paper, **per_layer, **own, "rule": rule, "curve": [], "ratio_rule": rule, "ratio_curve": []}
     settings = {
@@ -260,17 +266,11 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
     shares = []
     for end, recalls in by_length.items():
         column = tuning.RATIOS.index(ratio_of[end])
-        own_recall = [
-            tuning.prompt_recall(
-                windows[end][layer][0],
-                windows[end][layer][1],
-                windows[end][layer][0],  # the layer's own query
-                [skew.projection(layer, ratio_of[end], defaults.skew)],
-                spec.scaling(layer),
-                defaults.budget,
-            )[0]
-            for layer in rehearsed
-        ]
+        own_recall = []
+        for layer in rehearsed:
+            q, k, _ = windows[end][layer]
+            projection = skew.projection(layer, ratio_of[end], defaults.skew)
+            own_recall += tuning.prompt_recall(q, k, q, [projection], spec.scaling(layer), defaults.budget)
         rehearsed_recall = recalls[:, column].tolist()
         shares.append(
             [min(1.0, r / o) if o else 1.0 for r, o in zip(rehearsed_recall, own_recall, strict=True)]
@@ -282,7 +282,8 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
     # from the defaults' (a given list, none, another dense_layers) takes the one for how the layer chooses.
     ratio = ratio_of[shortest]
     kept, fetched = [], []
-    by_query: dict[str, list[float | None]] = {way: [None] * spec.num_layers for way in ("own", "rehearsed")}
+    ways = ("own", "rehearsed", "defaults")  # "defaults": as the layer chooses at the default knobs
+    by_query: dict[str, list[float | None]] = {way: [None] * spec.num_layers for way in ways}
     for layer in calibrated:
         q, k, q_rehearsed = inputs[layer]
         projection = skew.projection(layer, ratio, defaults.skew)
@@ -292,18 +293,14 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
         }
         for way, (share, _) in coverage.items():
             by_query[way][layer] = tuning.pick_alpha(share.tolist())
-        share, fraction = coverage[
-            "own" if layer < defaults.dense_layers or layer in own_query else "rehearsed"
-        ]
+        chosen = "own" if layer < defaults.dense_layers or layer in own_query else "rehearsed"
+        by_query["defaults"][layer] = by_query[chosen][layer]
+        share, fraction = coverage[chosen]
         kept.append(share)
         fetched.append(fraction)
     kept_mean, fetched_mean = torch.stack(kept).mean(0).tolist(), torch.stack(fetched).mean(0).tolist()
-    per_layer: list[float | None] = [None] * spec.num_layers  # at the defaults: as each layer chooses
-    for layer in calibrated:
-        own = layer < defaults.dense_layers or layer in own_query
-        per_layer[layer] = by_query["own" if own else "rehearsed"][layer]
     return {
-        "alpha_per_layer": per_layer,
+        "alpha_per_layer": by_query["defaults"],
         "alpha_per_layer_own": by_query["own"],
         "alpha_per_layer_rehearsed": by_query["rehearsed"],
         "layer_rule": tuning.LAYER_RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),
