@@ -47,10 +47,15 @@ class QuantConfig(PolicyConfig):
         if self.bits not in (2, 4, 8, 16):
             raise PolicyError(f"bits must be 2, 4, 8 or 16, got {self.bits}", knob="bits")
 
+    @property
+    def kivi(self) -> bool:
+        """Keys quantized per channel over groups of tokens (at 16 bits nothing is quantized)."""
+        return self.scheme == "kivi" and self.bits != 16
+
     def padding_grid(self) -> int:
         # KIVI's key groups are cut on the batch's slot grid: only padding in whole groups keeps a row's
         # groups (and scales) those it has alone
-        return self.group_size if self.scheme == "kivi" and self.bits != 16 else 1
+        return self.group_size if self.kivi else 1
 
 
 # -- codes ---------------------------------------------------------------------------------------------------
@@ -94,7 +99,7 @@ class QuantPolicy(HostPoolPolicy):
     def __init__(self, config: QuantConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
         self.raw = config.bits == 16
-        self.kivi = config.scheme == "kivi" and not self.raw
+        self.kivi = config.kivi
         self.width = min(config.group_size, spec.head_dim)  # group width along head_dim
         if spec.head_dim % self.width:
             raise PolicyError(
