@@ -13,8 +13,8 @@ from infinikv.bench.measure import make_entries, prefill, record_shared_prefills
 from infinikv.bench.prompts import prompt_ids
 from infinikv.bench.summary import add_ratios
 from infinikv.cli import main
-from infinikv.driver import PrefillMemo
 from infinikv.errors import InputError
+from infinikv.forward import PrefillMemo
 
 ROW_FIELDS = {
     "decode_tokens_per_s",

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from infinikv.engine import GenerationConfig, Generator
+from infinikv.generate import GenerationConfig, Generator
 from infinikv.kvpool import KVPool
 from infinikv.models import LoadedModel
 from infinikv.policies.infinigen import calibration, skewfile

@@ -15,8 +15,8 @@ import torch
 from infinikv import models
 from infinikv.cache import InfinikvCache
 from infinikv.cli import main
-from infinikv.engine import GenerationConfig
 from infinikv.errors import CacheError, InputError, ModelError
+from infinikv.generate import GenerationConfig
 from infinikv.policies.infinigen import skewfile
 from infinikv.store import MANIFEST
 from infinikv.testing import tiny_model

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from infinikv.cache import InfinikvCache
-from infinikv.engine import GenerationConfig, Generator
 from infinikv.errors import PolicyError
+from infinikv.generate import GenerationConfig, Generator
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, resolve_budget
 from infinikv.policies.infinigen import calibration, skewfile
 from infinikv.testing import tiny_model

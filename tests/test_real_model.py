@@ -9,7 +9,7 @@ import pytest
 from infinikv import GenerationConfig, Generator
 from infinikv.cli import main
 
-from .test_engine import reference_tokens
+from .test_generate import reference_tokens
 
 pytestmark = pytest.mark.real_model
 NEW_TOKENS = 24

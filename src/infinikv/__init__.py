@@ -10,9 +10,10 @@ crosses to the compute device. Typical use::
     print(result.text, result.stats)
 """
 
-from .cache import InfinikvCache, install
-from .engine import GenerationConfig, Generator, RequestResult
+from .cache import InfinikvCache
 from .errors import InfinikvError
+from .generate import GenerationConfig, Generator, RequestResult
+from .hooks import install
 from .models import REGISTRY, LoadedModel, load, pull
 from .policies import POLICIES, Policy, PolicyConfig, make_config
 

@@ -36,7 +36,7 @@ def _read_text(path: str, what: str) -> str:
 
 # -- subcommands ---------------------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .engine import GenerationConfig, Generator
+    from .generate import GenerationConfig, Generator
     from .models import load
     from .policies import make_config
 
@@ -48,7 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = [_read_text(args.prompt_file, "prompt file")]
     else:
         prompts = [args.prompt]
-    if not prompts[0].strip():  # before the slow model load (the engine checks every prompt again)
+    if not prompts[0].strip():  # before the slow model load (the Generator checks every prompt again)
         raise InputError("the prompt is empty")
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,

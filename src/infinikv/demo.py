@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from .data import load_corpus
-from .engine import GenerationConfig, Generator
+from .generate import GenerationConfig, Generator
 from .models import load
 from .policies import POLICIES
 

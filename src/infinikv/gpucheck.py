@@ -294,7 +294,7 @@ def run_context(args: argparse.Namespace) -> None:
     from .bench.measure import make_entries, record_shared_prefills, run_once
     from .bench.prompts import prompt_ids
     from .bench.summary import kv_token_bytes, summarise_runs
-    from .driver import PrefillMemo
+    from .forward import PrefillMemo
     from .models import load
     from .policies.infinigen.policy import PAPER_PARTIAL_RATIO
 

@@ -13,8 +13,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..driver import PrefillMemo
 from ..errors import InfinikvError, InputError
+from ..forward import PrefillMemo
 from ..models import LoadedModel
 from ..policies import POLICIES, make_config
 from .measure import RunMeasurement, make_entries, record_shared_prefills, run_once

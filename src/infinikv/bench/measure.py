@@ -1,11 +1,11 @@
-"""One benchmark run: build a cache, prefill it through a :class:`~infinikv.driver.Driver`, time each
+"""One benchmark run: build a cache, prefill it through a :class:`~infinikv.forward.Driver`, time each
 decode step, and read what the policy moved and held. Greedy decoding, real tokens.
 
 Prefill modes (``BenchConfig.prefill``):
 
 * ``shared``: :func:`record_shared_prefills` runs each context's prompt once at batch 1 through the real
   prefill path of one cache per prefill family (``Policy.prefill_family``; a policy of no family is a
-  family of its own configuration), recorded by a :class:`~infinikv.driver.PrefillMemo`. Every run then
+  family of its own configuration), recorded by a :class:`~infinikv.forward.PrefillMemo`. Every run then
   replays its family's recording repeated over the batch, through the same ``Cache.update`` calls the
   model makes, with the state prefill leaves besides the K/V (H2O's prompt scores), so long cells do not pay
   one full prefill per cache, batch row and repeat. TTFT is then an estimate: the recorded batch-1 forward
@@ -27,8 +27,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache import InfinikvCache
-from ..driver import Driver, PrefillMemo
 from ..errors import InfinikvError
+from ..forward import Driver, PrefillMemo
 from ..models import LoadedModel
 from ..policies import POLICIES, PolicyConfig, make_config
 from .peers import peer_factory, peer_kv_bytes, peer_unavailable

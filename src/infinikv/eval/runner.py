@@ -1,14 +1,14 @@
 """Drive a model through the decode path token by token, with an infinikv policy owning the KV cache.
 
-The engine prefills a whole prompt and then samples. Evaluation needs more control: teacher forcing (feed a
+The Generator prefills a whole prompt and then samples. Evaluation needs more control: teacher forcing (feed a
 known token at every decode step, so the policy's selection decides every scored prediction) and feeding a
 question through the decode path before the answer is generated. :class:`DecodeRun` does exactly that with
-the engine's own :class:`~infinikv.driver.Driver` over an :class:`~infinikv.cache.InfinikvCache`.
+the Generator's own :class:`~infinikv.forward.Driver` over an :class:`~infinikv.cache.InfinikvCache`.
 
 It also measures what the policy moved: the bytes it copied from the host pool during decode, compared with
 what full offload would move for the same steps (every layer's whole cache, every step).
 
-A :class:`~infinikv.driver.PrefillMemo` shared between runs records the first prefill of a prompt in each
+A :class:`~infinikv.forward.PrefillMemo` shared between runs records the first prefill of a prompt in each
 prefill family and replays it into the next runs of that family, so a sweep runs the model over each prompt
 once per family, not once per policy. The replayed cache holds exactly what the policy's own prefill would
 have built.
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..cache import InfinikvCache
-from ..driver import Driver, PrefillMemo
+from ..forward import Driver, PrefillMemo
 from ..models import LoadedModel
 from ..policies import POLICIES, Policy, PolicyConfig
 

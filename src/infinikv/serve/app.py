@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..engine import GenerationConfig, RequestResult
 from ..errors import InfinikvError, PolicyError
+from ..generate import GenerationConfig, RequestResult
 from ..models import LoadedModel
 from ..policies import POLICIES, PolicyConfig, make_config
 from .metrics import NO_POLICY, ServerMetrics

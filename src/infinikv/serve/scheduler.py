@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import GenerationConfig, Generator, RequestResult
+from ..generate import GenerationConfig, Generator, RequestResult
 from ..models import LoadedModel
 from ..policies import PolicyConfig
 from .metrics import ServerMetrics

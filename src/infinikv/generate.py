@@ -3,7 +3,7 @@
 Read top to bottom, one request batch goes like this:
 
 1. ``_encode`` tokenises the prompts, left-pads them, and checks they fit the model's context.
-2. A :class:`~infinikv.driver.Driver` prefills the prompts in chunks; the ``InfinikvCache`` hands each
+2. A :class:`~infinikv.forward.Driver` prefills the prompts in chunks; the ``InfinikvCache`` hands each
    layer's K/V to the policy, which stores it (host pool, device, side structures).
 3. ``generate``'s loop samples a token per sequence, streams its text, and feeds it back through
    ``Driver.step``; in each step every layer asks the policy which K/V to attend to.
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from .cache import InfinikvCache
-from .driver import Driver
 from .errors import InputError
+from .forward import Driver
 from .models import LoadedModel
 from .policies import PolicyConfig, make_config
 

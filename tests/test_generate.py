@@ -226,10 +226,10 @@ def test_rows_whose_padding_breaks_the_policys_grid_run_in_their_own_batch(tiny)
 
 
 def test_a_bad_prompt_fails_before_any_split_off_batch_runs(tiny, monkeypatch):
-    import infinikv.engine as engine
+    import infinikv.generate as generate_module
 
     started = []
-    monkeypatch.setattr(engine, "Driver", lambda *args, **kwargs: started.append(args))
+    monkeypatch.setattr(generate_module, "Driver", lambda *args, **kwargs: started.append(args))
     generator = Generator(tiny, "quant", bits=4, scheme="kivi", group_size=4, residual=4)
     prompts = [PROMPTS[0], PROMPTS[1], "word " * tiny.max_context]
     assert len({len(tiny.tokenizer(p)["input_ids"]) % 4 for p in prompts[:2]}) == 2  # split in two

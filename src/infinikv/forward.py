@@ -2,9 +2,9 @@
 
 :class:`Driver` holds one cache (an :class:`~infinikv.cache.InfinikvCache`, or a transformers cache for the
 benchmark's peers), the attention mask and the next positions. ``prefill`` feeds a prompt batch in chunks
-(``cache.chunk_bounds``) with positions taken from its padding mask, as transformers' own generate does;
+(:func:`chunk_bounds`) with positions taken from its padding mask, as transformers' own generate does;
 ``step`` feeds one token per row, growing the mask by one column. Both return the last position's logits.
-Everything around it stays with its user: sampling, stop strings and streaming in ``engine.Generator``,
+Everything around it stays with its user: sampling, stop strings and streaming in ``generate.Generator``,
 teacher forcing in ``eval.runner.DecodeRun``, timing in the benchmark.
 
 A long prompt's prefill costs as much as hundreds of decode steps, and most policies build the same state
@@ -27,10 +27,19 @@ import torch
 from tqdm import tqdm
 from transformers.cache_utils import Cache
 
-from .cache import InfinikvCache, chunk_bounds
+from .cache import InfinikvCache
 from .models import LoadedModel
 
 Tensor = torch.Tensor
+
+
+def chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
+    """(begin, end) of each prefill chunk of at most ``chunk`` tokens, never a one-token last chunk: it
+    would look like a decode step."""
+    bounds = list(range(0, total, chunk)) + [total]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
+        bounds.pop(-2)
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 @dataclass
