@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from infinikv import gpucheck
+from infinikv.gpucheck import tests as cuda_tests
+from infinikv.gpucheck.cli import main
+from infinikv.gpucheck.report import render
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
 
@@ -57,7 +59,7 @@ def test_tiny_check_writes_every_row(tmp_path):
     ],
 )
 def test_bad_plan_is_one_line(args, capsys):
-    assert gpucheck.main(["check", "/tmp/unused", *args]) == 2
+    assert main(["check", "/tmp/unused", *args]) == 2
     assert capsys.readouterr().err.count("\n") == 1
 
 
@@ -66,4 +68,25 @@ def test_skipped_rows_are_reported():
         "plan": {"model": "dummy:llama-3-8b", "budget": 0.1, "steps": 8},
         "rows": [{"batch": 16, "context": 32768, "name": "dense", "skipped": "device memory: ~160 GiB"}],
     }
-    assert "skipped: device memory: ~160 GiB" in gpucheck.render(report)
+    assert "skipped: device memory: ~160 GiB" in render(report)
+
+
+def test_junit_counts_and_failures(tmp_path):
+    xml = tmp_path / "cuda-tests.xml"
+    xml.write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+        '<testcase name="test_ok"/><testcase name="test_skip"><skipped message="no CUDA"/></testcase>'
+        '<testcase name="test_copy"><failure message="wrong rows"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    counts = cuda_tests.parse_junit(xml)
+    assert counts.pop("failed") == ["test_copy: wrong rows"]
+    assert counts == {"tests": 3, "failures": 1, "errors": 0, "skipped": 1}
+
+
+def test_tests_found_in_the_checkout_and_said_missing_without_one(tmp_path, monkeypatch):
+    assert cuda_tests.checkout() == Path(__file__).resolve().parents[1]
+    monkeypatch.setattr(cuda_tests, "checkout", lambda: None)
+    result = cuda_tests.run_tests(tmp_path, timeout=1)
+    assert result == {"status": cuda_tests.NO_CHECKOUT} and result["status"].startswith("not run")
+    assert "\n" not in result["status"] and not any(tmp_path.iterdir())
