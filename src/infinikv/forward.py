@@ -18,7 +18,6 @@ rows (``repeat``), which is how the benchmark fills a batch from one prompt.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from tqdm import tqdm
 from transformers.cache_utils import Cache
 
 from .cache import InfinikvCache
+from .clock import now
 from .models import LoadedModel
 
 Tensor = torch.Tensor
@@ -186,9 +186,9 @@ class Driver:
         progress: bool,
     ) -> Tensor:
         self.cache.prefill_log = []
-        start = self._now()
+        start = now(self.loaded.device)
         logits = self._forward_chunks(input_ids, attention_mask, chunk, progress)
-        forward_s = self._now() - start
+        forward_s = now(self.loaded.device) - start
         memo.put(key, RecordedPrefill(self.cache.prefill_log, self.policy.prefill_state(), logits, forward_s))
         self.cache.prefill_log = None
         return logits
@@ -240,8 +240,3 @@ class Driver:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-
-    def _now(self) -> float:
-        if self.loaded.device.type == "cuda":
-            torch.cuda.synchronize(self.loaded.device)
-        return time.perf_counter()

@@ -13,7 +13,6 @@ Read top to bottom, one request batch goes like this:
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from .cache import InfinikvCache
+from .clock import now
 from .errors import InputError
 from .forward import Driver
 from .models import LoadedModel
@@ -159,16 +159,16 @@ class Generator:
         driver = Driver(self.loaded, InfinikvCache(model, self.policy_config, device=self.loaded.device))
 
         try:
-            start = self._now()
+            start = now(self.loaded.device)
             logits = driver.prefill(input_ids, attention_mask, config.prefill_chunk, progress=progress)
-            prefill_s = self._now() - start
+            prefill_s = now(self.loaded.device) - start
 
             generated: list[list[int]] = [[] for _ in range(batch)]
             texts = [""] * batch
             emitted = [0] * batch  # characters of each text already streamed
             finish: list[str | None] = [None] * batch
             decode_forwards = 0
-            start = self._now()
+            start = now(self.loaded.device)
             for step in range(config.max_new_tokens):
                 next_tokens = self._sample(logits, config, generator)
                 last_step = step == config.max_new_tokens - 1
@@ -192,7 +192,7 @@ class Generator:
                     break
                 logits = driver.step(next_tokens)
                 decode_forwards += 1
-            decode_s = self._now() - start
+            decode_s = now(self.loaded.device) - start
             policy_stats = driver.stats()
         finally:
             driver.close()
@@ -296,8 +296,3 @@ class Generator:
         while end > emitted and text[end - 1] == "\ufffd":
             end -= 1
         return max(end, emitted)
-
-    def _now(self) -> float:
-        if self.loaded.device.type == "cuda":
-            torch.cuda.synchronize(self.loaded.device)
-        return time.perf_counter()

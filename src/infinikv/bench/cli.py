@@ -10,19 +10,10 @@ from pathlib import Path
 
 import torch
 
+from ..cliargs import int_list
 from ..errors import InputError
 from ..models import DEFAULT_MODEL
 from .peers import PEERS
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one value")
-    return values
 
 
 def _names(text: str, allowed: tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -82,9 +73,9 @@ def register_cli(subparsers) -> None:
     )
     bench.add_argument("--model", default=DEFAULT_MODEL)
     bench.add_argument("--peers", default="all", help=f"transformers caches: {', '.join(PEERS)}, all or none")
-    bench.add_argument("--batch", type=_ints, default=(1,), help="comma-separated batch sizes")
+    bench.add_argument("--batch", type=int_list, default=(1,), help="comma-separated batch sizes")
     bench.add_argument(
-        "--context", type=_ints, default=(1024,), help="comma-separated prompt lengths (tokens)"
+        "--context", type=int_list, default=(1024,), help="comma-separated prompt lengths (tokens)"
     )
     bench.add_argument("--gen", type=int, default=128, help="tokens generated per sequence")
     bench.add_argument(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache import InfinikvCache
+from ..clock import now
 from ..errors import InfinikvError
 from ..forward import Driver, PrefillMemo
 from ..models import LoadedModel
@@ -158,12 +158,12 @@ def prefill(
     """Prefill ``driver``'s cache with ``batch`` rows: with a ``memo``, the recording of ``ids[:1]``
     replayed over the rows, else ``ids[:batch]`` through the model. Returns the first generated token
     [batch, 1], the TTFT (an estimate when replayed) and the time of the prefill call."""
-    start = _now(loaded.device)
+    start = now(loaded.device)
     if memo is not None:
         logits = driver.prefill(ids[:1], chunk=chunk, memo=memo, repeat=batch)
     else:
         logits = driver.prefill(ids[:batch], chunk=chunk)
-    ingest_s = _now(loaded.device) - start
+    ingest_s = now(loaded.device) - start
     recorded = driver.replayed
     ttft_s = ingest_s if recorded is None else recorded.forward_s * batch + ingest_s
     return logits.argmax(-1)[:, None], ttft_s, ingest_s
@@ -191,9 +191,9 @@ def run_once(
             before, copies_before = _policy_stats(driver)
             times = []
             for _ in range(steps):
-                start = _now(device)
+                start = now(device)
                 token = driver.step(token).argmax(-1)
-                times.append(_now(device) - start)
+                times.append(now(device) - start)
             after, copies_after = _policy_stats(driver)
             if driver.policy is not None:
                 kv_bytes: dict[str, int | None] = dict(driver.policy.kv_bytes())
@@ -214,12 +214,6 @@ def run_once(
         peak_device,
         kv_bytes,
     )
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _policy_stats(driver: Driver) -> tuple[dict[str, Any], int]:

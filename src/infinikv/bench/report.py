@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from ..models import LoadedModel
-from ..reporting import write_keeping_notes
+from ..reporting import fmt, write_keeping_notes
 from . import linkmodel
 from .summary import against_offload
 
@@ -82,10 +82,6 @@ def _footer(env: dict[str, Any]) -> str:
 
 
 # -- text ----------------------------------------------------------------------------------------------------
-def _fmt(value: Any, spec: str = ".2f") -> str:
-    return "–" if value is None else format(value, spec)
-
-
 def summary_table(result: dict[str, Any]) -> str:
     header = (
         "| batch | context | cache | tok/s | × dense | × offload | TTFT s | TPOT p50 ms | TPOT p99 ms | "
@@ -96,7 +92,7 @@ def summary_table(result: dict[str, Any]) -> str:
         for r in cell["rows"]:
             lines.append(
                 f"| {r['batch']} | {r['context']} | {r['name']} | {r['decode_tokens_per_s']:.2f} | "
-                f"{_fmt(r['speedup_vs_dense'])} | {_fmt(r['speedup_vs_offload'])} | {r['ttft_s']:.2f} | "
+                f"{fmt(r['speedup_vs_dense'])} | {fmt(r['speedup_vs_offload'])} | {r['ttft_s']:.2f} | "
                 f"{r['tpot_p50_s'] * 1e3:.1f} | {r['tpot_p99_s'] * 1e3:.1f} | "
                 f"{r['bytes_h2d_per_token'] / MIB:.2f} | {r['kv_fraction_moved']:.1%} | "
                 f"{r['kv_fraction_attended']:.1%} | {r['rehearsal_fraction']:.1%} | "

@@ -6,14 +6,8 @@ import argparse
 import json
 import sys
 
+from ..cliargs import int_list
 from ..errors import InputError
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
 
 
 def _floats(text: str) -> list[float]:
@@ -168,7 +162,7 @@ def register_cli(subparsers) -> None:
 
     ret = sub.add_parser("retrieval", help="passkey and RULER-style retrieval tasks")
     ret.add_argument("--task", default="passkey", help="comma-separated task names, or all")
-    ret.add_argument("--context", type=_ints, default=[2048], help="comma-separated context lengths")
+    ret.add_argument("--context", type=int_list, default=(2048,), help="comma-separated context lengths")
     ret.add_argument("--samples", type=int, default=3, help="samples per task and context")
     ret.add_argument("--depths", type=_floats, default=list(DEFAULT_DEPTHS), help="needle depths, cycled")
     ret.add_argument("--seed", type=int, default=0)

@@ -16,12 +16,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..reporting import write_keeping_notes
+from ..reporting import fmt, write_keeping_notes
 from .sweep import Cell, SweepConfig, cells, finished, is_measured, policy_label, policy_variants
-
-
-def _fmt(value: float | None, digits: int = 2) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
 
 
 def _selected(config: SweepConfig, done: dict[str, dict]) -> tuple[list[dict], list[Cell]]:
@@ -52,8 +48,8 @@ def retrieval_table(records: list[dict]) -> str:
         fractions = [f for r in by_task.values() if (f := r["result"]["kv_fraction"]) is not None]
         mean = sum(present) / len(present) if present else None
         fraction = sum(fractions) / len(fractions) if fractions else None
-        cols = " | ".join(_fmt(s, 1) for s in scores)
-        lines.append(f"| {model} | {context} | {label} | {cols} | {_fmt(mean, 1)} | {_fmt(fraction, 3)} |")
+        cols = " | ".join(fmt(s, 1) for s in scores)
+        lines.append(f"| {model} | {context} | {label} | {cols} | {fmt(mean, 1)} | {fmt(fraction, 3)} |")
     return "\n".join(lines)
 
 
@@ -72,7 +68,7 @@ def ppl_table(records: list[dict]) -> str:
         last = res["blocks"][-1]["ppl"]
         lines.append(
             f"| {c['model']} | {c['target']} | {c['context']} | {label} | {res['ppl']:.3f} | "
-            f"{res['dense']['ppl']:.3f} | {delta:+.3f} | {last:.3f} | {_fmt(res['kv_fraction'], 3)} |"
+            f"{res['dense']['ppl']:.3f} | {delta:+.3f} | {last:.3f} | {fmt(res['kv_fraction'], 3)} |"
         )
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import gpucheck
+from ..cliargs import int_list
 from .child import run_context
 from .plan import FULL, HOST_RATIO_PRIOR, LABEL, TINY, Plan, log, plan_problem
 from .preflight import preflight
@@ -124,14 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = {
             "model": args.model,
-            "batches": _ints(args.batches),
-            "contexts": _ints(args.contexts),
+            "batches": int_list(args.batches) if args.batches is not None else None,
+            "contexts": int_list(args.contexts) if args.contexts is not None else None,
             "policies": tuple(args.policies.split(",")) if args.policies else None,
             "steps": args.steps,
             "deadline": args.deadline,
             "cell_timeout": args.cell_timeout,
         }
-    except ValueError as exc:
+    except argparse.ArgumentTypeError as exc:
         print(f"gpu-check: {exc}", file=sys.stderr)
         return 2
     plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})
@@ -140,15 +141,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: {problem}", file=sys.stderr)
         return 2
     return run_check(args.out, plan, args.tiny, run_cuda_tests=not args.no_tests)
-
-
-def _ints(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
-    if min(values) < 1:
-        raise ValueError(f"values must be positive, got {text!r}")
-    return values

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..reporting import fmt
 from .plan import GIB, LABEL
 
 
@@ -20,10 +21,6 @@ def write_report(out: Path, report: dict[str, Any]) -> None:
     """``gpu_check.json`` and ``gpu_check.md`` in ``out``, from the report as it stands."""
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "gpu_check.md").write_text(render(report))
-
-
-def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
-    return "—" if value is None else f"{value * scale:.{digits}f}"
 
 
 def render(report: dict[str, Any]) -> str:
@@ -62,14 +59,20 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"{head} {reason} |" + " |" * 10)
             continue
         projected = row.get("projected_step_s_h200", {})
-        lines.append(
-            f"{head} {_fmt(row.get('steady_decode_tokens_per_s'))} | {_fmt(row['tpot_p50_s'], 1e3)} "
-            f"| {_fmt(row['bytes_h2d_per_step'], 1e-9, 3)} | {_fmt(row.get('copy_s_per_step'), 1e3)} "
-            f"| {_fmt(row.get('stalled_s_per_step'), 1e3)} | {_fmt(row.get('hidden_fraction'), 100, 0)} "
-            f"| {_fmt(row.get('issue_s_per_step'), 1e3)} | {_fmt(row.get('peak_device_bytes'), 1 / GIB)} "
-            f"| {_fmt(row.get('peak_pinned_host_bytes'), 1 / GIB)} "
-            f"| {_fmt(projected.get('h200/pcie5'), 1e3)} / {_fmt(projected.get('h200/measured'), 1e3)} |"
-        )
+        pcie5, measured = (fmt(projected.get(f"h200/{link}"), 1, scale=1e3) for link in ("pcie5", "measured"))
+        cells = [
+            fmt(row.get("steady_decode_tokens_per_s"), 1),
+            fmt(row["tpot_p50_s"], 1, scale=1e3),
+            fmt(row["bytes_h2d_per_step"], 3, scale=1e-9),
+            fmt(row.get("copy_s_per_step"), 1, scale=1e3),
+            fmt(row.get("stalled_s_per_step"), 1, scale=1e3),
+            fmt(row.get("hidden_fraction"), 0, scale=100),
+            fmt(row.get("issue_s_per_step"), 1, scale=1e3),
+            fmt(row.get("peak_device_bytes"), 1, scale=1 / GIB),
+            fmt(row.get("peak_pinned_host_bytes"), 1, scale=1 / GIB),
+            f"{pcie5} / {measured}",
+        ]
+        lines.append(f"{head} {' | '.join(cells)} |")
     lines += [
         "",
         "copy = the copy stream's time per step (CUDA events around each fetch, including the host row "
