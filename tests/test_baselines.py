@@ -136,7 +136,8 @@ def test_quest_picks_page_of_max_logit(tiny):
     query = torch.randn(1, spec.num_heads, spec.head_dim)
     k[:, :, 42] = 3 * query[:, :: spec.group_size]  # one token per KV head aligned with its first query head
     policy.prefill(0, k, v)
-    pages, _rank = policy.top_pages(query, policy.page_max[0], policy.page_min[0], take=1)
+    policy.query = lambda layer: query  # the layer's real query this step
+    pages = policy.score(0, 64, 1).argmax(dim=-1, keepdim=True)  # the page with the highest bound
     grouped = query.view(1, spec.num_kv_heads, spec.group_size, -1)
     best = torch.einsum("bhgd,bhnd->bhgn", grouped, k).amax(dim=2).argmax(dim=-1)
     assert torch.equal(pages[..., 0], best // 4)
@@ -192,7 +193,8 @@ def test_oracle_takes_the_top_k_of_the_real_scores(tiny, monkeypatch):
     query[:, :: spec.group_size] = 50 * k[:, :, :1] / k[:, :, :1].norm(dim=-1, keepdim=True)
     monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
     policy.before_attention(layer, torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
-    index = policy.select(layer, n, 1)
+    index, valid = policy.select(layer, n, 1)
+    assert valid is None
 
     scaling = spec.attention[layer].scaling
     logits = torch.einsum("bhd,bhnd->bhn", query[:, :, 0], k.repeat_interleave(spec.group_size, 1)) * scaling
@@ -214,7 +216,7 @@ def test_oracle_reserves_sinks_and_window_within_its_budget(tiny, monkeypatch):
     query = torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=torch.Generator().manual_seed(7))
     monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
     policy.before_attention(layer, torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
-    index = policy.select(layer, n, 1)
+    index, _valid = policy.select(layer, n, 1)
     assert index.shape[-1] == 8
     for head in index[0].tolist():
         assert {5, 6, 37, 38, 39} <= set(head) and min(head) >= 5  # sinks after the padding, the window

@@ -1,45 +1,60 @@
-"""KV policies: what each attention layer sees and what crosses from the host pool to the device."""
+"""KV policies: what each attention layer sees and what crosses from the host pool to the device.
+
+Importing this package registers every built-in policy (each module's ``@register``) and then the policies
+other distributions declare in the ``infinikv.policies`` entry-point group (``registry.py``).
+"""
 
 from ..spec import ModelSpec
-from .base import HostPoolPolicy, Policy, PolicyConfig, Selection, knob, resolve_budget
+from .base import HostPoolPolicy, Policy, ScoredPolicy, Selection, pick_top, resolve_budget
+from .config import PolicyConfig, knob
+from .registry import POLICIES, load_entry_points, make_config, make_policy, policy_class, register
+
+# isort: off
+# Registration order is listing order: the reference, full offload, the selectors, quantisation, InfiniGen
+# and its ceiling.
 from .dense import DenseConfig, DensePolicy
-from .gather import GatherPolicy
-from .h2o import H2OConfig, H2OPolicy
-from .infinigen import InfiniGenConfig, InfiniGenPolicy
 from .offload import OffloadConfig, OffloadPolicy
-from .oracle import OracleConfig, OraclePolicy
-from .quant import QuantConfig, QuantPolicy
-from .quest import QuestConfig, QuestPolicy
-from .registry import POLICIES, make_config, make_policy, policy_class
 from .streaming import StreamingConfig, StreamingPolicy
+from .quest import QuestConfig, QuestPolicy
+from .h2o import H2OConfig, H2OPolicy
+from .quant import QuantConfig, QuantPolicy
+from .infinigen import InfiniGenConfig, InfiniGenPolicy
+
+register("infinigen")(InfiniGenPolicy)
+from .oracle import OracleConfig, OraclePolicy
+# isort: on
+
+load_entry_points()
 
 __all__ = [
-    "StreamingPolicy",
-    "StreamingConfig",
-    "QuestPolicy",
-    "QuestConfig",
-    "QuantPolicy",
-    "QuantConfig",
-    "H2OPolicy",
-    "H2OConfig",
     "POLICIES",
     "DenseConfig",
     "DensePolicy",
+    "H2OConfig",
+    "H2OPolicy",
+    "HostPoolPolicy",
     "InfiniGenConfig",
     "InfiniGenPolicy",
-    "GatherPolicy",
-    "HostPoolPolicy",
     "ModelSpec",
-    "knob",
     "OffloadConfig",
     "OffloadPolicy",
     "OracleConfig",
     "OraclePolicy",
     "Policy",
     "PolicyConfig",
+    "QuantConfig",
+    "QuantPolicy",
+    "QuestConfig",
+    "QuestPolicy",
+    "ScoredPolicy",
     "Selection",
+    "StreamingConfig",
+    "StreamingPolicy",
+    "knob",
     "make_config",
     "make_policy",
+    "pick_top",
     "policy_class",
+    "register",
     "resolve_budget",
 ]

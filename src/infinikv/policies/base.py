@@ -26,15 +26,16 @@ in this package and one line in ``registry.py``.
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import PolicyError
-from ..kvpool import KVPool
+from ..kvpool import KVPool, Transfer
 from ..spec import ModelSpec
+from .config import PolicyConfig, knob  # noqa: F401  (knob: infinigen/policy.py still imports it from here)
 
 Tensor = torch.Tensor
 
@@ -56,95 +57,6 @@ class Selection:
     valid: Tensor | None = None
 
 
-# -- configs -------------------------------------------------------------------------------------------------
-def knob(
-    default: Any,
-    doc: str,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    open_low: bool = False,
-    allow_inf: bool = False,
-    choices: tuple[str, ...] | None = None,
-) -> Any:
-    """A policy knob: its default, what it means (shown by ``infinikv policies``) and its valid values.
-
-    ``low``/``high`` bound numbers (``open_low``: strictly above ``low``); numbers must be finite unless
-    ``allow_inf``; ``choices`` lists a string knob's values."""
-    meta = {"doc": doc, "low": low, "high": high, "open_low": open_low, "allow_inf": allow_inf}
-    return field(default=default, metadata={**meta, "choices": choices})
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Base of every policy's config. Knobs share names across policies (budget, alpha, partial_ratio,
-    capacity, eviction, bits, group_size, n_sink, window, page_size, dense_layers, …) and are checked here,
-    from their :func:`knob` declarations, before any model work."""
-
-    def __post_init__(self):
-        for f in fields(self):
-            try:
-                _check_knob(f.name, f.type, getattr(self, f.name), f.metadata)
-            except PolicyError as exc:
-                exc.knob = f.name
-                raise
-
-    def knobs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def knob_docs(cls) -> dict[str, str]:
-        """Each knob's meaning, as declared."""
-        return {f.name: f.metadata.get("doc", "") for f in fields(cls)}
-
-    @classmethod
-    def defaults(cls) -> dict[str, Any]:
-        return {f.name: None if f.default is MISSING else f.default for f in fields(cls)}
-
-    def prepare(self, loaded: Any) -> None:
-        """Model-level work before a policy first runs on ``loaded`` (a LoadedModel), e.g. InfiniGen's
-        calibration. The drivers call it; most policies need nothing."""
-
-    def padding_grid(self) -> int:
-        """A row of a left-padded batch gets what it gets alone only when its padding is a multiple of this
-        (1: any padding). A policy that groups token slots on the batch's shared grid (KIVI's key groups)
-        says how wide; ``Generator.generate`` then batches only rows whose lengths agree modulo it. Not
-        covered: a prompt longer than one prefill chunk, whose chunks are cut on the batch's grid too, with
-        a policy whose later chunks attend to a lossy copy of the earlier ones (quant)."""
-        return 1
-
-    def rehearsal_share(self, spec: Any, tokens: int | None = None) -> float:
-        """Share of the cached keys (all layers, all columns) the policy reads on the compute device per
-        decode step to choose what to fetch (InfiniGen's partial keys on its managed layers; ``spec``: the
-        ModelSpec; ``tokens``: the prompt length, when the share depends on it); 0: none."""
-        return 0.0
-
-
-def _check_knob(name: str, kind: Any, value: Any, meta: Any) -> None:
-    kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise PolicyError(f"{name} must be true or false, got {value!r}")
-        return
-    if kind == "str":
-        choices = meta.get("choices")
-        if not isinstance(value, str) or (choices and value not in choices):
-            allowed = f"one of {', '.join(choices)}" if choices else "a string"
-            raise PolicyError(f"{name} must be {allowed}, got {value!r}")
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise PolicyError(f"{name} must be a number, got {value!r}")
-    if kind == "int" and (isinstance(value, float) and not value.is_integer()):
-        raise PolicyError(f"{name} must be a whole number, got {value}")
-    if math.isnan(value) or (math.isinf(value) and not meta.get("allow_inf")):
-        raise PolicyError(f"{name} must be a finite number, got {value}")
-    low, high = meta.get("low"), meta.get("high")
-    if low is not None and (value <= low if meta.get("open_low") else value < low):
-        raise PolicyError(f"{name} must be {'>' if meta.get('open_low') else '>='} {low}, got {value}")
-    if high is not None and value > high:
-        raise PolicyError(f"{name} must be <= {high}, got {value}")
-
-
 def group_relative_max(scores: Tensor, group: int) -> Tensor:
     """[batch, heads, n] logits -> [batch, kv_heads, n]: each query head's logits minus its own best (so
     <= 0), then the max over the ``group`` query heads that share a KV head. -inf stays -inf."""
@@ -152,6 +64,40 @@ def group_relative_max(scores: Tensor, group: int) -> Tensor:
     grouped = scores.reshape(batch, heads // group, group, n)
     best = grouped.amax(dim=-1, keepdim=True)
     return (grouped - best.masked_fill(best == -math.inf, 0)).amax(dim=2)
+
+
+def reserved_first(scores: Tensor, reserved: Tensor) -> Tensor:
+    """``scores`` [..., n] with the ``reserved`` entries lifted above all others, each keeping its own order
+    (so which reserved entries a short count takes does not depend on ties, hence not on the batch's slot
+    layout); -inf stays -inf."""
+    finite = scores > -math.inf
+    low = scores.masked_fill(~finite, 0).amin(dim=-1, keepdim=True)
+    high = scores.masked_fill(~finite, 0).amax(dim=-1, keepdim=True)
+    return torch.where(reserved & finite, scores + (high - low + 1), scores)
+
+
+def pick_top(
+    scores: Tensor, takes: list[int], reserved: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Each row's best entries by ``scores`` [batch, kv_heads, n]: ``takes[row]`` of them per KV head,
+    ``reserved`` (bool, broadcastable to ``scores``) first.
+
+    Returns (index [batch, kv_heads, max(takes)], valid): each row's entries in ascending order, so a row
+    reads its tokens in the same order alone and batched. The gather is as wide as the widest row; a
+    narrower row's extra entries are hidden by ``valid`` (bool, same shape; None when no row is narrower).
+    """
+    if reserved is not None:
+        scores = reserved_first(scores, reserved)
+    width = max(takes, default=0)
+    ragged = min(takes, default=0) < width
+    # A narrower row needs its own best first (sorted by score), to hide the rest.
+    top = scores.topk(width, dim=-1, sorted=ragged).indices
+    if not ragged:
+        return top.sort(dim=-1).values, None
+    rank = torch.arange(width, device=top.device)
+    own = rank < torch.tensor(takes, device=top.device)[:, None, None]
+    index, order = top.sort(dim=-1)
+    return index, own.expand_as(top).gather(-1, order)
 
 
 def resolve_budget(budget: float, context: int, capped: bool = True) -> int:
@@ -168,7 +114,7 @@ def resolve_budget(budget: float, context: int, capped: bool = True) -> int:
 class Policy:
     """Base class: the seam, statistics, and no KV storage of its own."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # set by ``registry.register``
     config_class: ClassVar[type[PolicyConfig]]
     # Policies of one family build the same state from a prompt whatever their knobs, so a prefill recorded
     # under one can be replayed into another (driver.PrefillMemo) instead of running the model
@@ -304,6 +250,146 @@ class HostPoolPolicy(Policy):
 
     def pool(self) -> KVPool:
         return self.host_pool
+
+
+class ScoredPolicy(HostPoolPolicy):
+    """Host pool + a per-step gather of each row's best-scored past tokens: a policy says only how it scores.
+
+    A subclass implements :meth:`score` and, where its rules differ from the shared ones, :meth:`takes`
+    (how many units a row takes), :meth:`reserved` (units always taken) and :meth:`expand` (the slots of the
+    chosen units, for a policy that scores blocks of tokens). The base does the rest, the same way for every
+    policy: the budget per row (of its own real tokens, not the batch's padded length), reserved units first
+    and counted in the budget, each query head's scores relative to its best and the max over a KV group,
+    left padding never chosen, a narrower row's extra gather entries hidden (``Selection.valid``) and each
+    row's tokens in ascending order, so a row attends to what it attends to alone. Sliding-window layers
+    read their window. Prefill is dense: each prompt chunk attends to everything stored so far.
+
+    A policy whose choice for layer i+1 does not need layer i+1's query sets ``prefetches = True`` and the
+    copy starts one layer early; one that needs the layer's own query sets ``query_aware = True`` and reads
+    it in :meth:`score` from ``self.query(layer)`` (captured in ``before_attention``).
+    """
+
+    prefill_family = "dense"
+    # True: score() reads the layer's real query of this step (self.query(layer)), so nothing is prefetched.
+    query_aware: ClassVar[bool] = False
+    # True: a unit is a token slot, and the base hides left padding from the scores itself.
+    scores_slots: ClassVar[bool] = True
+
+    def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
+        super().__init__(config, spec, device)
+        self._query: dict[int, Tensor] = {}
+
+    # -- what a subclass says ------------------------------------------------------------------------------
+    def scored(self, layer: int) -> bool:
+        """Whether ``layer`` chooses its tokens (else it reads every past token, or its window)."""
+        return not self.spec.is_sliding(layer) and layer >= getattr(self.config, "dense_layers", 0)
+
+    def score(self, layer: int, n_past: int, batch: int) -> Tensor:
+        """``layer``'s scores of its past units this step, higher first: [batch, kv_heads, units], or one per
+        query head [batch, heads, units] (the base compares each head with its own best and keeps the max
+        over the heads of a KV group). -inf: never taken (a unit the row does not have). A unit is a token
+        slot, whose left padding the base hides, unless ``scores_slots`` is False (:meth:`expand`)."""
+        raise NotImplementedError
+
+    def takes(self, layer: int, real: list[int]) -> list[int]:
+        """Units each row takes this step, from its ``real`` past tokens (left padding excluded): the budget
+        (``config.budget``: <= 1 a fraction of them, else a token count), at most all of them."""
+        return [min(resolve_budget(self.config.budget, max(n, 1)), n) for n in real]
+
+    def real_past(self, layer: int, n_past: int, batch: int) -> list[int]:
+        """Real (not left padding) past tokens per row."""
+        return self.past_valid(n_past, batch).sum(dim=1).tolist()
+
+    def units(self, layer: int, real: list[int]) -> list[int]:
+        """Units each row has (a row taking as many reads everything): its real past tokens."""
+        return real
+
+    def reserved(self, layer: int, n_past: int, batch: int) -> Tensor | None:
+        """bool [batch, units] taken first and counted in the budget, or None: the first ``config.n_sink``
+        real tokens and the last ``config.window`` past slots, for a policy whose config has them."""
+        n_sink, window = getattr(self.config, "n_sink", 0), getattr(self.config, "window", 0)
+        if not (n_sink or window):
+            return None
+        valid = self.past_valid(n_past, batch)
+        rank = valid.long().cumsum(dim=1)  # 1 for the first real token
+        slot = torch.arange(n_past, device=valid.device)
+        return valid & ((rank <= n_sink) | (slot >= n_past - window))
+
+    def expand(self, layer: int, index: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The slots of the chosen units ``index`` [batch, kv_heads, m] (ascending), and which are real:
+        units are slots unless a subclass scores blocks."""
+        return index, valid
+
+    def adjust_keys(self, layer: int, index: Tensor, keys: Tensor) -> Tensor:
+        """Hook to transform the gathered past keys (StreamingLLM re-rotates its sinks)."""
+        return keys
+
+    def query(self, layer: int) -> Tensor:
+        """``layer``'s real query of this step, [batch, heads, head_dim] (``query_aware`` policies)."""
+        return self._query.pop(layer)
+
+    # -- the shared rules ------------------------------------------------------------------------------------
+    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        if self.query_aware and self.scored(layer):
+            self._query[layer] = self.spec.query(layer, x, position_ids)[:, :, -1]
+
+    def select(self, layer: int, n_past: int, batch: int) -> tuple[Tensor, Tensor | None]:
+        """Past slots ``layer`` reads this step: (index [batch, kv_heads, m], each row's ascending, and
+        which entries each row attends to, or None for all)."""
+        everything = torch.arange(n_past, device=self.device).expand(batch, self.spec.num_kv_heads, -1)
+        if not self.scored(layer):
+            return everything, None
+        real = self.real_past(layer, n_past, batch)
+        units = self.units(layer, real)
+        takes = [min(take, have) for take, have in zip(self.takes(layer, real), units, strict=True)]
+        if takes == units:  # every row reads all it has
+            self._query.pop(layer, None)
+            return everything, None
+        scores = self.score(layer, n_past, batch)
+        if self.scores_slots:
+            padding = ~self.past_valid(n_past, batch).to(scores.device)
+            scores = scores.masked_fill(padding[:, None], -math.inf)
+        if scores.shape[1] != self.spec.num_kv_heads:
+            scores = group_relative_max(scores, scores.shape[1] // self.spec.num_kv_heads)
+        reserved = self.reserved(layer, n_past, batch)
+        index, valid = pick_top(
+            scores, takes, None if reserved is None else reserved[:, None].to(scores.device)
+        )
+        return self.expand(layer, index.to(self.device), valid)
+
+    def start_fetch(
+        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None, Transfer]:
+        n_past, batch = self.host_pool.length(layer), self.host_pool.keys(layer).shape[0]
+        window = self.spec.sliding_window[layer]
+        if window is not None:
+            # The new token's window holds it and the window - 1 tokens before it.
+            index = torch.arange(max(0, n_past - window + 1), n_past, device=self.device)
+            index, valid = index.expand(batch, self.spec.num_kv_heads, -1), None
+        else:
+            index, valid = self.select(layer, n_past, batch)
+        return index, valid, self.host_pool.fetch(layer, index)
+
+    def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
+        n_past = self.host_pool.length(layer)
+        index, valid, transfer = self.take_fetch(layer)
+        past_k, past_v = transfer.wait()
+        self.host_pool.append(layer, k_new, v_new)
+        index = index.to(k_new.device)
+        past_k = self.adjust_keys(layer, index, past_k)
+        new_position = index.new_full((*index.shape[:2], 1), n_past)
+        positions = torch.cat([index, new_position], dim=2)
+        keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
+        if valid is not None:
+            valid = torch.cat([valid.to(k_new.device), valid.new_ones(*valid.shape[:2], 1)], dim=2)
+        # Tokens attended: what each row really sees (not its left padding, nor slots it hides).
+        batch = index.shape[0]
+        real = self.past_valid(n_past, batch).to(index.device)
+        real = torch.cat([real, real.new_ones(batch, 1)], dim=1)  # the new token is real
+        seen = real.gather(1, positions.flatten(1)).view_as(positions)
+        seen = seen if valid is None else seen & valid
+        self.record_attended(layer, seen.sum(dim=-1).float().mean())
+        return Selection(keys, values, positions, valid)
 
 
 # -- attention -----------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ import torch
 
 from ..kvpool import KVPool
 from ..spec import ModelSpec
-from .base import Policy, PolicyConfig, Selection
+from .base import Policy, Selection
+from .config import PolicyConfig
+from .registry import register
 
 Tensor = torch.Tensor
 
@@ -18,8 +20,8 @@ class DenseConfig(PolicyConfig):
     """No knobs: full attention, nothing moved."""
 
 
+@register("dense")
 class DensePolicy(Policy):
-    name = "dense"
     config_class = DenseConfig
     prefill_family = "dense"
 

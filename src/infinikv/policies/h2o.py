@@ -27,7 +27,9 @@ import torch
 
 from ..kvpool import Transfer
 from ..spec import ModelSpec
-from .base import HostPoolPolicy, PolicyConfig, Selection, attention, attention_weights, knob, resolve_budget
+from .base import HostPoolPolicy, Selection, attention, attention_weights, resolve_budget
+from .config import PolicyConfig, knob
+from .registry import register
 
 Tensor = torch.Tensor
 SCORE_ROWS = 256  # prefill query rows scored at once (bounds the [rows, tokens] weight block)
@@ -43,8 +45,8 @@ class H2OConfig(PolicyConfig):
     )
 
 
+@register("h2o")
 class H2OPolicy(HostPoolPolicy):
-    name = "h2o"
     config_class = H2OConfig
     prefill_family = "h2o"  # the prompt's attention scores do not depend on the knobs
     prefetches = True

@@ -14,7 +14,9 @@ import torch
 
 from ..kvpool import Transfer
 from ..spec import ModelSpec
-from .base import HostPoolPolicy, PolicyConfig, Selection, knob
+from .base import HostPoolPolicy, Selection
+from .config import PolicyConfig, knob
+from .registry import register
 
 Tensor = torch.Tensor
 
@@ -29,8 +31,8 @@ class OffloadConfig(PolicyConfig):
     )
 
 
+@register("offload")
 class OffloadPolicy(HostPoolPolicy):
-    name = "offload"
     config_class = OffloadConfig
     prefill_family = "dense"
     prefetches = True

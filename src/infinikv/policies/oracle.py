@@ -13,27 +13,25 @@ so nothing can be prefetched (the rows are gathered after the query is known) an
 key cache in the host pool. Bytes are counted as if only the chosen rows crossed from the host pool, which
 is the traffic a perfect predictor would cause.
 
-Same rules as ``infinigen`` so the two compare at matched bytes: per KV head, each query head's real logits
-are taken relative to that head's best and the group's heads are combined by max (a token counts if any
-head of the group wants it); k = ``resolve_budget(budget, real past tokens)`` per sequence (the gather is as
-wide as the largest; a shorter row's extra entries are its own masked padding, so each sequence attends
-to what it would alone); every layer selects, as InfiniGen's do by default (its first layers with their own
-query; ``dense_layers`` loads the first layers whole, as InfiniGen's ``--first-layers dense``);
-sliding-window layers attend to their window.
+Same rules as ``infinigen`` so the two compare at matched bytes, all of them the shared ones of
+``base.ScoredPolicy``: per KV head, each query head's real logits are taken relative to that head's best
+and the group's heads are combined by max (a token counts if any head of the group wants it); k =
+``resolve_budget(budget, real past tokens)`` per sequence; every layer selects, as InfiniGen's do by default
+(its first layers with their own query; ``dense_layers`` loads the first layers whole, as InfiniGen's
+``--first-layers dense``); sliding-window layers attend to their window.
 ``n_sink``/``window`` reserve part of the budget for the first and the most recent tokens (StreamingLLM's
 sinks and window, which later selectors keep): the ceiling of a selector that keeps them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..spec import ModelSpec
-from .base import PolicyConfig, group_relative_max, knob, resolve_budget
-from .gather import GatherPolicy
+from .base import ScoredPolicy
+from .config import PolicyConfig, knob
+from .registry import register
 
 Tensor = torch.Tensor
 
@@ -54,61 +52,17 @@ class OracleConfig(PolicyConfig):
     window: int = knob(0, "most recent past tokens always among the budget's tokens", low=0)
 
 
-class OraclePolicy(GatherPolicy):
-    name = "oracle"
+@register("oracle")
+class OraclePolicy(ScoredPolicy):
     config_class = OracleConfig
+    query_aware = True
 
-    def __init__(self, config: OracleConfig, spec: ModelSpec, device: torch.device):
-        super().__init__(config, spec, device)
-        self._query: dict[int, Tensor] = {}
-
-    def managed(self, layer: int) -> bool:
-        return layer >= self.config.dense_layers and not self.spec.is_sliding(layer)
-
-    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if self.managed(layer):
-            self._query[layer] = self.spec.query(layer, x, position_ids)[:, :, -1]  # [batch, heads, d]
-
-    def real_scores(self, layer: int, query: Tensor, n_past: int) -> Tensor:
-        """The layer's real logits of every past slot, combined per KV group: [batch, kv_heads, n_past]
-        (-inf on left padding)."""
-        keys = self.host_pool.keys(layer)  # [batch, kv_heads, n_past, d], in the host pool
+    def score(self, layer: int, n_past: int, batch: int) -> Tensor:
+        """The layer's real logits of every past slot, per query head: [batch, heads, n_past], read from the
+        whole key cache in the host pool."""
+        keys = self.host_pool.keys(layer)  # [batch, kv_heads, n_past, d]
+        query = self.query(layer)
         group = self.spec.group_size
-        scaling = self.spec.scaling(layer)
         grouped = query.to(keys.device, keys.dtype).reshape(*keys.shape[:2], group, -1)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scaling  # [batch, kv, group, n]
-        valid = self.past_valid(n_past, keys.shape[0]).to(keys.device)
-        scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
-        return group_relative_max(scores.flatten(1, 2), group)
-
-    def select(self, layer: int, n_past: int, batch: int) -> Tensor:
-        query = self._query.pop(layer, None)
-        if query is None:  # a dense layer
-            return torch.arange(n_past, device=self.device).expand(batch, self.spec.num_kv_heads, -1)
-        real_past = self.past_valid(n_past, batch).sum(dim=1).tolist()
-        takes = [min(resolve_budget(self.config.budget, max(int(n), 1)), n_past) for n in real_past]
-        scores = self.real_scores(layer, query, n_past)
-        if self.config.n_sink or self.config.window:
-            reserved = self._reserved(n_past, batch).to(scores.device)[:, None].expand_as(scores)
-            finite = scores > -math.inf
-            lift = scores.masked_fill(~finite, 0).amax(-1, keepdim=True) - scores.masked_fill(
-                ~finite, 0
-            ).amin(-1, keepdim=True)
-            scores = torch.where(reserved & finite, scores + lift + 1, scores)  # first, in their own order
-        take = max(takes)
-        if min(takes) < take:
-            # A row with left padding takes fewer: its extra entries are padding slots (masked), never tokens
-            # it would not attend alone. It has at least as many padding slots as extra entries.
-            own = torch.zeros_like(scores, dtype=torch.bool)
-            for row, count in enumerate(takes):
-                own[row].scatter_(-1, scores[row].topk(count, dim=-1).indices, True)
-            padding = torch.finfo(scores.dtype).min
-            scores = torch.where(own, scores, torch.where(scores == -math.inf, padding, -math.inf))
-        return scores.topk(take, dim=-1).indices.sort(dim=-1).values.to(self.device)
-
-    def _reserved(self, n_past: int, batch: int) -> Tensor:
-        """bool [batch, n_past]: the first ``n_sink`` real tokens and the last ``window`` past tokens."""
-        valid = self.past_valid(n_past, batch)
-        rank = valid.long().cumsum(dim=1)  # 1 for the first real token
-        slot = torch.arange(n_past, device=valid.device)
-        return valid & ((rank <= self.config.n_sink) | (slot >= n_past - self.config.window))
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.spec.scaling(layer)
+        return scores.flatten(1, 2)

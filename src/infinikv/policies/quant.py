@@ -25,7 +25,9 @@ import torch
 from ..errors import PolicyError
 from ..kvpool import KVPool, Transfer
 from ..spec import ModelSpec
-from .base import HostPoolPolicy, PolicyConfig, Selection, knob
+from .base import HostPoolPolicy, Selection
+from .config import PolicyConfig, knob
+from .registry import register
 
 Tensor = torch.Tensor
 
@@ -90,8 +92,8 @@ def dequantize(codes: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
     return codes.to(scale.dtype) * scale + minimum
 
 
+@register("quant")
 class QuantPolicy(HostPoolPolicy):
-    name = "quant"
     config_class = QuantConfig
     prefill_family = None  # later prompt chunks attend to K/V quantized with this config's knobs
     prefetches = True

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import ModelSpec
-from .base import PolicyConfig, knob, resolve_budget
-from .gather import GatherPolicy
+from .base import ScoredPolicy, resolve_budget
+from .config import PolicyConfig, knob
+from .registry import register
 
 Tensor = torch.Tensor
 
@@ -42,9 +43,14 @@ class QuestConfig(PolicyConfig):
     dense_layers: int = knob(2, "leading layers that attend to everything (the paper keeps two)", low=0)
 
 
-class QuestPolicy(GatherPolicy):
-    name = "quest"
+@register("quest")
+class QuestPolicy(ScoredPolicy):
+    """Scores pages, not tokens: a unit of the shared seam is one of a row's full pages (:meth:`expand`
+    turns the chosen pages into their tokens and adds the row's unfinished page)."""
+
     config_class = QuestConfig
+    query_aware = True
+    scores_slots = False
 
     def __init__(self, config: QuestConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
@@ -61,7 +67,6 @@ class QuestPolicy(GatherPolicy):
         self.partial: list[Tensor | None] = [None] * layers
         self.n_partial: list[Tensor | None] = [None] * layers
         self.first_real: list[Tensor | None] = [None] * layers
-        self._query: dict[int, Tensor] = {}
 
     # -- page metadata -------------------------------------------------------------------------------------
     def _add_keys(self, layer: int, k: Tensor) -> None:
@@ -124,62 +129,51 @@ class QuestPolicy(GatherPolicy):
         self._add_keys(layer, k)
         return out
 
-    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if layer >= self.config.dense_layers and not self.spec.is_sliding(layer):
-            self._query[layer] = self.spec.query(layer, x, position_ids)[:, :, -1]  # [batch, heads, d]
-
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor):
         selection = super().decode(layer, k_new, v_new)
         self._add_keys(layer, k_new)
         return selection
 
-    def select(self, layer: int, n_past: int, batch: int) -> Tensor:
-        size, device = self.config.page_size, self.device
-        query = self._query.pop(layer, None)
-        n_pages, held = self.n_pages[layer], self.n_partial[layer]  # host tensors: no device sync
-        # Each row's budget refers to its own context (its real tokens and the new one).
-        budgets = [
-            resolve_budget(self.config.budget, real + 1, capped=False)
-            for real in (n_pages * size + held).tolist()
-        ]
-        takes = torch.tensor(
-            [max(0, (b - h - 1) // size) for b, h in zip(budgets, held.tolist(), strict=True)]
-        )
-        takes = torch.minimum(takes, n_pages)
-        if query is None or bool((takes == n_pages).all()):  # a dense layer, or every row's pages fit
-            return torch.arange(n_past, device=device).expand(batch, self.spec.num_kv_heads, -1)
-        take, widest = int(takes.max()), int(held.max())
-        pages, rank = self.top_pages(query, self.page_max[layer], self.page_min[layer], take)
-        first = self.first_real[layer]
-        offsets = torch.arange(size, device=device)
-        tokens = (first.to(device)[:, None, None, None] + pages[..., None] * size + offsets).flatten(2)
-        # Each row's unfinished page, as wide as the widest one (a shorter one's extra slots hidden).
-        at = torch.arange(widest)
-        partial = (first[:, None] + n_pages[:, None] * size + at).to(device)
-        heads = self.spec.num_kv_heads
-        index = torch.cat([tokens, partial[:, None].expand(-1, heads, -1)], dim=2).clamp(max=n_past - 1)
-        if bool((takes < take).any() or (held < widest).any()):
-            page_valid = (rank < takes.to(device)[:, None, None]).repeat_interleave(size, dim=2)
-            partial_valid = (at < held[:, None]).to(device)[:, None].expand(-1, heads, -1)
-            self.selected_valid[layer] = torch.cat([page_valid, partial_valid], dim=2)
-        return index
+    def real_past(self, layer: int, n_past: int, batch: int) -> list[int]:
+        # host tensors: no device sync
+        return (self.n_pages[layer] * self.config.page_size + self.n_partial[layer]).tolist()
 
-    def top_pages(
-        self, query: Tensor, page_max: Tensor, page_min: Tensor, take: int
-    ) -> tuple[Tensor, Tensor]:
-        """The ``take`` pages with the highest logit upper bound per KV head, sorted: [batch, kv_heads, take],
-        and each one's rank by bound (0 = highest).
+    def units(self, layer: int, real: list[int]) -> list[int]:
+        return self.n_pages[layer].tolist()
 
-        query [batch, heads, d]; page_max / page_min [batch, kv_heads, pages, d]."""
+    def takes(self, layer: int, real: list[int]) -> list[int]:
+        """Full pages per row: its budget (of its context, the new token included) less its unfinished
+        page and the new token, in whole pages."""
+        size, held = self.config.page_size, self.n_partial[layer].tolist()
+        budgets = [resolve_budget(self.config.budget, n + 1, capped=False) for n in real]
+        return [max(0, (b - h - 1) // size) for b, h in zip(budgets, held, strict=True)]
+
+    def score(self, layer: int, n_past: int, batch: int) -> Tensor:
+        """Each page's upper bound on the logit of any of its tokens, per KV head: [batch, kv_heads, pages]
+        (the max over the group's query heads, as the paper's; -inf on the pages a row does not have)."""
+        query, page_max, page_min = self.query(layer), self.page_max[layer], self.page_min[layer]
         batch, kv_heads, n_pages, _ = page_max.shape
-        group = query.shape[1] // kv_heads
-        q = query.reshape(batch, kv_heads, group, 1, -1)
+        q = query.reshape(batch, kv_heads, query.shape[1] // kv_heads, 1, -1)
         bound = torch.maximum(q * page_max[:, :, None], q * page_min[:, :, None]).sum(dim=-1).amax(dim=2)
         real = page_max[..., 0] > float("-inf")  # pages the row has (a shorter row's others are -inf)
-        bound = torch.where(real, bound, float("-inf"))
-        best = bound.topk(take, dim=-1).indices
-        pages, order = best.sort(dim=-1)
-        return pages, order
+        return torch.where(real, bound, float("-inf"))
+
+    def expand(self, layer: int, index: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The tokens of the chosen pages, then each row's unfinished page (as wide as the widest one, a
+        shorter one's extra slots hidden)."""
+        size, device, heads = self.config.page_size, self.device, self.spec.num_kv_heads
+        first, n_pages, held = self.first_real[layer], self.n_pages[layer], self.n_partial[layer]
+        n_past, widest = self.host_pool.length(layer), int(held.max())
+        offsets = torch.arange(size, device=device)
+        tokens = (first.to(device)[:, None, None, None] + index[..., None] * size + offsets).flatten(2)
+        at = torch.arange(widest)
+        partial = (first[:, None] + n_pages[:, None] * size + at).to(device)
+        slots = torch.cat([tokens, partial[:, None].expand(-1, heads, -1)], dim=2).clamp(max=n_past - 1)
+        if valid is None and not bool((held < widest).any()):
+            return slots, None
+        page_valid = index.new_ones(index.shape, dtype=torch.bool) if valid is None else valid
+        partial_valid = (at < held[:, None]).to(device)[:, None].expand(-1, heads, -1)
+        return slots, torch.cat([page_valid.repeat_interleave(size, dim=2), partial_valid], dim=2)
 
     def device_bytes(self) -> int:
         metadata = (*self.page_max, *self.page_min, *self.partial)

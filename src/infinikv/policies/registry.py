@@ -1,37 +1,64 @@
-"""Name -> policy class. A new policy adds one line here."""
+"""Name -> policy class: ``@register("name")`` on the class, and the ``infinikv.policies`` entry-point group.
+
+A policy in this package registers itself when its module is imported (``policies/__init__.py`` imports
+them all). A policy in another distribution is found through the entry-point group ``infinikv.policies``
+(``[project.entry-points."infinikv.policies"] mine = "my_package.my_policy:MyPolicy"``): each entry is
+loaded when ``infinikv.policies`` is imported and registered under its entry-point name, so it appears in
+``infinikv policies``, every command's ``--policy``, the server's ``kv_policy`` and the eval.
+"""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import fields
+from importlib.metadata import entry_points
 from typing import Any
 
 import torch
 
 from ..errors import PolicyError
 from ..spec import ModelSpec
-from .base import Policy, PolicyConfig
-from .dense import DensePolicy
-from .h2o import H2OPolicy
-from .infinigen import InfiniGenPolicy
-from .offload import OffloadPolicy
-from .oracle import OraclePolicy
-from .quant import QuantPolicy
-from .quest import QuestPolicy
-from .streaming import StreamingPolicy
+from .base import Policy
+from .config import PolicyConfig
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (
-        DensePolicy,
-        OffloadPolicy,
-        StreamingPolicy,
-        QuestPolicy,
-        H2OPolicy,
-        QuantPolicy,
-        InfiniGenPolicy,
-        OraclePolicy,
-    )
-}
+ENTRY_POINT_GROUP = "infinikv.policies"
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(name: str) -> Callable[[type[Policy]], type[Policy]]:
+    """Class decorator: make the policy ``name`` (its ``config_class`` holds its knobs)."""
+
+    def add(cls: type[Policy]) -> type[Policy]:
+        if not (isinstance(cls, type) and issubclass(cls, Policy)):
+            raise PolicyError(f"policy '{name}': {cls!r} is not a Policy subclass")
+        if not (
+            isinstance(getattr(cls, "config_class", None), type)
+            and issubclass(cls.config_class, PolicyConfig)
+        ):
+            raise PolicyError(f"policy '{name}': {cls.__name__}.config_class must be a PolicyConfig subclass")
+        known = POLICIES.get(name)
+        if known is not None and known is not cls:
+            raise PolicyError(f"policy '{name}' is already registered ({known.__module__}.{known.__name__})")
+        cls.name = name
+        POLICIES[name] = cls
+        return cls
+
+    return add
+
+
+def load_entry_points() -> None:
+    """Register the policies other distributions declare; one that fails to load is reported in one line
+    and skipped, so a broken plug-in never stops the built-in policies."""
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = entry.load()
+            if entry.name not in POLICIES or POLICIES[entry.name] is not loaded:
+                register(entry.name)(loaded)
+        except Exception as exc:  # a third party's import can fail in any way
+            print(
+                f"infinikv: policy plug-in '{entry.name}' ({entry.value}) not loaded: {exc}", file=sys.stderr
+            )
 
 
 def policy_class(name: str) -> type[Policy]:

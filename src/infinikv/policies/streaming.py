@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import ModelSpec, rotate_half
-from .base import PolicyConfig, knob
-from .gather import GatherPolicy
+from .base import ScoredPolicy
+from .config import PolicyConfig, knob
+from .registry import register
 
 Tensor = torch.Tensor
 
@@ -38,8 +39,10 @@ class StreamingConfig(PolicyConfig):
     )
 
 
-class StreamingPolicy(GatherPolicy):
-    name = "streaming"
+@register("streaming")
+class StreamingPolicy(ScoredPolicy):
+    """Everything it reads is reserved (the sinks and the window); nothing else is scored."""
+
     config_class = StreamingConfig
     prefetches = True
 
@@ -47,19 +50,24 @@ class StreamingPolicy(GatherPolicy):
         super().__init__(config, spec, device)
         self._skipped: dict[int, Tensor] = {}  # per layer: tokens skipped between sinks and window, [batch]
 
-    def select(self, layer: int, n_past: int, batch: int) -> Tensor:
-        sinks, window = self.config.n_sink, self.config.window
+    def scored(self, layer: int) -> bool:
+        return not self.spec.is_sliding(layer)
+
+    def takes(self, layer: int, real: list[int]) -> list[int]:
+        # past tokens; the new token completes the window
+        return [min(n, self.config.n_sink + self.config.window - 1) for n in real]
+
+    def reserved(self, layer: int, n_past: int, batch: int) -> Tensor:
+        """The first ``n_sink`` real tokens and the last ``window`` - 1 past slots."""
         valid = self.past_valid(n_past, batch)
-        kept = min(n_past, sinks + window - 1)  # past tokens; the new token completes the window
-        first_real = (~valid).sum(dim=1)  # left padding: the first real token's slot
-        real = n_past - first_real
-        slot = torch.arange(kept, device=self.device)
-        tail = n_past - kept + slot  # the last `kept` slots
-        # Rows with more real tokens than fit: sinks at the first real tokens, then the window.
-        split = (real > kept)[:, None]
-        index = torch.where(split & (slot < sinks), first_real[:, None] + slot, tail)
-        self._skipped[layer] = torch.where(split[:, 0], real - kept, 0)
-        return index[:, None, :].expand(batch, self.spec.num_kv_heads, kept)
+        rank = valid.long().cumsum(dim=1)  # 1 for the first real token
+        slot = torch.arange(n_past, device=valid.device)
+        kept = self.config.n_sink + self.config.window - 1
+        self._skipped[layer] = (rank[:, -1] - kept).clamp(min=0)
+        return valid & ((rank <= self.config.n_sink) | (slot >= n_past - self.config.window + 1))
+
+    def score(self, layer: int, n_past: int, batch: int) -> Tensor:
+        return torch.zeros(batch, self.spec.num_kv_heads, n_past, device=self.device)
 
     def adjust_keys(self, layer: int, index: Tensor, keys: Tensor) -> Tensor:
         skipped = self._skipped.pop(layer, None)

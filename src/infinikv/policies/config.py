@@ -1,0 +1,102 @@
+"""Policy configs: a frozen dataclass per policy whose fields are its knobs, each declared with :func:`knob`.
+
+A knob carries its default, the text ``infinikv policies`` prints and its valid range; :class:`PolicyConfig`
+checks every knob against its declaration once, before any model work, for the command line, the Python
+API and the server alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from ..errors import PolicyError
+
+
+def knob(
+    default: Any,
+    doc: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+    allow_inf: bool = False,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A policy knob: its default, what it means (shown by ``infinikv policies``) and its valid values.
+
+    ``low``/``high`` bound numbers (``open_low``: strictly above ``low``); numbers must be finite unless
+    ``allow_inf``; ``choices`` lists a string knob's values."""
+    meta = {"doc": doc, "low": low, "high": high, "open_low": open_low, "allow_inf": allow_inf}
+    return field(default=default, metadata={**meta, "choices": choices})
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Base of every policy's config. Knobs share names across policies (budget, alpha, partial_ratio,
+    capacity, eviction, bits, group_size, n_sink, window, page_size, dense_layers, …) and are checked here,
+    from their :func:`knob` declarations, before any model work."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            try:
+                _check_knob(f.name, f.type, getattr(self, f.name), f.metadata)
+            except PolicyError as exc:
+                exc.knob = f.name
+                raise
+
+    def knobs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def knob_docs(cls) -> dict[str, str]:
+        """Each knob's meaning, as declared."""
+        return {f.name: f.metadata.get("doc", "") for f in fields(cls)}
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: None if f.default is MISSING else f.default for f in fields(cls)}
+
+    def prepare(self, loaded: Any) -> None:
+        """Model-level work before a policy first runs on ``loaded`` (a LoadedModel), e.g. InfiniGen's
+        calibration. The drivers call it; most policies need nothing."""
+
+    def padding_grid(self) -> int:
+        """A row of a left-padded batch gets what it gets alone only when its padding is a multiple of this
+        (1: any padding). A policy that groups token slots on the batch's shared grid (KIVI's key groups)
+        says how wide; ``Generator.generate`` then batches only rows whose lengths agree modulo it. Not
+        covered: a prompt longer than one prefill chunk, whose chunks are cut on the batch's grid too, with
+        a policy whose later chunks attend to a lossy copy of the earlier ones (quant)."""
+        return 1
+
+    def rehearsal_share(self, spec: Any, tokens: int | None = None) -> float:
+        """Share of the cached keys (all layers, all columns) the policy reads on the compute device per
+        decode step to choose what to fetch (InfiniGen's partial keys on its managed layers; ``spec``: the
+        ModelSpec; ``tokens``: the prompt length, when the share depends on it); 0: none."""
+        return 0.0
+
+
+def _check_knob(name: str, kind: Any, value: Any, meta: Any) -> None:
+    kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise PolicyError(f"{name} must be true or false, got {value!r}")
+        return
+    if kind == "str":
+        choices = meta.get("choices")
+        if not isinstance(value, str) or (choices and value not in choices):
+            allowed = f"one of {', '.join(choices)}" if choices else "a string"
+            raise PolicyError(f"{name} must be {allowed}, got {value!r}")
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PolicyError(f"{name} must be a number, got {value!r}")
+    if kind == "int" and (isinstance(value, float) and not value.is_integer()):
+        raise PolicyError(f"{name} must be a whole number, got {value}")
+    if math.isnan(value) or (math.isinf(value) and not meta.get("allow_inf")):
+        raise PolicyError(f"{name} must be a finite number, got {value}")
+    low, high = meta.get("low"), meta.get("high")
+    if low is not None and (value <= low if meta.get("open_low") else value < low):
+        raise PolicyError(f"{name} must be {'>' if meta.get('open_low') else '>='} {low}, got {value}")
+    if high is not None and value > high:
+        raise PolicyError(f"{name} must be <= {high}, got {value}")
