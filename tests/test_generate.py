@@ -147,6 +147,28 @@ def test_unknown_policy_and_knob(tiny):
         Generator(tiny, "dense", budget=0.5)
 
 
+def test_token_id_prompts_equal_their_text(tiny, monkeypatch):
+    """A prompt given as the tokenizer's ids generates what its text does, alone or beside text prompts, and
+    is not tokenised again; an empty one is refused like empty text."""
+    ids = [tiny.tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    texts = run(tiny, "dense", PROMPTS, 8)
+    mixed = run(tiny, "dense", [ids[0], PROMPTS[1], ids[2]], 8)
+    assert [r.token_ids for r in mixed] == [r.token_ids for r in texts]
+    assert [r.stats["prompt_tokens"] for r in mixed] == [len(row) for row in ids]
+    seen: list[tuple] = []
+    tokenize = type(tiny.tokenizer).__call__
+    monkeypatch.setattr(
+        type(tiny.tokenizer),
+        "__call__",
+        lambda self, *args, **kw: seen.append(args) or tokenize(self, *args, **kw),
+    )
+    alone = run(tiny, "dense", [ids[1]], 8)[0]
+    monkeypatch.undo()
+    assert alone.token_ids == texts[1].token_ids and seen == []
+    with pytest.raises(InputError, match="prompt 2 is empty"):
+        run(tiny, "dense", [ids[0], []], 2)
+
+
 def test_pool_append_grow_fetch_and_gather():
     pool = KVPool(1, torch.device("cpu"), host=True, overlap="thread")
     chunks = [torch.randn(2, 3, n, 4) for n in (200, 100, 1)]

@@ -2,7 +2,8 @@
 
 Read top to bottom, one request batch goes like this:
 
-1. ``_encode`` tokenises the prompts, left-pads them, and checks they fit the model's context.
+1. ``_encode`` tokenises the prompts (a prompt may come as token ids already), left-pads them, and checks
+   they fit the model's context.
 2. A :class:`~infinikv.forward.Driver` prefills the prompts in chunks; the ``InfinikvCache`` hands each
    layer's K/V to the policy, which stores it (host pool, device, side structures).
 3. ``generate``'s loop samples a token per sequence, streams its text, and feeds it back through
@@ -27,6 +28,7 @@ from .models import LoadedModel
 from .policies import PolicyConfig, make_config
 
 Tensor = torch.Tensor
+Prompt = str | Sequence[int]  # text, or token ids as the model's tokenizer makes them
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
 
 @dataclass
 class RequestResult:
-    prompt: str
+    prompt: Prompt
     text: str
     token_ids: list[int]
     finish_reason: str  # "eos", "stop", "length" or "cancelled"
@@ -98,14 +100,16 @@ class Generator:
     @torch.inference_mode()
     def generate(
         self,
-        prompts: str | Sequence[str],
+        prompts: str | Sequence[Prompt],
         config: GenerationConfig = GenerationConfig(),
         on_text: Callable[[int, str], None] | None = None,
         progress: bool = False,
         cancelled: Callable[[int], bool] | None = None,
         row_max_new_tokens: Sequence[int] | None = None,
     ) -> list[RequestResult]:
-        """Generate for each prompt; ``on_text(row, piece)`` receives text as it is produced.
+        """Generate for each prompt (text, or token ids as the tokenizer makes them, so a caller that has
+        tokenised a prompt need not have it tokenised again); ``on_text(row, piece)`` receives text as it is
+        produced.
         ``cancelled(row)`` is asked each decode step for each running row; True ends that row there.
         ``row_max_new_tokens``: each row's own limit (at most ``config.max_new_tokens``), so requests that
         differ only in their limit can share a batch; a row that reaches it finishes with "length"."""
@@ -144,7 +148,7 @@ class Generator:
 
     def _generate_batch(
         self,
-        prompts: list[str],
+        prompts: list[Prompt],
         config: GenerationConfig,
         on_text: Callable[[int, str], None] | None,
         progress: bool,
@@ -215,7 +219,7 @@ class Generator:
         return results
 
     # -- batches the policy cannot share -------------------------------------------------------------------
-    def _padding_groups(self, prompts: list[str], limits: list[int]) -> list[list[int]]:
+    def _padding_groups(self, prompts: list[Prompt], limits: list[int]) -> list[list[int]]:
         """The rows that can share a batch, in order: all of them, unless the policy's ``padding_grid``
         needs equal lengths modulo it (then one batch per residue; every prompt checked first, so a bad one
         fails before any batch runs)."""
@@ -228,16 +232,17 @@ class Generator:
         return list(groups.values())
 
     # -- the steps ------------------------------------------------------------------------------------------
-    def _lengths(self, prompts: list[str], limits: list[int]) -> list[int]:
+    def _lengths(self, prompts: list[Prompt], limits: list[int]) -> list[int]:
         """Tokens per prompt; none at all, an empty prompt, or one that with its ``limits`` new tokens
         exceeds the model's context is an InputError."""
         if not prompts:
             raise InputError("no prompts given")
         lengths = []
         for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, str) or not prompt.strip():
+            if not prompt or (isinstance(prompt, str) and not prompt.strip()):
                 raise InputError(f"prompt {i + 1} is empty")
-            lengths.append(len(self.loaded.tokenizer(prompt)["input_ids"]))
+            ids = self.loaded.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+            lengths.append(len(ids))
         limit = self.loaded.max_context
         for i, (n, new) in enumerate(zip(lengths, limits, strict=True)):
             if n + new > limit:
@@ -247,9 +252,14 @@ class Generator:
                 )
         return lengths
 
-    def _encode(self, prompts: list[str], limits: list[int]) -> tuple[Tensor, Tensor, list[int]]:
+    def _encode(self, prompts: list[Prompt], limits: list[int]) -> tuple[Tensor, Tensor, list[int]]:
         lengths = self._lengths(prompts, limits)
-        encoded = self.loaded.tokenizer(prompts, return_tensors="pt", padding=True)
+        tokenizer = self.loaded.tokenizer
+        if all(isinstance(prompt, str) for prompt in prompts):
+            encoded = tokenizer(prompts, return_tensors="pt", padding=True)
+        else:
+            ids = [tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompts]
+            encoded = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
         device = self.loaded.device
         return encoded["input_ids"].to(device), encoded["attention_mask"].to(device), lengths
 
