@@ -8,7 +8,10 @@ import math
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from infinikv import data
 from infinikv.cache import InfinikvCache
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy
 from infinikv.policies.dense import DenseConfig, DensePolicy
@@ -180,28 +183,27 @@ def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
 def test_calibrated_knobs_are_stored_with_the_skew_and_reloaded(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
     made = calibration.calibrate(tiny, text=TEXT, tokens=128)
-    ratios = made.tuned["ratio_curve"]
-    assert [row["partial_ratio"] for row in ratios] == list(calibration.tuning.RATIOS)
-    recalls = [row["recall"] for row in ratios]
+    tuned = made.tuned
+    assert tuned.version == skewfile.TUNED_VERSION
+    assert [point.partial_ratio for point in tuned.ratio_curve] == list(calibration.tuning.RATIOS)
+    recalls = [point.recall for point in tuned.ratio_curve]
     assert all(0 < r <= 1 for r in recalls)
-    assert made.tuned["partial_ratio"] == calibration.tuning.pick_ratio(recalls)
-    curve = made.tuned["curve"]
-    assert [row["alpha"] for row in curve] == list(calibration.tuning.ALPHAS)
-    kept = [row["mass_kept"] for row in curve]
+    assert tuned.partial_ratio == calibration.tuning.pick_ratio(recalls)
+    assert [point.alpha for point in tuned.curve] == list(calibration.tuning.ALPHAS)
+    kept = [point.mass_kept for point in tuned.curve]
     assert kept == sorted(kept) and 0 < kept[0] <= kept[-1] <= 1  # a larger alpha never keeps less
-    assert made.tuned["alpha"] == calibration.tuning.pick_alpha(kept)
-    per_layer = made.tuned["alpha_per_layer"]
+    assert tuned.alpha == calibration.tuning.pick_alpha(kept)
+    per_layer = tuned.alpha_per_layer
     assert len(per_layer) == tiny.spec.num_layers
     assert all(alpha in calibration.tuning.ALPHAS for alpha in per_layer)
-    kept = {row["layer"]: row["recall_kept"] for row in made.tuned["own_query_curve"]}
+    kept = {point.layer: point.recall_kept for point in tuned.own_query_curve}
     assert list(kept) == [2, 3] and all(0 < share <= 1 for share in kept.values())
-    assert made.tuned["own_query_layers"] == calibration.tuning.pick_own_query(kept)
+    assert list(tuned.own_query_layers) == calibration.tuning.pick_own_query(kept)
     # each layer's alpha at the defaults is the one scored as it chooses there: the first two by their
     # own query, the others rehearsed (no own-query layer among two)
-    own, rehearsed = made.tuned["alpha_per_layer_own"], made.tuned["alpha_per_layer_rehearsed"]
-    assert per_layer == own[:2] + rehearsed[2:]
+    assert per_layer == tuned.alpha_per_layer_own[:2] + tuned.alpha_per_layer_rehearsed[2:]
     reloaded = skewfile.cached_skew(tiny.spec)
-    assert reloaded.tuned == made.tuned
+    assert reloaded.tuned == tuned  # the record, field for field, types included
 
 
 def test_an_own_query_layer_is_calibrated_with_its_own_query(tiny, monkeypatch):
@@ -209,22 +211,58 @@ def test_an_own_query_layer_is_calibrated_with_its_own_query(tiny, monkeypatch):
     monkeypatch.setattr(calibration.tuning, "pick_own_query", lambda kept: [3])
     made = calibration.calibrate(tiny, text=TEXT, tokens=128, save=False)
     tuned = made.tuned
-    assert tuned["own_query_layers"] == [3]
-    assert tuned["alpha_per_layer"] == tuned["alpha_per_layer_own"][:2] + [
-        tuned["alpha_per_layer_rehearsed"][2],
-        tuned["alpha_per_layer_own"][3],
-    ]
+    assert tuned.own_query_layers == (3,)
+    assert tuned.alpha_per_layer == tuned.alpha_per_layer_own[:2] + (
+        tuned.alpha_per_layer_rehearsed[2],
+        tuned.alpha_per_layer_own[3],
+    )
 
 
-def test_a_calibration_without_every_calibrated_knob_is_redone(tiny, tmp_path, monkeypatch):
+def _save_with_tuned(skew: skewfile.Skew, path, tuned: str | None) -> None:
+    """Write ``skew`` with ``tuned`` as the stored calibrated knobs (JSON as in the file; None: none)."""
+    dataclasses.replace(skew, tuned=None).save(path)
+    if tuned is not None:
+        with safe_open(str(path), "pt") as handle:
+            meta = handle.metadata()
+        save_file(load_file(str(path)), str(path), {**meta, "tuned": tuned})
+
+
+def test_a_calibration_without_knobs_of_this_version_is_redone(tiny, tmp_path, monkeypatch, capsys):
+    """Files written before the calibrated knobs were a versioned record (or by another version) are read,
+    without their knobs: a policy loading one says to recalibrate and uses the paper's constants, and
+    ``prepare`` (``ensure_skew``) calibrates again."""
+    monkeypatch.setattr(data, "load_corpus", lambda name: TEXT)  # the default calibration text
+    made = calibration.calibrate(tiny, text=TEXT, tokens=128, save=False)
+    stored = dataclasses.asdict(made.tuned)
+    unversioned = {key: value for key, value in stored.items() if key != "version"}
+    older = (
+        None,  # before calibrated alphas
+        json.dumps({key: stored[key] for key in ("alpha", "rule", "curve")}),  # before calibrated ratios
+        json.dumps(unversioned),  # every knob, but before the record was versioned
+        json.dumps({**stored, "version": skewfile.TUNED_VERSION + 1}),  # another version's
+    )
+    for case, tuned in enumerate(older):
+        monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path / str(case)))
+        _save_with_tuned(made, skewfile.skew_path(tiny.weights_id, made.source, 128), tuned)
+        assert skewfile.cached_skew(tiny.spec).tuned is None
+        policy = InfiniGenPolicy(InfiniGenConfig(), tiny.spec, torch.device("cpu"))
+        assert policy.alpha(2) == (5.0, "paper (this calibration has none)")
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "run `infinikv calibrate --model …` to recalibrate" in err
+        InfiniGenConfig().prepare(tiny)
+        assert "has no calibrated knobs of this version" in capsys.readouterr().err
+        redone = skewfile.cached_skew(tiny.spec).tuned
+        assert redone is not None and redone.version == skewfile.TUNED_VERSION
+
+
+def test_a_malformed_record_of_this_version_is_set_aside(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
     made = calibration.calibrate(tiny, text=TEXT, tokens=128)
     path = skewfile.skew_path(tiny.weights_id, made.source, 128)
-    alpha_only = {k: made.tuned[k] for k in ("alpha", "rule", "curve")}
-    for older in (None, alpha_only):  # before calibrated alphas; before calibrated partial ratios
-        dataclasses.replace(made, tuned=older).save(path)
-        assert skewfile.cached_skew(tiny.spec).tuned == older
-        assert set(calibration.TUNED_KNOBS) <= set(calibration.ensure_skew(tiny).tuned)
+    _save_with_tuned(made, path, json.dumps({"version": skewfile.TUNED_VERSION, "alpha": 4.0}))
+    with pytest.raises(skewfile.SkewDamaged, match="malformed calibrated knobs"):
+        skewfile.read_skew(path)
+    assert skewfile.cached_skew(tiny.spec) is None and path.with_suffix(".damaged").is_file()
 
 
 def test_pick_ratio_takes_the_smallest_share_close_enough_to_full_width():

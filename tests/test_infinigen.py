@@ -13,6 +13,7 @@ from infinikv.errors import PolicyError
 from infinikv.generate import GenerationConfig, Generator
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, resolve_budget
 from infinikv.policies.infinigen import calibration, skewfile
+from infinikv.policies.infinigen.skewfile import RatioAtLength
 from infinikv.testing import tiny_model
 
 TEXT = "She had a lively, playful disposition, which delighted in anything ridiculous. " * 12
@@ -211,12 +212,12 @@ def test_calibrated_own_query_layers_are_used_by_default_and_flags_override(tiny
         [1.0 + layer for layer in range(layers)],
         [10.0 + layer for layer in range(layers)],
     )
-    tuned = {
-        **skew.tuned,
-        "own_query_layers": [3],
-        "alpha_per_layer_own": own_alphas,
-        "alpha_per_layer_rehearsed": rehearsed_alphas,
-    }
+    tuned = dataclasses.replace(
+        skew.tuned,
+        own_query_layers=(3,),
+        alpha_per_layer_own=tuple(own_alphas),
+        alpha_per_layer_rehearsed=tuple(rehearsed_alphas),
+    )
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
     cases = (
         (dict(), (0, 1, 3)),
@@ -242,8 +243,7 @@ def test_calibrated_own_query_layers_are_used_by_default_and_flags_override(tiny
             for layer in range(layers)
         ]
         assert stats["alpha_used"] == expected
-    without = {key: value for key, value in skew.tuned.items() if key != "own_query_layers"}
-    older = dataclasses.replace(skew, tuned=without)  # a calibration from before own-query layers
+    older = dataclasses.replace(skew, tuned=None)  # a calibration without calibrated knobs of this version
     assert InfiniGenConfig().resolve_own_query(older)[0] == frozenset()
 
 
@@ -435,26 +435,26 @@ def test_sinks_and_recent_window_are_always_fetched_and_counted(tiny, calibrated
 
 def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrated, skews):
     tuned = skews[tiny.weights_id].tuned
-    assert tuned["alpha"] in calibration.tuning.ALPHAS and "dense attention" in tuned["rule"]
-    assert tuned["partial_ratio"] in calibration.tuning.RATIOS and "full-width" in tuned["ratio_rule"]
+    assert tuned.alpha in calibration.tuning.ALPHAS and "dense attention" in tuned.rule
+    assert tuned.partial_ratio in calibration.tuning.RATIOS and "full-width" in tuned.ratio_rule
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4)
     assert stats["alpha"] == 0 and stats["partial_ratio"] == 0  # the knobs: 0 = calibrated
     # every layer has its own calibrated alpha (the first two scored with their own query)
-    expected = tuned["alpha_per_layer"]
+    expected = list(tuned.alpha_per_layer)
     assert None not in expected
     assert stats["alpha_used"] == expected and stats["alpha_source"].startswith("calibrated")
-    assert tuned["ratio_by_length"][0] == {  # the calibration text's window first
-        "tokens": 256,
-        "partial_ratio": tuned["partial_ratio"],
-        "curve": [entry["recall"] for entry in tuned["ratio_curve"]],
-    }
-    assert stats["partial_ratio_used"] == [tuned["partial_ratio"]]  # a prompt shorter than 256 tokens
+    assert tuned.ratio_by_length[0] == RatioAtLength(  # the calibration text's window first
+        tokens=256,
+        partial_ratio=tuned.partial_ratio,
+        curve=tuple(point.recall for point in tuned.ratio_curve),
+    )
+    assert stats["partial_ratio_used"] == [tuned.partial_ratio]  # a prompt shorter than 256 tokens
     assert stats["partial_ratio_source"].startswith("calibrated at 256 tokens")
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4, alpha=5.0, partial_ratio=0.5)
     assert stats["alpha_used"] == [5.0] * tiny.spec.num_layers
     assert stats["alpha_source"] == "given"
     assert stats["partial_ratio_used"] == [0.5] and stats["partial_ratio_source"] == "given"
-    older = dataclasses.replace(skews[tiny.weights_id], tuned=None)  # a file from before calibrated knobs
+    older = dataclasses.replace(skews[tiny.weights_id], tuned=None)  # no calibrated knobs of this version
     policy = InfiniGenPolicy(InfiniGenConfig(), tiny.spec, torch.device("cpu"), skew=older)
     assert policy.alpha(2) == (5.0, "paper (this calibration has none)")
     assert policy.config.resolve("partial_ratio", older, tokens=100) == (
@@ -467,15 +467,15 @@ def test_calibration_repeats_the_ratio_rule_at_longer_windows(tiny):
     """A text long enough for a longer window (``tuning.LENGTHS`` within the model's context) gets a ratio
     of its own there, from the same rule; a prompt takes the shortest window at least as long as itself."""
     skew = calibration.calibrate(tiny, text=TEXT * 6, tokens=256, save=False)  # ~5.8k byte tokens
-    by_length = skew.tuned["ratio_by_length"]
-    assert [entry["tokens"] for entry in by_length] == [256, 4096]  # 8192 is past the tiny model's context
+    by_length = skew.tuned.ratio_by_length
+    assert [entry.tokens for entry in by_length] == [256, 4096]  # 8192 is past the tiny model's context
     for entry in by_length:
-        assert entry["partial_ratio"] == calibration.tuning.pick_ratio(entry["curve"])
+        assert entry.partial_ratio == calibration.tuning.pick_ratio(list(entry.curve))
     config = InfiniGenConfig()
-    assert config.resolve("partial_ratio", skew, tokens=300)[0] == by_length[1]["partial_ratio"]
-    assert config.resolve("partial_ratio", skew, tokens=9000)[0] == by_length[1]["partial_ratio"]
-    assert config.resolve("partial_ratio", skew, tokens=256)[0] == by_length[0]["partial_ratio"]
-    assert config.widest_ratio(skew) == max(entry["partial_ratio"] for entry in by_length)
+    assert config.resolve("partial_ratio", skew, tokens=300)[0] == by_length[1].partial_ratio
+    assert config.resolve("partial_ratio", skew, tokens=9000)[0] == by_length[1].partial_ratio
+    assert config.resolve("partial_ratio", skew, tokens=256)[0] == by_length[0].partial_ratio
+    assert config.widest_ratio(skew) == max(entry.partial_ratio for entry in by_length)
 
 
 def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeypatch):
@@ -483,8 +483,8 @@ def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeyp
     generate what they generate alone; the store keeps the widest columns the batch needs."""
     short, long = "A short one.", PROMPTS[0]
     length = len(tiny.tokenizer(short)["input_ids"])
-    ratios = [{"tokens": length, "partial_ratio": 0.25}, {"tokens": 4096, "partial_ratio": 0.75}]
-    tuned = {**skews[tiny.weights_id].tuned, "ratio_by_length": ratios}
+    ratios = (RatioAtLength(length, 0.25, ()), RatioAtLength(4096, 0.75, ()))
+    tuned = dataclasses.replace(skews[tiny.weights_id].tuned, ratio_by_length=ratios)
     skew = dataclasses.replace(skews[tiny.weights_id], tuned=tuned)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
     spy = _Spy(monkeypatch)
@@ -501,10 +501,10 @@ def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeyp
     assert spy.policies[-1]._slots[2].partial.shape[2] == math.ceil(0.75 * d)
 
 
-def _alphas_per_layer(tuned: dict, per_layer: list[float | None]) -> dict:
+def _alphas_per_layer(tuned: skewfile.Tuned, per_layer: list[float | None]) -> skewfile.Tuned:
     """``tuned`` with ``per_layer`` as each layer's calibrated alpha, however the layer chooses."""
     ways = ("alpha_per_layer", "alpha_per_layer_own", "alpha_per_layer_rehearsed")
-    return {**tuned, **dict.fromkeys(ways, per_layer)}
+    return dataclasses.replace(tuned, **dict.fromkeys(ways, tuple(per_layer)))
 
 
 def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny, skews, monkeypatch):
@@ -514,13 +514,10 @@ def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny,
     short, long = "A short one.", PROMPTS[0]
     length = len(tiny.tokenizer(short)["input_ids"])
     tuned = skews[tiny.weights_id].tuned
-    ratios = [
-        {"tokens": length, "partial_ratio": tuned["partial_ratio"]},
-        {"tokens": 4096, "partial_ratio": 1.0},
-    ]
+    ratios = (RatioAtLength(length, tuned.partial_ratio, ()), RatioAtLength(4096, 1.0, ()))
     # alpha 0.01 on every layer: few tokens within it, so the count is far below the budget
     per_layer = [0.01] * tiny.spec.num_layers
-    tuned = {**_alphas_per_layer(tuned, per_layer), "ratio_by_length": ratios}
+    tuned = dataclasses.replace(_alphas_per_layer(tuned, per_layer), ratio_by_length=ratios)
     skew = dataclasses.replace(skews[tiny.weights_id], tuned=tuned)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
     spy = _Spy(monkeypatch)
@@ -551,7 +548,7 @@ def test_each_layer_counts_with_its_own_calibrated_alpha(tiny, skews, monkeypatc
     skew = skews[tiny.weights_id]
     layers = tiny.spec.num_layers
     per_layer = [None, None, 0.5] + [None] * (layers - 3)  # layer 3 on: none, so the alpha for all
-    tuned = {**_alphas_per_layer(skew.tuned, per_layer), "alpha": 3.0}
+    tuned = dataclasses.replace(_alphas_per_layer(skew.tuned, per_layer), alpha=3.0)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
     spy = _Spy(monkeypatch)
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=6, window=0)
@@ -568,7 +565,7 @@ def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, ske
     skew = skews[tiny.weights_id]
     spec = tiny.spec
     keys = torch.randn(1, spec.num_kv_heads, 5, spec.head_dim)
-    calibrated_ratio = skew.tuned["partial_ratio"]
+    calibrated_ratio = skew.tuned.partial_ratio
     given = 0.25 if calibrated_ratio > 0.5 else 1.0  # a width the calibrated ratio does not give
     assert math.ceil(given * spec.head_dim) != math.ceil(calibrated_ratio * spec.head_dim)
     for knobs, ratio in ((dict(), calibrated_ratio), (dict(partial_ratio=given), given)):
@@ -596,13 +593,10 @@ def test_rehearsal_share_counts_the_partial_keys_of_managed_layers_only(tiny, ti
 
 def test_rehearsal_share_follows_the_prompt_length(tiny, skews, monkeypatch):
     """With ratios per prompt length, the bench's link model reads the columns of the cell's prompt length."""
-    ratios = [{"tokens": 100, "partial_ratio": 0.25}, {"tokens": 4096, "partial_ratio": 0.75}]
-    skew = dataclasses.replace(skews[tiny.weights_id])
-    monkeypatch.setattr(
-        skewfile,
-        "cached_skew",
-        lambda spec: dataclasses.replace(skew, tuned={**skew.tuned, "ratio_by_length": ratios}),
-    )
+    ratios = (RatioAtLength(100, 0.25, ()), RatioAtLength(4096, 0.75, ()))
+    skew = skews[tiny.weights_id]
+    tuned = dataclasses.replace(skew.tuned, ratio_by_length=ratios)
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
     spec, config = tiny.spec, InfiniGenConfig(dense_layers=1, first_layers="dense")
     managed = (spec.num_layers - 1) / spec.num_layers
     for tokens, ratio in ((50, 0.25), (1000, 0.75)):

@@ -12,6 +12,7 @@ from infinikv.eval import ppl
 from infinikv.eval.speculation import SpeculationConfig, SpeculationProbe, probe, write
 from infinikv.policies import InfiniGenConfig, make_config
 from infinikv.policies.infinigen import calibration, skewfile, tuning
+from infinikv.policies.infinigen.skewfile import RatioAtLength
 
 TEXT = "She had a lively, playful disposition, which delighted in anything ridiculous. " * 12
 LAYER = 2  # managed: the tiny Llama has 4 global layers, the first 2 dense
@@ -100,8 +101,8 @@ def test_probe_run_is_an_infinigen_run(tiny, tiny_skew, monkeypatch, tmp_path):
 def test_probe_reads_a_store_cut_to_the_prompt_lengths_ratio(tiny, tiny_skew, monkeypatch, tmp_path):
     """With ratios per prompt length, a prompt that takes fewer columns than the widest calibrated is probed
     with those columns, and the probe's run is still InfiniGen's."""
-    ratios = [{"tokens": 200, "partial_ratio": 0.25}, {"tokens": 4096, "partial_ratio": 0.75}]
-    skew = dataclasses.replace(tiny_skew, tuned={**tiny_skew.tuned, "ratio_by_length": ratios})
+    ratios = (RatioAtLength(200, 0.25, ()), RatioAtLength(4096, 0.75, ()))
+    skew = dataclasses.replace(tiny_skew, tuned=dataclasses.replace(tiny_skew.tuned, ratio_by_length=ratios))
     knobs = InfiniGenConfig(alpha=3.0, budget=0.3)
     result, reference = _probe_and_infinigen(tiny, skew, monkeypatch, tmp_path, knobs)
     assert result["partial_ratio_used"] == 0.25 and reference["stats"]["partial_ratio_used"] == [0.25]

@@ -142,6 +142,8 @@ def cmd_policies(args: argparse.Namespace) -> int:
 
 # -- calibrate (InfiniGen) ---------------------------------------------------------------------------------
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
     from .models import load
     from .policies.infinigen.calibration import calibrate, concentration
     from .policies.infinigen.skewfile import skew_path
@@ -156,6 +158,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     loaded = load(args.model, device=args.device)
     with locked(f"skew-{loaded.weights_id[:16]}"):  # fails before the work when the cache is read-only
         skew = calibrate(loaded, text=text, tokens=args.tokens)
+    tuned = skew.tuned
     report: dict[str, Any] = {
         "model": loaded.name,
         "weights_id": loaded.weights_id,
@@ -166,22 +169,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "kv_heads": int(skew.matrices.shape[1]),
         "head_dim": int(skew.matrices.shape[2]),
         # InfiniGen's calibrated knobs, used when --partial-ratio / --alpha are not given
-        "partial_ratio": skew.tuned["partial_ratio"],
-        "partial_ratio_rule": skew.tuned["ratio_rule"],
-        "partial_ratio_curve": skew.tuned["ratio_curve"],
+        "partial_ratio": tuned.partial_ratio,
+        "partial_ratio_rule": tuned.ratio_rule,
+        "partial_ratio_curve": [asdict(point) for point in tuned.ratio_curve],
         # per prompt length: the ratio the same rule picks at the end of a window of that many tokens
-        "partial_ratio_by_length": skew.tuned["ratio_by_length"],
-        "alpha_per_layer": skew.tuned["alpha_per_layer"],
-        "alpha_per_layer_rule": skew.tuned["layer_rule"],
-        "alpha_per_layer_own": skew.tuned["alpha_per_layer_own"],  # scored with the layer's own query
-        "alpha_per_layer_rehearsed": skew.tuned["alpha_per_layer_rehearsed"],  # and rehearsed
-        "alpha": skew.tuned["alpha"],  # one for all layers: a summary (the mean curve's)
-        "alpha_rule": skew.tuned["rule"],
-        "alpha_curve": skew.tuned["curve"],
+        "partial_ratio_by_length": [asdict(entry) for entry in tuned.ratio_by_length],
+        "alpha_per_layer": list(tuned.alpha_per_layer),
+        "alpha_per_layer_rule": tuned.layer_rule,
+        "alpha_per_layer_own": list(tuned.alpha_per_layer_own),  # scored with the layer's own query
+        "alpha_per_layer_rehearsed": list(tuned.alpha_per_layer_rehearsed),  # and rehearsed
+        "alpha": tuned.alpha,  # one for all layers: a summary (the mean curve's)
+        "alpha_rule": tuned.rule,
+        "alpha_curve": [asdict(point) for point in tuned.curve],
         # later layers that choose with their own query, not rehearsed from the layer before
-        "own_query_layers": skew.tuned["own_query_layers"],
-        "own_query_rule": skew.tuned["own_query_rule"],
-        "own_query_curve": skew.tuned["own_query_curve"],
+        "own_query_layers": list(tuned.own_query_layers),
+        "own_query_rule": tuned.own_query_rule,
+        "own_query_curve": [asdict(point) for point in tuned.own_query_curve],
     }
     ratio = report["partial_ratio"]
     report["partial_share_skewed"] = round(concentration(skew, ratio), 4)

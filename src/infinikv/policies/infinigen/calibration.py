@@ -47,7 +47,7 @@ from ...errors import InputError
 from ...spec import ModelSpec
 from ...store import locked
 from . import skewfile, tuning
-from .skewfile import Skew, skew_path
+from .skewfile import AlphaPoint, OwnQueryPoint, RatioAtLength, RatioPoint, Skew, Tuned, skew_path
 
 if TYPE_CHECKING:
     from ...models import LoadedModel
@@ -55,36 +55,23 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 DEFAULT_CORPUS = "austen"
 DEFAULT_TOKENS = 2048
-# stored with the skew (``tune``)
-TUNED_KNOBS = (
-    "alpha",
-    "alpha_per_layer",
-    "alpha_per_layer_own",
-    "alpha_per_layer_rehearsed",
-    "partial_ratio",
-    "ratio_by_length",
-    "own_query_layers",
-)
 
 
 def ensure_skew(loaded: LoadedModel) -> Skew:
-    """The cached calibration of ``loaded``, calibrating (with the defaults) if there is none."""
+    """The cached calibration of ``loaded``, calibrating (with the defaults) if there is none, or if the
+    cached one has no calibrated knobs of this version (:data:`skewfile.TUNED_VERSION`)."""
     found = skewfile.cached_skew(loaded.spec)
-    if found is not None and _complete(found):
+    if found is not None and found.tuned is not None:
         return found
     # One process calibrates; another waits, then reads its file. Taking the lock also proves the cache
     # is writable before the work starts.
     with locked(f"skew-{loaded.weights_id[:16]}"):
         found = skewfile.cached_skew(loaded.spec)
-        if found is not None and _complete(found):  # a file without the calibrated knobs is redone
+        if found is not None and found.tuned is not None:
             return found
-        print(f"calibrating InfiniGen skew for {loaded.name} (once per model)", file=sys.stderr)
+        why = "once per model" if found is None else "the cached one has no calibrated knobs of this version"
+        print(f"calibrating InfiniGen skew for {loaded.name} ({why})", file=sys.stderr)
         return calibrate(loaded)
-
-
-def _complete(skew: Skew) -> bool:
-    """Whether ``skew`` carries every knob this version calibrates (older files lack some)."""
-    return skew.tuned is not None and all(name in skew.tuned for name in TUNED_KNOBS)
 
 
 # -- calibration ---------------------------------------------------------------------------------------------
@@ -211,7 +198,7 @@ def _captured(loaded: LoadedModel, ids: Tensor, ends: tuple[int, ...], fit: bool
     return capture
 
 
-def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor, Tensor, Tensor]]]) -> dict:
+def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor, Tensor, Tensor]]]) -> Tuned:
     """InfiniGen's calibrated knobs at its default budget and dense layers, from ``windows`` (per window end,
     the shortest first: per layer, its tuning inputs): first the partial ratio (``tuning.RATIO_RULE``), on
     the shortest window and again at the end of each longer one (``ratio_by_length``); then the layers that
@@ -228,16 +215,23 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
     rehearsed = [layer for layer in calibrated if layer >= defaults.dense_layers]
     if not rehearsed:  # nothing to rehearse at the defaults: the paper's constants
         rule = "paper (no managed layer to calibrate on)"
-        paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO, "ratio_by_length": []}
-        none = [None] * spec.num_layers
-        per_layer = {
-            "alpha_per_layer": none,
-            "alpha_per_layer_own": none,
-            "alpha_per_layer_rehearsed": none,
-            "layer_rule": rule,
-        }
-        own = {"own_query_layers": [], "own_query_rule": rule, "own_query_curve": []}
-        return {**paper, **per_layer, **own, "rule": rule, "curve": [], "ratio_rule": rule, "ratio_curve": []}
+        none = (None,) * spec.num_layers
+        return Tuned(
+            partial_ratio=PAPER_PARTIAL_RATIO,
+            ratio_rule=rule,
+            ratio_curve=(),
+            ratio_by_length=(),
+            alpha_per_layer=none,
+            alpha_per_layer_own=none,
+            alpha_per_layer_rehearsed=none,
+            layer_rule=rule,
+            alpha=PAPER_ALPHA,
+            rule=rule,
+            curve=(),
+            own_query_layers=(),
+            own_query_rule=rule,
+            own_query_curve=(),
+        )
     settings = {
         "dense_layers": defaults.dense_layers,
         "budget": defaults.budget,
@@ -299,37 +293,32 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
         kept.append(share)
         fetched.append(fraction)
     kept_mean, fetched_mean = torch.stack(kept).mean(0).tolist(), torch.stack(fetched).mean(0).tolist()
-    return {
-        "alpha_per_layer": by_query["defaults"],
-        "alpha_per_layer_own": by_query["own"],
-        "alpha_per_layer_rehearsed": by_query["rehearsed"],
-        "layer_rule": tuning.LAYER_RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),
-        "alpha": tuning.pick_alpha(kept_mean),
-        "rule": tuning.RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),
-        "curve": [
-            {"alpha": a, "mass_kept": round(m, 4), "fetched": round(f, 4)}
-            for a, m, f in zip(tuning.ALPHAS, kept_mean, fetched_mean, strict=True)
-        ],
-        "partial_ratio": ratio,
-        "ratio_rule": tuning.RATIO_RULE.format(
+    return Tuned(
+        partial_ratio=ratio,
+        ratio_rule=tuning.RATIO_RULE.format(
             ratios=list(tuning.RATIOS), target=tuning.RATIO_TARGET, **settings
         ),
-        "ratio_curve": [
-            {"partial_ratio": r, "recall": round(m, 4)}
+        ratio_curve=tuple(
+            RatioPoint(r, round(m, 4))
             for r, m in zip(tuning.RATIOS, by_length[shortest].mean(0).tolist(), strict=True)
-        ],
-        # the ratio the same rule picks at the end of each window; a prompt takes the shortest window at
-        # least as long as itself (longer prompts: the longest)
-        "ratio_by_length": [
-            {
-                "tokens": end,
-                "partial_ratio": ratio_of[end],
-                "curve": [round(m, 4) for m in recalls.mean(0).tolist()],
-            }
+        ),
+        # the ratio the same rule picks at the end of each window
+        ratio_by_length=tuple(
+            RatioAtLength(end, ratio_of[end], tuple(round(m, 4) for m in recalls.mean(0).tolist()))
             for end, recalls in by_length.items()
-        ],
-        "own_query_layers": own_query,
-        "own_query_rule": tuning.OWN_QUERY_RULE.format(
+        ),
+        alpha_per_layer=tuple(by_query["defaults"]),
+        alpha_per_layer_own=tuple(by_query["own"]),
+        alpha_per_layer_rehearsed=tuple(by_query["rehearsed"]),
+        layer_rule=tuning.LAYER_RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),
+        alpha=tuning.pick_alpha(kept_mean),
+        rule=tuning.RULE.format(alphas=list(tuning.ALPHAS), target=tuning.TARGET, **settings),
+        curve=tuple(
+            AlphaPoint(a, round(m, 4), round(f, 4))
+            for a, m, f in zip(tuning.ALPHAS, kept_mean, fetched_mean, strict=True)
+        ),
+        own_query_layers=tuple(own_query),
+        own_query_rule=tuning.OWN_QUERY_RULE.format(
             target=tuning.OWN_TARGET,
             share=tuning.OWN_MAX_SHARE,
             count=len(rehearsed),
@@ -337,10 +326,10 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
             dense_layers=defaults.dense_layers,
             budget=defaults.budget,
         ),
-        "own_query_curve": [
-            {"layer": layer, "recall_kept": round(share, 4)} for layer, share in kept_by_layer.items()
-        ],
-    }
+        own_query_curve=tuple(
+            OwnQueryPoint(layer, round(share, 4)) for layer, share in kept_by_layer.items()
+        ),
+    )
 
 
 def concentration(skew: Skew, ratio: float, skewed: bool = True) -> float:

@@ -75,6 +75,7 @@ them (the two share slot numbers). Sliding-window layers keep at most their wind
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -187,9 +188,9 @@ class InfiniGenConfig(PolicyConfig):
         if named is not None:
             return named, "given"
         tuned = skew.tuned if skew is not None else None
-        if tuned is None or "own_query_layers" not in tuned:
+        if tuned is None:
             return frozenset(), "none (this calibration names none; the paper rehearses every layer)"
-        return frozenset(tuned["own_query_layers"]), f"calibrated: {tuned['own_query_rule']}"
+        return frozenset(tuned.own_query_layers), f"calibrated: {tuned.own_query_rule}"
 
     def prepare(self, loaded: Any) -> None:
         from .calibration import ensure_skew
@@ -224,30 +225,32 @@ class InfiniGenConfig(PolicyConfig):
         if given:
             return float(given), "given"
         tuned = skew.tuned if skew is not None else None
-        if tuned is None or name not in tuned:
+        if tuned is None:
             paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO}[name]
             return paper, "paper (this calibration has none)"
         if name == "partial_ratio":
-            by_length = tuned.get("ratio_by_length") or []
+            by_length = tuned.ratio_by_length
             if tokens is not None and by_length:
-                entry = next((e for e in by_length if e["tokens"] >= tokens), by_length[-1])
-                rule = f"calibrated at {entry['tokens']} tokens: {tuned['ratio_rule']}"
-                return float(entry["partial_ratio"]), rule
-            return float(tuned[name]), f"calibrated: {tuned['ratio_rule']}"
-        way = {None: "", True: "_own", False: "_rehearsed"}[own_query]
-        per_layer = tuned.get(f"alpha_per_layer{way}") or tuned.get("alpha_per_layer") or []
+                entry = next((e for e in by_length if e.tokens >= tokens), by_length[-1])
+                return entry.partial_ratio, f"calibrated at {entry.tokens} tokens: {tuned.ratio_rule}"
+            return tuned.partial_ratio, f"calibrated: {tuned.ratio_rule}"
+        per_layer = {
+            None: tuned.alpha_per_layer,
+            True: tuned.alpha_per_layer_own,
+            False: tuned.alpha_per_layer_rehearsed,
+        }[own_query]
         if layer is not None and layer < len(per_layer) and per_layer[layer] is not None:
-            return float(per_layer[layer]), f"calibrated: {tuned['layer_rule']}"
-        return float(tuned[name]), f"calibrated: {tuned['rule']}"
+            return per_layer[layer], f"calibrated: {tuned.layer_rule}"
+        return tuned.alpha, f"calibrated: {tuned.rule}"
 
     def alpha_holds(self, skew: Skew | None, ratio: float, head_dim: int) -> tuple[bool, str]:
         """Whether the alpha in use counts a sequence that rehearses with ``ratio`` of the columns, and why:
         a given alpha, or the paper's, always; calibrated alphas only at as many columns as they were
         calibrated with."""
         tuned = skew.tuned if skew is not None else None
-        if self.alpha or tuned is None or "alpha" not in tuned or "partial_ratio" not in tuned:
+        if self.alpha or tuned is None:
             return True, "alpha"
-        calibrated_at = float(tuned["partial_ratio"])
+        calibrated_at = tuned.partial_ratio
         if math.ceil(ratio * head_dim) == math.ceil(calibrated_at * head_dim):
             return True, "alpha"
         return False, f"budget (alphas calibrated at partial ratio {calibrated_at:g}, this one's {ratio:g})"
@@ -257,8 +260,8 @@ class InfiniGenConfig(PolicyConfig):
         with it before its length is known."""
         ratio = self.resolve("partial_ratio", skew)[0]
         tuned = skew.tuned if skew is not None and not self.partial_ratio else None
-        by_length = (tuned or {}).get("ratio_by_length") or []
-        return max([ratio] + [float(entry["partial_ratio"]) for entry in by_length])
+        by_length = tuned.ratio_by_length if tuned is not None else ()
+        return max([ratio] + [entry.partial_ratio for entry in by_length])
 
 
 class InfiniGenPolicy(HostPoolPolicy):
@@ -404,7 +407,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._row_groups[layer] = groups
 
     def skew(self) -> Skew:
-        """The calibration in use (loaded from the cache on first use)."""
+        """The calibration in use (loaded from the cache on first use; one without calibrated knobs of this
+        version is used with the paper's, and says so)."""
         if self._skew is None:
             self._skew = skewfile.cached_skew(self.spec)
             if self._skew is None:
@@ -412,6 +416,13 @@ class InfiniGenPolicy(HostPoolPolicy):
                     f"no InfiniGen calibration for these weights ({self.spec.weights_id[:12] or 'unknown'}); "
                     "run `infinikv calibrate --model …` or calibration.calibrate(loaded), "
                     "or pass skew= to InfiniGenPolicy"
+                )
+            if self._skew.tuned is None:
+                print(
+                    f"infinikv: the cached InfiniGen calibration of {self._skew.model} has no calibrated "
+                    f"knobs of this version (the paper's alpha {PAPER_ALPHA:g} and partial ratio "
+                    f"{PAPER_PARTIAL_RATIO:g} apply); run `infinikv calibrate --model …` to recalibrate",
+                    file=sys.stderr,
                 )
         return self._skew
 

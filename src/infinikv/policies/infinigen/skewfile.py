@@ -5,10 +5,12 @@ A :class:`Skew` is what calibration (``calibration.py``) produces and the policy
 id in their metadata: loading one made for other weights is an error. The file stores the per-column scores
 rather than the columns, so any ``partial_ratio`` can use one file; it also stores the scores of the
 unskewed basis (identity) for the ``skew=False`` ablation, and, in its metadata ("tuned", JSON), the knobs
-calibrated for the model (``calibration.tune``: the share of key columns, on the calibration text and per
-prompt length, the threshold ``alpha`` per layer (scored with the layer's own query and rehearsed) and
-for all layers, and the layers that choose with their own query, each with the rule that chose it and its
-curve).
+calibrated for the model, a :class:`Tuned` record (``calibration.tune``: the share of key columns, on the
+calibration text and per prompt length, the threshold ``alpha`` per layer (scored with the layer's own query
+and rehearsed) and for all layers, and the layers that choose with their own query, each with the rule that
+chose it and its curve). The record carries its format's version; a file whose record is of another version
+(or has none: files written before the record was versioned) reads as a calibration without calibrated
+knobs, which ``calibration.ensure_skew`` redoes.
 """
 
 from __future__ import annotations
@@ -17,9 +19,8 @@ import hashlib
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -38,6 +39,132 @@ class SkewError(InfinikvError):
 
 
 @dataclass(frozen=True)
+class AlphaPoint:
+    """What the count rule keeps and fetches at one alpha of ``tuning.ALPHAS``, averaged over the managed
+    layers, each scored with the query it chooses with at the default knobs."""
+
+    alpha: float
+    """The threshold, in logits below each head's best speculated score."""
+    mass_kept: float
+    """Share of the dense attention the fetched tokens plus the new one keep (4 decimals)."""
+    fetched: float
+    """Share of the past tokens fetched (4 decimals)."""
+
+
+@dataclass(frozen=True)
+class RatioPoint:
+    """How well the partial columns of one ratio of ``tuning.RATIOS`` speculate, on the calibration text."""
+
+    partial_ratio: float
+    """The share of ``head_dim`` columns."""
+    recall: float
+    """Share of the real top-k tokens the speculated top-k holds, averaged over the rehearsed layers (4
+    decimals)."""
+
+
+@dataclass(frozen=True)
+class RatioAtLength:
+    """The partial ratio calibrated at the end of one window of the calibration text."""
+
+    tokens: int
+    """Where the window ends; a prompt takes the shortest window at least as long as itself (longer
+    prompts: the longest)."""
+    partial_ratio: float
+    """The ratio the rule (``Tuned.ratio_rule``) picks at that window's end."""
+    curve: tuple[float, ...]
+    """The recall per ratio of ``tuning.RATIOS`` it was picked from (as :attr:`RatioPoint.recall`)."""
+
+
+@dataclass(frozen=True)
+class OwnQueryPoint:
+    """How much of its own query's recall one rehearsed layer's rehearsal keeps."""
+
+    layer: int
+    """The layer."""
+    recall_kept: float
+    """Share of its own query's recall of the real top-k that the rehearsal from the previous layer's input
+    keeps, averaged over the calibration windows (4 decimals)."""
+
+
+TUNED_VERSION = 1  # the version of the :class:`Tuned` record this code writes and reads
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """InfiniGen's knobs calibrated for one model (``calibration.tune``), stored with its skew.
+
+    Per-layer tuples are indexed by layer, None where a layer was not calibrated (sliding-window layers)."""
+
+    partial_ratio: float
+    """The share of key columns picked on the calibration text (its window is the first of
+    :attr:`ratio_by_length`); the alphas are calibrated at it."""
+    ratio_rule: str
+    """How :attr:`partial_ratio` was picked (``tuning.RATIO_RULE``)."""
+    ratio_curve: tuple[RatioPoint, ...]
+    """The recall per ratio of ``tuning.RATIOS`` on the calibration text."""
+    ratio_by_length: tuple[RatioAtLength, ...]
+    """The ratio per window of the calibration text, the shortest first (empty when nothing was
+    rehearsed)."""
+    alpha_per_layer: tuple[float | None, ...]
+    """Each layer's alpha scored with the query it chooses with at the default knobs (its own on the first
+    ``dense_layers`` and the own-query layers, else rehearsed)."""
+    alpha_per_layer_own: tuple[float | None, ...]
+    """Each layer's alpha scored with its own query."""
+    alpha_per_layer_rehearsed: tuple[float | None, ...]
+    """Each layer's alpha scored with the query rehearsed from the previous layer's input."""
+    layer_rule: str
+    """How the per-layer alphas were picked (``tuning.LAYER_RULE``)."""
+    alpha: float
+    """One alpha for all layers (a summary beside the per-layer ones): the one a layer without its own
+    takes."""
+    rule: str
+    """How :attr:`alpha` was picked (``tuning.RULE``)."""
+    curve: tuple[AlphaPoint, ...]
+    """What the count rule keeps and fetches per alpha of ``tuning.ALPHAS``, averaged over the layers."""
+    own_query_layers: tuple[int, ...]
+    """The later layers (from ``dense_layers``) that choose with their own query, in layer order."""
+    own_query_rule: str
+    """How they were picked (``tuning.OWN_QUERY_RULE``)."""
+    own_query_curve: tuple[OwnQueryPoint, ...]
+    """Per rehearsed layer, the share of its own query's recall its rehearsal keeps."""
+    version: int = TUNED_VERSION
+    """The record's format (:data:`TUNED_VERSION` when written by this code)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Tuned | None:
+        """The record stored as ``text``; None when it is of another version than :data:`TUNED_VERSION` (or
+        has none). Raises ValueError when a record of this version is malformed."""
+        try:
+            data = json.loads(text)
+            if not isinstance(data, dict) or data.get("version") != TUNED_VERSION:
+                return None
+            return cls(
+                partial_ratio=data["partial_ratio"],
+                ratio_rule=data["ratio_rule"],
+                ratio_curve=tuple(RatioPoint(**point) for point in data["ratio_curve"]),
+                ratio_by_length=tuple(
+                    RatioAtLength(entry["tokens"], entry["partial_ratio"], tuple(entry["curve"]))
+                    for entry in data["ratio_by_length"]
+                ),
+                alpha_per_layer=tuple(data["alpha_per_layer"]),
+                alpha_per_layer_own=tuple(data["alpha_per_layer_own"]),
+                alpha_per_layer_rehearsed=tuple(data["alpha_per_layer_rehearsed"]),
+                layer_rule=data["layer_rule"],
+                alpha=data["alpha"],
+                rule=data["rule"],
+                curve=tuple(AlphaPoint(**point) for point in data["curve"]),
+                own_query_layers=tuple(data["own_query_layers"]),
+                own_query_rule=data["own_query_rule"],
+                own_query_curve=tuple(OwnQueryPoint(**point) for point in data["own_query_curve"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed calibrated knobs: {exc!r}") from None
+
+
+@dataclass(frozen=True)
 class Skew:
     """Calibration result for one model: per layer and KV head, A and the per-column scores."""
 
@@ -48,9 +175,7 @@ class Skew:
     matrices: Tensor  # [layers, kv_heads, d, d], orthogonal, float32
     scores: Tensor  # [layers, kv_heads, d]: Σ|Q̃| + Σ|K̃| per skewed column
     identity_scores: Tensor  # [layers, kv_heads, d]: Σ|Q| + Σ|K| per original column (skew=False)
-    tuned: dict[str, Any] | None = (
-        None  # calibrated knobs, their rules and curves (``calibration.tune``); None: older file
-    )
+    tuned: Tuned | None = None  # calibrated knobs (``calibration.tune``); None: none of this version
 
     def columns(self, layer: int, ratio: float, skewed: bool = True) -> Tensor:
         """Indices [kv_heads, k] of the partial columns, k = ⌈ratio·d⌉ (paper's rule, top-k of the scores)."""
@@ -84,7 +209,7 @@ class Skew:
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         meta = {"format": FORMAT, "weights_id": self.weights_id, "model": self.model, "source": self.source}
         if self.tuned is not None:
-            meta["tuned"] = json.dumps(self.tuned)
+            meta["tuned"] = self.tuned.to_json()
         meta = {**meta, "tokens": str(self.tokens), CHECKSUM_KEY: tensor_checksum(tensors)}
         with cache_errors(f"cannot save the skew file {path.name}"), atomic_write(path) as tmp:
             save_file(tensors, str(tmp), meta)
@@ -142,6 +267,10 @@ def read_skew(path: str | Path, spec: ModelSpec | None = None) -> Skew:
     if meta.get("format") != FORMAT or not {"matrices", "scores", "identity_scores"} <= set(tensors):
         raise SkewError(f"{path} is not an infinikv skew file ({FORMAT})")
     verify_checksum(path, tensors, meta)
+    try:
+        tuned = Tuned.from_json(meta["tuned"]) if "tuned" in meta else None
+    except ValueError as exc:
+        raise SkewDamaged(f"skew file {path} is damaged: {exc}") from None
     skew = Skew(
         weights_id=meta["weights_id"],
         model=meta.get("model", "?"),
@@ -150,7 +279,7 @@ def read_skew(path: str | Path, spec: ModelSpec | None = None) -> Skew:
         matrices=tensors["matrices"],
         scores=tensors["scores"],
         identity_scores=tensors["identity_scores"],
-        tuned=json.loads(meta["tuned"]) if "tuned" in meta else None,
+        tuned=tuned,
     )
     if spec is not None:
         skew.check(spec)
