@@ -47,6 +47,7 @@ from ...errors import InputError
 from ...spec import ModelSpec
 from ...store import locked
 from . import skewfile, tuning
+from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
 from .skewfile import AlphaPoint, OwnQueryPoint, RatioAtLength, RatioPoint, Skew, Tuned, skew_path
 
 if TYPE_CHECKING:
@@ -72,6 +73,9 @@ def ensure_skew(loaded: LoadedModel) -> Skew:
         why = "once per model" if found is None else "the cached one has no calibrated knobs of this version"
         print(f"calibrating InfiniGen skew for {loaded.name} ({why})", file=sys.stderr)
         return calibrate(loaded)
+
+
+InfiniGenConfig.calibrator = staticmethod(ensure_skew)
 
 
 # -- calibration ---------------------------------------------------------------------------------------------
@@ -206,8 +210,6 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
     threshold of each managed layer (``tuning.LAYER_RULE``), scored with its own query and rehearsed, and one
     for every layer (``tuning.RULE``: the mean curve's, a summary beside the per-layer ones); each with its
     rule."""
-    from .policy import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
-
     defaults = InfiniGenConfig()
     shortest = min(windows)
     inputs = windows[shortest]

@@ -77,7 +77,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,16 +84,13 @@ import torch
 from ...errors import PolicyError
 from ...kvpool import Transfer
 from ...spec import ModelSpec
-from ..base import HostPoolPolicy, PolicyConfig, Selection, knob, resolve_budget
+from ..base import HostPoolPolicy, Selection, resolve_budget
 from . import skewfile
+from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
 from .skewfile import Skew
 from .slots import SlotTable
 
 Tensor = torch.Tensor
-EVICTIONS = ("fifo", "lru", "counter")
-FIRST_LAYERS = ("dense", "own")
-PAPER_ALPHA = 5.0  # the paper's and artifact's threshold for Llama-family models
-PAPER_PARTIAL_RATIO = 0.2  # the paper's share of key columns
 _SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 2**21
 
 
@@ -106,162 +102,6 @@ def reserved_first(scores: Tensor, reserved: Tensor) -> Tensor:
     low = scores.masked_fill(~finite, 0).amin(dim=-1, keepdim=True)
     high = scores.masked_fill(~finite, 0).amax(dim=-1, keepdim=True)
     return torch.where(reserved & finite, scores + (high - low + 1), scores)
-
-
-@dataclass(frozen=True)
-class InfiniGenConfig(PolicyConfig):
-    alpha: float = knob(
-        0.0,
-        "threshold in logit units: tokens within alpha of a head's best speculative score are counted "
-        "(inf = all, then the budget alone decides); 0 = the model's calibrated alpha per layer (infinikv "
-        "calibrate; it counts sequences that rehearse at the calibration text's partial_ratio, the others "
-        "fetch their budget); the paper's constant for Llama-family models is 5",
-        low=0,
-        allow_inf=True,
-    )
-    partial_ratio: float = knob(
-        0.0,
-        "share of head_dim columns used for speculation; 0 = the model's calibrated share for the prompt's "
-        "length (infinikv calibrate: 2k, 4k and 8k windows); the paper's is 0.2 (with calibrated alphas, a "
-        "ratio other than the calibration text's fetches the budget: see alpha)",
-        low=0,
-        high=1,
-    )
-    budget: float = knob(
-        0.2, "cap on tokens fetched per layer (<= 1: fraction of the context)", low=0, open_low=True
-    )
-    capacity: float = knob(
-        1.0,
-        "host pool size (<= 1: fraction of the tokens seen, else tokens; 1 = no eviction)",
-        low=0,
-        open_low=True,
-    )
-    eviction: str = knob("counter", "which slot a full pool overwrites", choices=EVICTIONS)
-    dense_layers: int = knob(2, "the first layers, which no layer before rehearses (see first_layers)", low=0)
-    first_layers: str = knob(
-        "own",
-        "how the first dense_layers layers read their KV: dense = whole (the paper); own = the budget's top "
-        "tokens by the layer's own partial query, chosen once that query exists (their copy is not "
-        "prefetched: it waits on the layer; calibrated alpha: the layer's own, scored with its own query)",
-        choices=FIRST_LAYERS,
-    )
-    own_query_layers: str = knob(
-        "calibrated",
-        "later layers that also choose with their own query once it exists (their copy not prefetched), for "
-        "a layer whose rehearsal from the layer before misses: calibrated = the model's (infinikv calibrate: "
-        "those whose rehearsal keeps < 90 % of their own query's recall, at most 1/8 of the rehearsed "
-        "layers; SmolLM2-135M: 9, 12, 20), none (or empty), or comma-separated layer numbers",
-    )
-    skew: bool = knob(
-        True, "false: the identity instead of the skewing matrices (partial columns by the same rule)"
-    )
-    n_sink: int = knob(
-        0,
-        "first real tokens always fetched on managed layers (attention sinks; on SmolLM2 the sink is already "
-        "every sink head's best token, and 4 changed nothing)",
-        low=0,
-    )
-    window: int = knob(32, "most recent past tokens always fetched on managed layers (paper: 0)", low=0)
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.own_query_set()  # a malformed list fails here, before any model work
-
-    def own_query_set(self) -> frozenset[int] | None:
-        """The layers of ``own_query_layers``; None for the model's calibrated ones."""
-        given = self.own_query_layers.strip().lower()
-        if given == "calibrated":
-            return None
-        parts = [] if given == "none" else [part.strip() for part in given.split(",") if part.strip()]
-        if not all(part.isdigit() for part in parts):
-            raise PolicyError(
-                "own_query_layers must be calibrated, none or comma-separated layer numbers, got "
-                f"{self.own_query_layers!r}",
-                knob="own_query_layers",
-            )
-        return frozenset(int(part) for part in parts)
-
-    def resolve_own_query(self, skew: Skew | None) -> tuple[frozenset[int], str]:
-        """The later layers that choose with their own query with ``skew``, and where they came from (as
-        :meth:`resolve`)."""
-        named = self.own_query_set()
-        if named is not None:
-            return named, "given"
-        tuned = skew.tuned if skew is not None else None
-        if tuned is None:
-            return frozenset(), "none (this calibration names none; the paper rehearses every layer)"
-        return frozenset(tuned.own_query_layers), f"calibrated: {tuned.own_query_rule}"
-
-    def prepare(self, loaded: Any) -> None:
-        from .calibration import ensure_skew
-
-        ensure_skew(loaded)
-
-    def rehearsal_share(self, spec: ModelSpec, tokens: int | None = None) -> float:
-        # the partial keys of the managed layers: ⌈ratio·d⌉ of d columns each, at a prompt of ``tokens``
-        ratio = self.resolve("partial_ratio", skewfile.cached_skew(spec), tokens=tokens)[0]
-        columns = max(1, math.ceil(ratio * spec.head_dim)) / spec.head_dim
-        return columns * sum(self.selects(spec, i) for i in range(spec.num_layers)) / spec.num_layers
-
-    def selects(self, spec: ModelSpec, layer: int) -> bool:
-        """Whether ``layer`` fetches selected tokens (the others load their full KV or their window)."""
-        return not spec.is_sliding(layer) and (layer >= self.dense_layers or self.first_layers == "own")
-
-    def resolve(
-        self,
-        name: str,
-        skew: Skew | None,
-        layer: int | None = None,
-        tokens: int | None = None,
-        own_query: bool | None = None,
-    ) -> tuple[float, str]:
-        """The value of the calibrated knob ``name`` ("alpha" or "partial_ratio") with ``skew``, and where it
-        came from: this config's when set, else the model's calibrated one (alpha: ``layer``'s own when it
-        was calibrated, scored as the layer chooses, by its own query or rehearsed (``own_query``; None: as
-        at the default knobs), else the one for all layers; partial_ratio: the one for a prompt of
-        ``tokens`` when given and calibrated per length, else the calibration text's), else (a calibration
-        without it) the paper's."""
-        given = getattr(self, name)
-        if given:
-            return float(given), "given"
-        tuned = skew.tuned if skew is not None else None
-        if tuned is None:
-            paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO}[name]
-            return paper, "paper (this calibration has none)"
-        if name == "partial_ratio":
-            by_length = tuned.ratio_by_length
-            if tokens is not None and by_length:
-                entry = next((e for e in by_length if e.tokens >= tokens), by_length[-1])
-                return entry.partial_ratio, f"calibrated at {entry.tokens} tokens: {tuned.ratio_rule}"
-            return tuned.partial_ratio, f"calibrated: {tuned.ratio_rule}"
-        per_layer = {
-            None: tuned.alpha_per_layer,
-            True: tuned.alpha_per_layer_own,
-            False: tuned.alpha_per_layer_rehearsed,
-        }[own_query]
-        if layer is not None and layer < len(per_layer) and per_layer[layer] is not None:
-            return per_layer[layer], f"calibrated: {tuned.layer_rule}"
-        return tuned.alpha, f"calibrated: {tuned.rule}"
-
-    def alpha_holds(self, skew: Skew | None, ratio: float, head_dim: int) -> tuple[bool, str]:
-        """Whether the alpha in use counts a sequence that rehearses with ``ratio`` of the columns, and why:
-        a given alpha, or the paper's, always; calibrated alphas only at as many columns as they were
-        calibrated with."""
-        tuned = skew.tuned if skew is not None else None
-        if self.alpha or tuned is None:
-            return True, "alpha"
-        calibrated_at = tuned.partial_ratio
-        if math.ceil(ratio * head_dim) == math.ceil(calibrated_at * head_dim):
-            return True, "alpha"
-        return False, f"budget (alphas calibrated at partial ratio {calibrated_at:g}, this one's {ratio:g})"
-
-    def widest_ratio(self, skew: Skew | None) -> float:
-        """The widest partial ratio any prompt length resolves to: the prompt's partial keys are computed
-        with it before its length is known."""
-        ratio = self.resolve("partial_ratio", skew)[0]
-        tuned = skew.tuned if skew is not None and not self.partial_ratio else None
-        by_length = tuned.ratio_by_length if tuned is not None else ()
-        return max([ratio] + [entry.partial_ratio for entry in by_length])
 
 
 class InfiniGenPolicy(HostPoolPolicy):
@@ -445,11 +285,6 @@ class InfiniGenPolicy(HostPoolPolicy):
                 device = self._proj[layer].device
                 self._row_alpha[layer] = torch.tensor(per_row, dtype=dtype, device=device)[:, None, None]
         return self._row_alpha[layer]
-
-    def partial_ratios(self) -> list[tuple[float, str]]:
-        """Per sequence, the share of key columns in use and where it came from
-        (:meth:`InfiniGenConfig.resolve`); empty before the first decode step."""
-        return list(self._ratios or [])
 
     # -- decode: rehearsal and prefetch ----------------------------------------------------------------------
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
