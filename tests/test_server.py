@@ -19,7 +19,8 @@ import pytest
 import uvicorn
 
 from infinikv import GenerationConfig, Generator
-from infinikv.serve.app import ServerSettings, create_app, kv_report
+from infinikv.serve.app import ServerSettings, create_app
+from infinikv.serve.kv_policy import kv_report
 from infinikv.testing import tiny_model
 
 CHAT_TEMPLATE = (
@@ -276,7 +277,63 @@ def test_bad_input_is_a_4xx_with_an_openai_error(server, path, body):
 def test_bad_knob_names_its_parameter(server):
     response = _post(server[0], "/v1/completions", {"prompt": "hi", "kv_policy": "quest", "kv_alpha": 3})
     assert response.json()["error"]["param"] == "kv_alpha"
-    assert "has no knob 'alpha'" in response.json()["error"]["message"]
+    assert "has no knob alpha" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ["a", ""]}, "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"kv_policy": "magic"}, "kv_policy"),
+        ({"kv_policy": 3}, "kv_policy"),
+        ({"kv_policy": "quest", "kv_budget": 0.5, "kv_alpha": 3}, "kv_alpha"),
+        ({"kv_policy": "quest", "kv_budget": -1}, "kv_budget"),
+        ({"kv_page_size": 4}, "kv_page_size"),  # the server's policy, dense, has no knobs
+    ],
+)
+def test_a_refused_setting_names_its_request_field(server, fields, param):
+    """The generation config and the policy registry judge the values; the 400 names the request's field,
+    in a one-line message that says it by that name."""
+    response = _post(server[0], "/v1/completions", {"prompt": "hi", **fields})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    message = error["message"]
+    assert len(message.splitlines()) == 1 and "max_new_tokens" not in message
+    assert param.removeprefix("kv_") in message
+
+
+# -- each prompt tokenised once ------------------------------------------------------------------------------
+def test_each_prompt_is_tokenised_once(model, server, client, monkeypatch):
+    """The server tokenises a prompt once and hands the token ids on: neither its own tokenizer copy nor the
+    worker's tokenizer (the same class) sees the text a second time; chat prompts are templated once."""
+    seen: list[str] = []
+    tokenize = type(model.tokenizer).__call__
+
+    def counting(self, text, *args, **kwargs):
+        seen.extend([text] if isinstance(text, str) else text)
+        return tokenize(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(model.tokenizer), "__call__", counting)
+    response = client.completions.create(model="tiny-llama", prompt=PROMPTS[1], max_tokens=6, temperature=0)
+    messages = [{"role": "user", "content": "Count once."}]
+    chat = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=6, temperature=0)
+    streamed = client.completions.create(
+        model="tiny-llama", prompt=PROMPTS[3], max_tokens=6, temperature=0, stream=True
+    )
+    streamed_text = "".join(c.choices[0].text for c in streamed if c.choices)
+    templated = model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert seen == [PROMPTS[1], templated, PROMPTS[3]]
+    monkeypatch.undo()
+    assert response.choices[0].text == alone(model, PROMPTS[1], 6)
+    assert chat.choices[0].message.content == alone(model, templated, 6)
+    assert streamed_text == alone(model, PROMPTS[3], 6)
 
 
 # -- batching, back-pressure, disconnects --------------------------------------------------------------------

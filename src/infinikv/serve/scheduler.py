@@ -1,12 +1,12 @@
 """The request queue and the one worker thread that runs the model.
 
-The HTTP layer ``submit``s a :class:`Job` (a prompt, a policy config, sampling settings) and reads its
-events from an asyncio queue: ``("text", piece)`` while it streams, then ``("done", RequestResult)`` or
-``("error", message)``. The worker takes the oldest waiting job plus every other waiting job with the same
-policy config and sampling settings (up to ``max_batch``) and runs them as one ``Generator.generate`` call;
-rows finish independently, and a job whose client went away is cancelled at the next decode step. Jobs
-with different policies never share a batch, so each batch's cache and policy instance is its own. A new
-job waits for the running batch to end (no joining a batch mid-flight).
+The HTTP layer ``submit``s a :class:`Job` (a prompt's token ids, a policy config, sampling settings) and
+reads its events from an asyncio queue: ``("text", piece)`` while it streams, then ``("done",
+RequestResult)`` or ``("error", message)``. The worker takes the oldest waiting job plus every other
+waiting job with the same policy config and sampling settings (up to ``max_batch``) and runs them as one
+``Generator.generate`` call; rows finish independently, and a job whose client went away is cancelled at
+the next decode step. Jobs with different policies never share a batch, so each batch's cache and policy
+instance is its own. A new job waits for the running batch to end (no joining a batch mid-flight).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class ShuttingDown(Exception):
 
 @dataclass(eq=False)
 class Job:
-    prompt: str
+    prompt: list[int]  # token ids: the HTTP side tokenised the prompt, and generate takes them as they are
     policy: PolicyConfig
     sampling: GenerationConfig
     stream: bool
@@ -88,7 +88,9 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, prompt: str, policy: PolicyConfig, sampling: GenerationConfig, stream: bool) -> Job:
+    def submit(
+        self, prompt: list[int], policy: PolicyConfig, sampling: GenerationConfig, stream: bool
+    ) -> Job:
         job = Job(prompt, policy, sampling, stream, asyncio.get_running_loop(), serial=next(self._serials))
         with self._lock:
             if self._stopping:

@@ -1,0 +1,71 @@
+"""The per-request KV policy: the config a request's ``kv_policy`` and ``kv_<knob>`` fields ask for, and the
+``kv`` field of every answer.
+
+The policy registry (``make_config``, and each config's own checks) is the one judge of a policy name, its
+knob names and their values; its refusal becomes a 400 naming the request field it is about.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..errors import PolicyError
+from ..generate import RequestResult
+from ..policies import POLICIES, PolicyConfig, make_config
+from .openai_shapes import ApiError
+
+
+@dataclass(frozen=True)
+class PolicyDefaults:
+    """The server's policy and the knobs it was started with (they apply when a request names no policy,
+    or names the same one)."""
+
+    name: str = "dense"
+    knobs: tuple[tuple[str, Any], ...] = ()
+
+
+def resolve_policy(
+    requested: str | None, extra: dict[str, Any], defaults: PolicyDefaults
+) -> tuple[str, PolicyConfig]:
+    """The policy name and config of a request with ``kv_policy`` = ``requested`` and the extra fields
+    ``extra`` (its ``kv_<knob>`` fields are the knobs); 400 on any mistake."""
+    name = defaults.name if requested is None else requested
+    knobs = {key.removeprefix("kv_"): value for key, value in extra.items() if key.startswith("kv_")}
+    try:
+        return name, make_config(name, **(dict(defaults.knobs) | knobs if name == defaults.name else knobs))
+    except PolicyError as exc:
+        param = _param(exc, name, knobs)
+        raise ApiError(
+            str(exc), param=param, code="kv_policy" if param == "kv_policy" else "kv_knob"
+        ) from None
+
+
+def _param(exc: PolicyError, name: str, knobs: dict[str, Any]) -> str:
+    """The request field a refusal of the registry is about: the knob whose value it refused; when it names
+    none, it refused a name: the first requested knob the policy lacks, or else the policy itself."""
+    if exc.knob is not None:
+        return f"kv_{exc.knob}"
+    if name in POLICIES:
+        own = {f.name for f in fields(POLICIES[name].config_class)}
+        return next((f"kv_{knob}" for knob in knobs if knob not in own), "kv_policy")
+    return "kv_policy"
+
+
+def _is_figure(value: Any) -> bool:
+    """A number, or a per-layer list of numbers (None for layers it does not apply to)."""
+    if isinstance(value, list):
+        return any(v is not None for v in value) and all(v is None or _is_figure(v) for v in value)
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def kv_report(result: RequestResult) -> dict[str, Any]:
+    """The ``kv`` field: policy, knobs, and the numeric statistics of the batch the request ran in (numbers
+    and per-layer lists of numbers, such as InfiniGen's ``alpha_used``)."""
+    stats = dict(result.stats)
+    name = stats.pop("policy")
+    knobs = {f.name: stats.pop(f.name) for f in fields(POLICIES[name].config_class) if f.name in stats}
+    figures = {k: v for k, v in stats.items() if _is_figure(v)}
+    figures.pop("prompt_tokens", None)
+    figures.pop("new_tokens", None)
+    return {"policy": name, "knobs": knobs, "stats": figures}

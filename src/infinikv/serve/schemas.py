@@ -1,0 +1,111 @@
+"""The request bodies of the generation endpoints as pydantic models, and reading a request into one.
+
+The models check types (strictly: ``"0.5"`` is not a number, ``4.5`` not an integer, NaN and infinities are
+refused) and the limits that are the OpenAI API's own (``temperature`` up to 2, at most 4 ``stop``
+strings, ``n`` = 1, the options this server does not implement). The ranges of the sampling settings are
+checked once, by ``GenerationConfig``, and the KV policy's knobs by the policy registry.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .openai_shapes import ApiError
+
+# Request fields the server does not implement, with the values that mean "not used".
+UNSUPPORTED = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+Body = TypeVar("Body", bound=_Strict)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Strict):
+    """The fields both generation endpoints take; ``kv_<knob>`` fields arrive as extra fields."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: Annotated[float, Field(le=2)] | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: Annotated[list[str], Field(max_length=4)] | str | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    kv_policy: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        """400 for an option this server does not implement, given a value other than "not used"."""
+        for name, neutral in UNSUPPORTED.items():
+            if name in self.model_extra and self.model_extra[name] not in neutral:
+                raise ApiError(f"'{name}' is not supported by this server", param=name)
+        if self.n != 1:
+            raise ApiError(f"only n=1 is supported, got {self.n}", param="n")
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    # Drop the union-branch names pydantic puts in the location (e.g. "str", "list[str]").
+    loc = [str(p) for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "int")))]
+    param = ".".join(loc) or None
+    return (f"{param}: {first['msg']}" if param else first["msg"]), param
+
+
+async def parse(request: Request, schema: type[Body]) -> Body:
+    """The request's JSON body as ``schema``; 400 naming the field on any mistake."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        message, param = _validation_message(exc)
+        raise ApiError(message, param=param) from None
