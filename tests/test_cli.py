@@ -103,9 +103,9 @@ def test_infinigen_uses_the_calibrated_alpha_unless_a_flag_sets_it(model_dir, tm
     argv = ["generate", "--model", model_dir, "--prompt", prompt, "--max-new-tokens", "3", "--json"]
     assert main([*argv, "--policy", "infinigen"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
-    assert stats["alpha"] == 0 and stats["alpha_source"].startswith("calibrated")
-    assert stats["n_sink"] == 0 and stats["window"] == 32
+    assert stats["knobs"]["alpha"] == 0 and stats["alpha_source"].startswith("calibrated")
+    assert stats["knobs"]["n_sink"] == 0 and stats["knobs"]["window"] == 32
     assert main([*argv, "--policy", "infinigen", "--alpha", "5", "--n-sink", "0", "--window", "0"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert {a for a in stats["alpha_used"] if a is not None} == {5.0} and stats["alpha_source"] == "given"
-    assert stats["window"] == 0
+    assert stats["knobs"]["window"] == 0

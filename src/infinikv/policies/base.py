@@ -172,8 +172,9 @@ class Policy:
         return None
 
     def stats(self) -> dict[str, Any]:
-        """What this policy did, for the per-request statistics."""
-        out: dict[str, Any] = {"policy": self.name, **self.config.knobs()}
+        """What this policy did, for the per-request statistics; the knobs it ran with sit apart, under
+        ``knobs``."""
+        out: dict[str, Any] = {"policy": self.name, "knobs": self.config.knobs()}
         out.update({f"kv_bytes_{where}": n for where, n in self.kv_bytes().items()})
         pool = self.pool()
         counters = pool.counters if pool is not None else None

@@ -76,7 +76,8 @@ def make_config(name: str, **knobs: Any) -> PolicyConfig:
     if unknown:
         raise PolicyError(
             f"policy '{name}' has no knob {', '.join(unknown)}; "
-            f"its knobs: {', '.join(sorted(allowed)) or 'none'}"
+            f"its knobs: {', '.join(sorted(allowed)) or 'none'}",
+            knob=unknown[0],
         )
     try:
         return config_class(**given)

@@ -7,12 +7,12 @@ knob names and their values; its refusal becomes a 400 naming the request field 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PolicyError
 from ..generate import RequestResult
-from ..policies import POLICIES, PolicyConfig, make_config
+from ..policies import PolicyConfig, make_config
 from .openai_shapes import ApiError
 
 
@@ -35,21 +35,10 @@ def resolve_policy(
     try:
         return name, make_config(name, **(dict(defaults.knobs) | knobs if name == defaults.name else knobs))
     except PolicyError as exc:
-        param = _param(exc, name, knobs)
+        param = "kv_policy" if exc.knob is None else f"kv_{exc.knob}"
         raise ApiError(
             str(exc), param=param, code="kv_policy" if param == "kv_policy" else "kv_knob"
         ) from None
-
-
-def _param(exc: PolicyError, name: str, knobs: dict[str, Any]) -> str:
-    """The request field a refusal of the registry is about: the knob whose value it refused; when it names
-    none, it refused a name: the first requested knob the policy lacks, or else the policy itself."""
-    if exc.knob is not None:
-        return f"kv_{exc.knob}"
-    if name in POLICIES:
-        own = {f.name for f in fields(POLICIES[name].config_class)}
-        return next((f"kv_{knob}" for knob in knobs if knob not in own), "kv_policy")
-    return "kv_policy"
 
 
 def _is_figure(value: Any) -> bool:
@@ -64,7 +53,7 @@ def kv_report(result: RequestResult) -> dict[str, Any]:
     and per-layer lists of numbers, such as InfiniGen's ``alpha_used``)."""
     stats = dict(result.stats)
     name = stats.pop("policy")
-    knobs = {f.name: stats.pop(f.name) for f in fields(POLICIES[name].config_class) if f.name in stats}
+    knobs = stats.pop("knobs")
     figures = {k: v for k, v in stats.items() if _is_figure(v)}
     figures.pop("prompt_tokens", None)
     figures.pop("new_tokens", None)
