@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from infinikv import data
 from infinikv.cache import InfinikvCache
-from infinikv.policies import InfiniGenConfig, InfiniGenPolicy
+from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, prepare
 from infinikv.policies.dense import DenseConfig, DensePolicy
 from infinikv.policies.infinigen import calibration, skewfile
 from infinikv.testing import tiny_model
@@ -249,7 +249,7 @@ def test_a_calibration_without_knobs_of_this_version_is_redone(tiny, tmp_path, m
         assert policy.alpha(2) == (5.0, "paper (this calibration has none)")
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "run `infinikv calibrate --model …` to recalibrate" in err
-        InfiniGenConfig().prepare(tiny)
+        prepare(InfiniGenConfig(), tiny)
         assert "has no calibrated knobs of this version" in capsys.readouterr().err
         redone = skewfile.cached_skew(tiny.spec).tuned
         assert redone is not None and redone.version == skewfile.TUNED_VERSION

@@ -25,7 +25,7 @@ from .clock import now
 from .errors import InputError
 from .forward import Driver
 from .models import LoadedModel
-from .policies import PolicyConfig, make_config
+from .policies import PolicyConfig, make_config, prepare
 
 Tensor = torch.Tensor
 Prompt = str | Sequence[int]  # text, or token ids as the model's tokenizer makes them
@@ -91,7 +91,7 @@ class Generator:
     def __init__(self, loaded: LoadedModel, policy: PolicyConfig | str = "dense", **knobs: Any):
         self.loaded = loaded
         self.policy_config = make_config(policy, **knobs) if isinstance(policy, str) else policy
-        self.policy_config.prepare(loaded)  # e.g. InfiniGen calibrates once per model
+        prepare(self.policy_config, loaded)  # e.g. InfiniGen calibrates once per model
         eos = loaded.model.generation_config.eos_token_id
         if eos is None:
             eos = loaded.tokenizer.eos_token_id

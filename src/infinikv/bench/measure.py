@@ -30,7 +30,7 @@ from ..clock import now
 from ..errors import InfinikvError
 from ..forward import Driver, PrefillMemo
 from ..models import LoadedModel
-from ..policies import POLICIES, PolicyConfig, make_config
+from ..policies import POLICIES, PolicyConfig, make_config, prepare
 from .peers import peer_factory, peer_kv_bytes, peer_unavailable
 
 Tensor = torch.Tensor
@@ -103,11 +103,11 @@ def make_entries(
     peers: tuple[str, ...],
 ) -> tuple[list[BenchEntry], list[dict[str, str]]]:
     """What will run (``policies``: name -> knobs), and which peers are skipped, with the reason. Runs each
-    policy's model-level preparation (``PolicyConfig.prepare``, e.g. InfiniGen's calibration) once."""
+    policy's model-level preparation (``Policy.prepare``, e.g. InfiniGen's calibration) once."""
     entries, skipped = [], []
     for name, knobs in policies.items():
         config = make_config(name, **knobs)
-        config.prepare(loaded)
+        prepare(config, loaded)
         entries.append(
             BenchEntry(
                 name,

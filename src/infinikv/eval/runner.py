@@ -23,7 +23,7 @@ import torch
 from ..cache import InfinikvCache
 from ..forward import Driver, PrefillMemo
 from ..models import LoadedModel
-from ..policies import POLICIES, Policy, PolicyConfig
+from ..policies import POLICIES, Policy, PolicyConfig, prepare
 
 Tensor = torch.Tensor
 
@@ -46,11 +46,11 @@ class DecodeRun:
         prefill_chunk: int = 2048,
         memo: PrefillMemo | None = None,
     ):
-        """``policy``: a config, or a policy object built for this model (then its config's ``prepare``
-        is the caller's)."""
+        """``policy``: a config, or a policy object built for this model (then its ``prepare`` is the
+        caller's)."""
         self.loaded = loaded
         if isinstance(policy, PolicyConfig):
-            policy.prepare(loaded)  # e.g. InfiniGen's calibration, once per model
+            prepare(policy, loaded)  # e.g. InfiniGen's calibration, once per model
         self.driver = Driver(loaded, InfinikvCache(loaded.model, policy, device=loaded.device))
         self.prefill_chunk = prefill_chunk
         self.memo = memo

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from ..errors import InputError
 from ..models import LoadedModel
-from ..policies import InfiniGenConfig, InfiniGenPolicy, resolve_budget
+from ..policies import InfiniGenConfig, InfiniGenPolicy, prepare, resolve_budget
 from ..policies.base import attention, group_relative_max
 from ..policies.infinigen.policy import reserved_first
 from ..policies.infinigen.tuning import ALPHAS, coverage_by_alpha
@@ -238,7 +238,7 @@ def probe(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Run the probe over one window: per-layer metrics, the alpha grid, and the run's perplexity."""
-    policy.prepare(loaded)
+    prepare(policy, loaded)
     prefill = config.context - config.scored
     windows = make_windows(loaded, PerplexityConfig(config.text, config.context, prefill))
     probe_policy = SpeculationProbe(

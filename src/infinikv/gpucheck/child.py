@@ -100,7 +100,7 @@ def run_context(args: argparse.Namespace) -> None:
     from ..bench.summary import kv_token_bytes, summarise_runs
     from ..forward import PrefillMemo
     from ..models import load
-    from ..policies.infinigen.policy import PAPER_PARTIAL_RATIO
+    from ..policies.infinigen.config import PAPER_PARTIAL_RATIO
 
     plan = Plan(**json.loads(args.plan))
     out, context = Path(args.out), args.context

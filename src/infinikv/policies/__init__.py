@@ -7,7 +7,16 @@ other distributions declare in the ``infinikv.policies`` entry-point group (``re
 from ..spec import ModelSpec
 from .base import HostPoolPolicy, Policy, ScoredPolicy, Selection, pick_top, resolve_budget
 from .config import PolicyConfig, knob
-from .registry import POLICIES, load_entry_points, make_config, make_policy, policy_class, register
+from .registry import (
+    POLICIES,
+    load_entry_points,
+    make_config,
+    make_policy,
+    policy_class,
+    policy_of,
+    prepare,
+    register,
+)
 
 # isort: off
 # Registration order is listing order: the reference, full offload, the selectors, quantisation, InfiniGen
@@ -19,8 +28,6 @@ from .quest import QuestConfig, QuestPolicy
 from .h2o import H2OConfig, H2OPolicy
 from .quant import QuantConfig, QuantPolicy
 from .infinigen import InfiniGenConfig, InfiniGenPolicy
-
-register("infinigen")(InfiniGenPolicy)
 from .oracle import OracleConfig, OraclePolicy
 # isort: on
 
@@ -55,6 +62,8 @@ __all__ = [
     "make_policy",
     "pick_top",
     "policy_class",
+    "policy_of",
+    "prepare",
     "register",
     "resolve_budget",
 ]

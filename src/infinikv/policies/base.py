@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..errors import PolicyError
 from ..kvpool import KVPool, Transfer
 from ..spec import ModelSpec
-from .config import PolicyConfig, knob  # noqa: F401  (knob: infinigen/policy.py still imports it from here)
+from .config import PolicyConfig
 
 Tensor = torch.Tensor
 
@@ -124,6 +124,11 @@ class Policy:
     # True when plan() starts a copy of a layer's KV before that layer runs (overlapping the previous
     # layer's compute); the cache calls plan() only then, and the bench's link model trusts it.
     prefetches: ClassVar[bool] = False
+
+    @classmethod
+    def prepare(cls, config: PolicyConfig, loaded: Any) -> None:
+        """Model-level work before the policy first runs on ``loaded`` (a LoadedModel) with ``config``, e.g.
+        InfiniGen's calibration; ``registry.prepare`` is what the drivers call. Most policies need nothing."""
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
         self.config = config

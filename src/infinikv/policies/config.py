@@ -58,10 +58,6 @@ class PolicyConfig:
     def defaults(cls) -> dict[str, Any]:
         return {f.name: None if f.default is MISSING else f.default for f in fields(cls)}
 
-    def prepare(self, loaded: Any) -> None:
-        """Model-level work before a policy first runs on ``loaded`` (a LoadedModel), e.g. InfiniGen's
-        calibration. The drivers call it; most policies need nothing."""
-
     def padding_grid(self) -> int:
         """A row of a left-padded batch gets what it gets alone only when its padding is a multiple of this
         (1: any padding). A policy that groups token slots on the batch's shared grid (KIVI's key groups)

@@ -85,10 +85,21 @@ def make_config(name: str, **knobs: Any) -> PolicyConfig:
         raise PolicyError(f"policy '{name}': {exc}", knob=getattr(exc, "knob", None)) from None
 
 
+def policy_of(config: PolicyConfig) -> type[Policy]:
+    """The registered policy whose config class ``config`` is."""
+    for cls in POLICIES.values():
+        if type(config) is cls.config_class:
+            return cls
+    raise PolicyError(f"no policy takes a {type(config).__name__}")
+
+
+def prepare(config: PolicyConfig, loaded: Any) -> None:
+    """The policy's model-level work on ``loaded`` (a LoadedModel) before it first runs there
+    (:meth:`Policy.prepare`; InfiniGen calibrates once per model)."""
+    policy_of(config).prepare(config, loaded)
+
+
 def make_policy(policy: PolicyConfig | str, spec: ModelSpec, device: torch.device, **knobs: Any) -> Policy:
     if isinstance(policy, str):
         policy = make_config(policy, **knobs)
-    for cls in POLICIES.values():
-        if type(policy) is cls.config_class:
-            return cls(policy, spec, device)
-    raise PolicyError(f"no policy takes a {type(policy).__name__}")
+    return policy_of(policy)(policy, spec, device)

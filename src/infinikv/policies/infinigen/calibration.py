@@ -75,9 +75,6 @@ def ensure_skew(loaded: LoadedModel) -> Skew:
         return calibrate(loaded)
 
 
-InfiniGenConfig.calibrator = staticmethod(ensure_skew)
-
-
 # -- calibration ---------------------------------------------------------------------------------------------
 class _Capture:
     """Turns each layer's post-RoPE queries and keys into its skewing matrices and column scores."""

@@ -11,9 +11,7 @@ layer. The policy's module docstring (``policy.py``) says why each knob is what 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
 
 from ...errors import PolicyError
 from ...spec import ModelSpec
@@ -31,10 +29,6 @@ PAPER_PARTIAL_RATIO = 0.2  # the paper's share of key columns
 class InfiniGenConfig(PolicyConfig):
     """InfiniGen's knobs. ``alpha`` and ``partial_ratio`` 0 and ``own_query_layers`` "calibrated" take the
     model's calibrated values (:meth:`resolve`, :meth:`resolve_own_query`)."""
-
-    # What ``prepare`` runs: ``calibration.ensure_skew``, which sets it there. Calibration sits above this
-    # module (it tunes at these knobs' defaults), so the config cannot import it.
-    calibrator: ClassVar[Callable[[Any], Skew]]
 
     alpha: float = knob(
         0.0,
@@ -117,11 +111,6 @@ class InfiniGenConfig(PolicyConfig):
         if tuned is None:
             return frozenset(), "none (this calibration names none; the paper rehearses every layer)"
         return frozenset(tuned.own_query_layers), f"calibrated: {tuned.own_query_rule}"
-
-    def prepare(self, loaded: Any) -> None:
-        """Calibrate ``loaded`` (a LoadedModel) once per model: :attr:`calibrator` unless a calibration of
-        this version is cached."""
-        self.calibrator(loaded)
 
     def rehearsal_share(self, spec: ModelSpec, tokens: int | None = None) -> float:
         # the partial keys of the managed layers: ⌈ratio·d⌉ of d columns each, at a prompt of ``tokens``

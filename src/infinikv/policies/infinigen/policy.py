@@ -85,7 +85,9 @@ from ...errors import PolicyError
 from ...kvpool import Transfer
 from ...spec import ModelSpec
 from ..base import HostPoolPolicy, Selection, resolve_budget
+from ..registry import register
 from . import skewfile
+from .calibration import ensure_skew
 from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
 from .skewfile import Skew
 from .slots import SlotTable
@@ -104,11 +106,17 @@ def reserved_first(scores: Tensor, reserved: Tensor) -> Tensor:
     return torch.where(reserved & finite, scores + (high - low + 1), scores)
 
 
+@register("infinigen")
 class InfiniGenPolicy(HostPoolPolicy):
-    name = "infinigen"
     config_class = InfiniGenConfig
     prefill_family = "dense"
     prefetches = True
+
+    @classmethod
+    def prepare(cls, config: InfiniGenConfig, loaded: Any) -> None:
+        """Calibrate the model once (skewing matrices and the calibrated knobs), unless a calibration of
+        this version is cached."""
+        ensure_skew(loaded)
 
     def __init__(
         self, config: InfiniGenConfig, spec: ModelSpec, device: torch.device, skew: Skew | None = None
