@@ -7,9 +7,11 @@ policy rehearses layer i+1:
 
 1. speculative query q̂ = (RoPE(x W_q,i+1) A)[cols] from layer i's normalised input x;
 2. scores s = q̂ · K̃_i+1[:, cols]ᵀ · scale per query head, taken relative to that head's best score, then
-   combined over the heads of a KV group by max (a token counts if any head of the group wants it);
+   combined over the heads of a KV group by max (a token counts if any head of the group wants it)
+   (``rehearsal.speculative_scores``);
 3. per KV head the count of tokens with s > max(s) − alpha, averaged over KV heads: n' (per sequence,
-   capped by ``budget``); the rows fetched are each head's top-n' scores. The last ``window`` past tokens
+   capped by ``budget``; ``rehearsal.count_within``); the rows fetched are each head's top-n' scores, in
+   ascending slot order (the shared ``base.pick_top``). The last ``window`` past tokens
    (default 32) and the first ``n_sink`` real tokens (attention sinks, default none) are always among them
    and counted in n' (later selectors keep both; the paper keeps neither: ``--window 0``);
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
@@ -74,9 +76,11 @@ them (the two share slot numbers). Sliding-window layers keep at most their wind
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,26 +88,17 @@ import torch
 from ...errors import PolicyError
 from ...kvpool import Transfer
 from ...spec import ModelSpec
-from ..base import HostPoolPolicy, Selection, resolve_budget
+from ..base import HostPoolPolicy, Selection, pick_top, resolve_budget
 from ..registry import register
 from . import skewfile
 from .calibration import ensure_skew
 from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
+from .layer import LayerState
+from .rehearsal import Rehearsal, count_within, speculative_scores
 from .skewfile import Skew
-from .slots import SlotTable
 
 Tensor = torch.Tensor
 _SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 2**21
-
-
-def reserved_first(scores: Tensor, reserved: Tensor) -> Tensor:
-    """``scores`` [..., slots] with the ``reserved`` slots lifted above all others, each keeping its own
-    order (so which reserved slots a short count takes does not depend on ties, hence not on the batch's
-    slot layout); -inf stays -inf."""
-    finite = scores > -math.inf
-    low = scores.masked_fill(~finite, 0).amin(dim=-1, keepdim=True)
-    high = scores.masked_fill(~finite, 0).amax(dim=-1, keepdim=True)
-    return torch.where(reserved & finite, scores + (high - low + 1), scores)
 
 
 @register("infinigen")
@@ -119,10 +114,16 @@ class InfiniGenPolicy(HostPoolPolicy):
         ensure_skew(loaded)
 
     def __init__(
-        self, config: InfiniGenConfig, spec: ModelSpec, device: torch.device, skew: Skew | None = None
+        self,
+        config: InfiniGenConfig,
+        spec: ModelSpec,
+        device: torch.device,
+        skew: Skew | None = None,
+        observer: Callable[[Rehearsal], None] | None = None,
     ):
         """``skew``: a calibration (``calibration.calibrate``); by default the cached calibration for
-        ``spec.weights_id`` is loaded when the first prompt arrives."""
+        ``spec.weights_id`` is loaded when the first prompt arrives. ``observer``: called with each layer's
+        :class:`~.rehearsal.Rehearsal` record in each decode step (diagnostics; None: nothing recorded)."""
         super().__init__(config, spec, device)
         if skew is not None:
             skew.check(spec)
@@ -134,32 +135,20 @@ class InfiniGenPolicy(HostPoolPolicy):
                 f"own_query_layers: this model's layers are 0-{last}, got {config.own_query_layers!r}",
                 knob="own_query_layers",
             )
-        self._managed = [config.selects(spec, layer) for layer in range(spec.num_layers)]
+        self.observer = observer
+        self.layers = [LayerState(config.selects(spec, layer)) for layer in range(spec.num_layers)]
         # managed layers that choose with their own input (before_attention), not one layer ahead (plan);
         # settled with the calibration at the first decode step (own_query)
         self._own_query: frozenset[int] | None = None
         self._own_query_source = ""
-        self._alpha: dict[int, tuple[float, str]] = {}  # per layer: (alpha in use, where it came from)
-        self._row_alpha: dict[int, float | Tensor] = {}  # per layer: its alpha per sequence (_row_alphas)
         # per sequence: (partial ratio in use, where it came from), fixed at the first decode step, and
         # whether the alpha counts it (else its budget does) with the rule's name
         self._ratios: list[tuple[float, str]] | None = None
         self._count_rules: list[tuple[bool, str]] = []
-        layers = range(spec.num_layers)
-        self._slots = [SlotTable() for _ in layers]
-        # per managed layer: [kv_heads, d, k] onto the widest calibrated columns; then, from the first decode
-        # step, which of those columns the store keeps ([kv_heads, k'], None: all) and the rows of each
-        # ratio of the batch with their own columns within the store ([kv_heads, k''], None: all)
-        self._proj: list[Tensor | None] = [None] * spec.num_layers
-        self._stored: list[Tensor | None] = [None] * spec.num_layers
-        self._row_groups: list[list[tuple[Tensor, Tensor | None]] | None] = [None] * spec.num_layers
-        self._seen = [0] * spec.num_layers  # positions (mask columns) seen per layer
         self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
         self._padding: list[int] = []  # left-padding tokens per sequence, kept on the host (no sync per step)
         self._step = 0
         # statistics
-        # mean over the batch per decode step, left on the device until stats() (no host sync per step)
-        self._selected: list[list[Tensor]] = [[] for _ in layers]
         self._decode_h2d = 0
         self._offload_h2d = 0  # what full offload would have moved in the same decode steps
         self._rehearsal_s = 0.0
@@ -168,7 +157,7 @@ class InfiniGenPolicy(HostPoolPolicy):
     # -- which layer does what -------------------------------------------------------------------------------
     def managed(self, layer: int) -> bool:
         """Selectively fetched (the others load their full KV or their window)."""
-        return self._managed[layer]
+        return self.layers[layer].managed
 
     def own_query(self) -> frozenset[int]:
         """The managed layers that choose with their own query: the first ``dense_layers`` and the own-query
@@ -177,8 +166,8 @@ class InfiniGenPolicy(HostPoolPolicy):
             later, self._own_query_source = self.config.resolve_own_query(self.skew())
             self._own_query = frozenset(
                 layer
-                for layer, managed in enumerate(self._managed)
-                if managed and (layer < self.config.dense_layers or layer in later)
+                for layer, state in enumerate(self.layers)
+                if state.managed and (layer < self.config.dense_layers or layer in later)
             )
         return self._own_query
 
@@ -191,7 +180,7 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     # -- prefill ---------------------------------------------------------------------------------------------
     def seq_length(self, layer: int) -> int:
-        return self._seen[layer]
+        return self.layers[layer].seen
 
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self._step:
@@ -199,35 +188,30 @@ class InfiniGenPolicy(HostPoolPolicy):
         if not self.spec.is_sliding(layer) and self.key_valid is not None:
             self._real = self.key_valid.clone()
             self._padding = (~self._real).sum(dim=1).tolist()
-        start, count = self._seen[layer], k.shape[2]
+        start, count = self.layers[layer].seen, k.shape[2]
         pos = torch.arange(start, start + count, device=k.device).expand(k.shape[0], k.shape[1], -1)
-        self._slots[layer].append(pos, self._partial_keys(layer, k), 0)
-        self._seen[layer] = start + count
+        self.layers[layer].slots.append(pos, self._partial_keys(layer, k), 0)
+        self.layers[layer].seen = start + count
         return self.host_pool.extend(layer, k, v)
 
     def _partial_keys(self, layer: int, k: Tensor) -> Tensor | None:
         """[batch, kv_heads, tokens, k]: the partial skewed keys of ``k``, in the columns the store keeps."""
-        if not self.managed(layer):
+        state = self.layers[layer]
+        if not state.managed:
             return None
-        if self._proj[layer] is None:
+        if state.projection is None:
             skew = self.skew()
-            self._proj[layer] = skew.projection(layer, self.config.widest_ratio(skew), self.config.skew)
-            self._proj[layer] = self._proj[layer].to(k.device, k.dtype)
+            projection = skew.projection(layer, self.config.widest_ratio(skew), self.config.skew)
+            state.projection = projection.to(k.device, k.dtype)
         if self._step:
             self._settle_columns(layer)
-        return self._in_store(layer, torch.matmul(k, self._proj[layer]))
-
-    def _in_store(self, layer: int, wide: Tensor) -> Tensor:
-        """``wide`` [..., kv_heads, rows, k]: values in the widest columns, cut to the store's."""
-        kept = self._stored[layer]
-        if kept is None:
-            return wide
-        return torch.gather(wide, -1, kept[:, None, :].expand(*wide.shape[:-1], -1))
+        return state.in_store(torch.matmul(k, state.projection))
 
     def _settle_columns(self, layer: int) -> None:
         """At the first decode step: each sequence's ratio by its prompt length, and the store of ``layer``
         cut to the columns of the widest of them."""
-        if self._row_groups[layer] is not None:
+        state = self.layers[layer]
+        if state.row_columns is not None:
             return
         skew, flag = self.skew(), self.config.skew
         if self._ratios is None:
@@ -237,22 +221,21 @@ class InfiniGenPolicy(HostPoolPolicy):
             head_dim = self.spec.head_dim
             self._count_rules = [self.config.alpha_holds(skew, r, head_dim) for r, _ in self._ratios]
         ratios = sorted({ratio for ratio, _ in self._ratios})
-        device = self._proj[layer].device
+        device = state.projection.device
         widest = skew.columns(layer, self.config.widest_ratio(skew), flag)
         stored = skew.columns(layer, ratios[-1], flag)
         if stored.shape[1] < widest.shape[1]:
-            self._stored[layer] = _positions(widest, stored).to(device)
-            slots = self._slots[layer]
-            kept = self._stored[layer][None, :, :, None]
+            state.stored = _positions(widest, stored).to(device)
+            slots = state.slots
+            kept = state.stored[None, :, :, None]
             slots.partial = torch.gather(
                 slots.partial, 2, kept.expand(*slots.partial.shape[:2], -1, slots.partial.shape[3])
             )
         groups = []
-        for ratio in ratios:
+        for ratio in ratios[:-1]:  # the widest rows score with every stored column
             rows = torch.tensor([b for b, (r, _) in enumerate(self._ratios) if r == ratio], device=device)
-            own = None if ratio == ratios[-1] else _positions(stored, skew.columns(layer, ratio, flag))
-            groups.append((rows, None if own is None else own.to(device)))
-        self._row_groups[layer] = groups
+            groups.append((rows, _positions(stored, skew.columns(layer, ratio, flag)).to(device)))
+        state.row_columns = tuple(groups)
 
     def skew(self) -> Skew:
         """The calibration in use (loaded from the cache on first use; one without calibrated knobs of this
@@ -276,23 +259,25 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def alpha(self, layer: int) -> tuple[float, str]:
         """``layer``'s threshold and where it came from (:meth:`InfiniGenConfig.resolve`)."""
-        if layer not in self._alpha:
+        state = self.layers[layer]
+        if state.alpha is None:
             own = layer in self.own_query()
-            self._alpha[layer] = self.config.resolve("alpha", self.skew(), layer, own_query=own)
-        return self._alpha[layer]
+            state.alpha = self.config.resolve("alpha", self.skew(), layer, own_query=own)
+        return state.alpha
 
     def _row_alphas(self, layer: int, dtype: torch.dtype) -> float | Tensor:
         """``layer``'s alpha for the sequences it counts, inf (the budget) for the others: one number when the
         batch agrees, else [batch, 1, 1] in the scores' ``dtype`` (as a number would be)."""
-        if layer not in self._row_alpha:
+        state = self.layers[layer]
+        if state.row_alpha is None:
             alpha = self.alpha(layer)[0]
             per_row = [alpha if holds else math.inf for holds, _ in self._count_rules]
             if len(set(per_row)) <= 1:
-                self._row_alpha[layer] = per_row[0] if per_row else alpha
+                state.row_alpha = per_row[0] if per_row else alpha
             else:
-                device = self._proj[layer].device
-                self._row_alpha[layer] = torch.tensor(per_row, dtype=dtype, device=device)[:, None, None]
-        return self._row_alpha[layer]
+                device = state.projection.device
+                state.row_alpha = torch.tensor(per_row, dtype=dtype, device=device)[:, None, None]
+        return state.row_alpha
 
     # -- decode: rehearsal and prefetch ----------------------------------------------------------------------
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
@@ -311,8 +296,8 @@ class InfiniGenPolicy(HostPoolPolicy):
     ) -> tuple[Transfer, Tensor, Tensor | None]:
         """Decide what ``layer`` reads this step and start copying it from the pool: (transfer, positions,
         valid). Without a look-ahead input ``x`` a managed layer loads everything."""
-        slots = self._slots[layer]
-        cap = self.limit(layer, self._seen[layer] + 1)
+        slots = self.layers[layer].slots
+        cap = self.limit(layer, self.layers[layer].seen + 1)
         if slots.n > cap:  # first decode step with a prompt larger than the capacity: cut the pool
             keep = self._eviction_keys(layer).topk(cap, dim=-1).indices.sort(dim=-1).values
             self._evicted += (slots.n - cap) * keep.shape[0] * keep.shape[1]
@@ -337,80 +322,55 @@ class InfiniGenPolicy(HostPoolPolicy):
         k = self.host_pool.keys(layer)
         row_bytes = 2 * k.shape[-1] * k.element_size()
         self._decode_h2d += positions.numel() * row_bytes
-        self._offload_h2d += k.shape[0] * k.shape[1] * self._seen[layer] * row_bytes
+        self._offload_h2d += k.shape[0] * k.shape[1] * self.layers[layer].seen * row_bytes
         return self.host_pool.fetch(layer, index, extra=1), positions, valid
 
     def _select(self, layer: int, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
-        """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, and which of
-        them each row attends to (None: all)."""
+        """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, ascending per
+        row, and which of them each row attends to (None: all)."""
         start = time.perf_counter()
         scores = self.speculate(layer, x, position_ids)  # settles each sequence's columns and count rule
-        index, per_row = self.choose(
-            scores, self._real_tokens(layer), self._row_alphas(layer, scores.dtype), self._reserved(layer)
-        )
-        self._selected[layer].append(per_row.float().mean())
+        real_tokens = self._real_tokens(layer)
+        reserved = self._reserved(layer)
+        budgets = [resolve_budget(self.config.budget, max(n, 1)) for n in real_tokens]
+        counts = count_within(scores, self._row_alphas(layer, scores.dtype), budgets, reserved)
+        index, valid = pick_top(scores, counts.tolist(), reserved)  # the gather's size: one host sync
+        state = self.layers[layer]
+        state.selected.append(counts.float().mean())
         self._rehearsal_s += time.perf_counter() - start
-        return index, self.row_extras_hidden(index, per_row)
+        if self.observer is not None:
+            self.observer(
+                Rehearsal(
+                    layer=layer,
+                    step=self._step,
+                    scores=scores,
+                    reserved=reserved,
+                    counts=counts,
+                    real_tokens=tuple(real_tokens),
+                    index=index,
+                    valid=valid,
+                    real_slots=self.real_slots(layer),
+                    partial_keys=state.slots.view("partial"),
+                    to_partial=functools.partial(self.partial_query, layer),
+                )
+            )
+        return index, valid
 
     def speculate(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
-        """Speculative attention logits [batch, kv_heads, slots] of ``layer``, each query head's relative to
-        its own best (so <= 0), then the max over the query heads of each KV group; -inf on left padding."""
-        spec, slots = self.spec, self._slots[layer]
+        """Speculative logits [batch, kv_heads, slots] of ``layer`` from the look-ahead input ``x``
+        (:func:`~.rehearsal.speculative_scores`, -inf on left padding)."""
+        spec, state = self.spec, self.layers[layer]
         query = spec.query(layer, x, position_ids)  # [batch, heads, 1, d]
         grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
-        scaling = spec.scaling(layer)
         self._settle_columns(layer)
-        # [batch, kv_heads, group, k] in the store's columns
-        partial_q = self._in_store(layer, torch.matmul(grouped, self._proj[layer])) * scaling
-        keys = slots.view("partial")
-        scores = torch.matmul(partial_q, keys)  # [batch, kv_heads, group, slots], in the store's columns
-        for rows, own in self._row_groups[layer]:
-            if own is not None:  # a sequence that needs fewer columns scores with its own, as it would alone
-                q_rows, k_rows = partial_q[rows], keys[rows]
-                q_rows = torch.gather(q_rows, 3, own[None, :, None, :].expand(*q_rows.shape[:3], -1))
-                k_rows = torch.gather(
-                    k_rows, 2, own[None, :, :, None].expand(len(rows), -1, -1, keys.shape[-1])
-                )
-                scores[rows] = torch.matmul(q_rows, k_rows)
-        if self._has_padding():
-            scores = scores.masked_fill(~self._slot_real(layer)[:, :, None], -math.inf)
-        # The heads of a group differ in logit scale (one may put everything on a sink token): compare each
-        # with its own best, and keep a token if any head of the group wants it.
-        best = scores.amax(dim=-1, keepdim=True)
-        return (scores - best.masked_fill(best == -math.inf, 0)).amax(dim=2)
+        partial_query = self.partial_query(layer, grouped) * spec.scaling(layer)
+        real = self.real_slots(layer) if self._has_padding() else None
+        return speculative_scores(partial_query, state.slots.view("partial"), state.row_columns, real)
 
-    def choose(
-        self, scores: Tensor, real_tokens: list[int], alpha: float | Tensor, reserved: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """Slots to fetch from speculative ``scores`` [batch, kv_heads, slots] (-inf = never): the top-n' per
-        head, n' the mean over heads of each row's count within ``alpha`` (one, or [batch, 1, 1]) of its best,
-        capped by the budget (of the row's ``real_tokens``) and its real slots. ``reserved`` [batch, kv_heads,
-        slots] (sinks and recent window) are counted and come first. Returns (index [batch, kv_heads,
-        max n'], n' per row)."""
-        best = scores.amax(dim=-1, keepdim=True)
-        wanted = scores > best - alpha
-        if reserved is not None:
-            wanted = wanted | reserved
-            scores = reserved_first(scores, reserved)
-        within = wanted.sum(dim=-1).float().mean(dim=-1).ceil().long()
-        available = (scores > -math.inf).sum(dim=-1).amin(dim=-1)
-        budget = torch.tensor([resolve_budget(self.config.budget, max(n, 1)) for n in real_tokens])
-        per_row = torch.minimum(torch.minimum(within, available), budget.to(within.device)).clamp(min=0)
-        counts = per_row.tolist()  # the gather's size: one host sync per layer
-        top = max(counts, default=0)
-        # Rows that take fewer than ``top`` need their own top-n' first (sorted), to hide the rest.
-        ragged = min(counts, default=0) < top
-        return scores.topk(top, dim=-1, sorted=ragged).indices, per_row
-
-    @staticmethod
-    def row_extras_hidden(index: Tensor, per_row: Tensor) -> Tensor | None:
-        """bool [batch, kv_heads, n]: False on the entries past each row's own n' (the gather is as wide as
-        the widest row of the batch; a row attends only to its own choice). None when no row is narrower."""
-        width = index.shape[-1]
-        if not bool((per_row < width).any()):
-            return None
-        rank = torch.arange(width, device=index.device)
-        return (rank < per_row.to(index.device)[:, None])[:, None, :].expand(-1, index.shape[1], -1)
+    def partial_query(self, layer: int, query: Tensor) -> Tensor:
+        """``query`` [batch, kv_heads, group, d] in ``layer``'s partial columns, as its store keeps them."""
+        state = self.layers[layer]
+        return state.in_store(torch.matmul(query, state.projection))
 
     def _reserved(self, layer: int) -> Tensor | None:
         """bool [batch, kv_heads, slots]: the slots of the first ``n_sink`` real tokens and of the last
@@ -418,17 +378,17 @@ class InfiniGenPolicy(HostPoolPolicy):
         n_sink, window = self.config.n_sink, self.config.window
         if not (n_sink or window):
             return None
-        pos = self._slots[layer].view("pos")
+        pos = self.layers[layer].slots.view("pos")
         padding = torch.tensor(self._padding or [0] * pos.shape[0], device=pos.device)[:, None, None]
-        near = ((pos - padding) < n_sink) | (pos >= self._seen[layer] - window)
-        return near & self._slot_real(layer)
+        near = ((pos - padding) < n_sink) | (pos >= self.layers[layer].seen - window)
+        return near & self.real_slots(layer)
 
     def _has_padding(self) -> bool:
         return any(self._padding)
 
-    def _slot_real(self, layer: int) -> Tensor:
+    def real_slots(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: True where the slot holds a real token (not left padding)."""
-        pos = self._slots[layer].view("pos")
+        pos = self.layers[layer].slots.view("pos")
         if self._real is None:
             return torch.ones_like(pos, dtype=torch.bool)
         prompt = self._real.shape[1]
@@ -438,9 +398,9 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def _real_tokens(self, layer: int) -> list[int]:
         """Real (non-padding) tokens seen per sequence: the context the budget is a fraction of."""
-        seen = self._seen[layer]
+        seen = self.layers[layer].seen
         if self._real is None:
-            return [seen] * self._slots[layer].pos.shape[0]
+            return [seen] * self.layers[layer].slots.pos.shape[0]
         return [seen - padding for padding in self._padding]
 
     # -- decode: attend and store ----------------------------------------------------------------------------
@@ -448,9 +408,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         transfer, positions, valid = self.take_fetch(layer)
         keys, values = transfer.wait()  # the selected rows plus a spare last slot for the new token
         keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
-        position = self._seen[layer]
+        position = self.layers[layer].seen
         self._store(layer, k_new, v_new, position)
-        self._seen[layer] = position + 1
+        self.layers[layer].seen = position + 1
         attended = positions.shape[2] if valid is None else valid.sum(dim=-1).float().mean().item()
         self.record_attended(layer, attended + 1)
         newest = torch.full_like(positions[:, :, :1], position)
@@ -459,7 +419,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         return Selection(keys, values, torch.cat([positions, newest], dim=2), valid)
 
     def _store(self, layer: int, k: Tensor, v: Tensor, position: int) -> None:
-        slots = self._slots[layer]
+        slots = self.layers[layer].slots
         partial = self._partial_keys(layer, k)
         if slots.n < self.limit(layer, position + 1):
             self.host_pool.append(layer, k, v)
@@ -473,27 +433,26 @@ class InfiniGenPolicy(HostPoolPolicy):
     def _eviction_keys(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: lower = evicted first. Tier (padding < older half < newest half), then
         the rule's value, then the position (older first)."""
-        slots = self._slots[layer]
+        slots = self.layers[layer].slots
         pos = slots.view("pos")
         order = pos.argsort(dim=-1)
         rank = torch.empty_like(pos).scatter_(
             2, order, torch.arange(slots.n, device=pos.device).expand_as(pos)
         )
         tier = torch.where(rank >= slots.n - slots.n // 2, 2, 1)
-        tier = torch.where(self._slot_real(layer), tier, 0)
+        tier = torch.where(self.real_slots(layer), tier, 0)
         rule = "fifo" if self.spec.is_sliding(layer) else self.config.eviction
         value = {"fifo": pos, "lru": slots.view("last"), "counter": slots.view("fetches")}[rule]
         return (tier * _SHIFT + value.clamp(max=_SHIFT - 1)) * _SHIFT + pos
 
     # -- reporting -------------------------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        return sum(
-            s.view("partial").numel() * s.partial.element_size() for s in self._slots if s.partial is not None
-        )
+        tables = [state.slots for state in self.layers if state.slots.partial is not None]
+        return sum(table.view("partial").numel() * table.partial.element_size() for table in tables)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
-        selected = [torch.stack(s).tolist() if s else [] for s in self._selected]
+        selected = [torch.stack(state.selected).tolist() if state.selected else [] for state in self.layers]
         steps = [n for s in selected for n in s]
         out.update(
             selected_tokens_mean=sum(steps) / len(steps) if steps else 0.0,
@@ -509,11 +468,12 @@ class InfiniGenPolicy(HostPoolPolicy):
             evicted_tokens=self._evicted,
             skew_source=None if self._skew is None else f"{self._skew.source} ({self._skew.tokens} tokens)",
         )
-        if self._alpha:
-            sources = dict.fromkeys(source for _, source in self._alpha.values())
+        alphas = [state.alpha for state in self.layers]
+        if any(alphas):
+            sources = dict.fromkeys(alpha[1] for alpha in alphas if alpha is not None)
             out.update(
                 # per layer, None for the layers that load their full KV or their window
-                alpha_used=[self._alpha[i][0] if i in self._alpha else None for i in range(len(self._slots))],
+                alpha_used=[None if alpha is None else alpha[0] for alpha in alphas],
                 alpha_source="; ".join(sources),
             )
         if self._own_query is not None:

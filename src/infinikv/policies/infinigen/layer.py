@@ -1,0 +1,36 @@
+"""What InfiniGen keeps per layer: one :class:`LayerState` per layer instead of parallel per-layer lists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .slots import SlotTable
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class LayerState:
+    """One layer's pool slots, partial-key columns, counters and the alpha it counts with."""
+
+    managed: bool  # selectively fetched (else it loads its full KV, or its window)
+    slots: SlotTable = field(default_factory=SlotTable)
+    seen: int = 0  # positions (mask columns) seen
+    # [kv_heads, d, k] onto the widest calibrated columns (managed layers, from the first prompt chunk)
+    projection: Tensor | None = None
+    # from the first decode step: which of the widest columns the store keeps ([kv_heads, k'], None: all),
+    # and (rows, their own columns within the store [kv_heads, k'']) for sequences that score with fewer
+    stored: Tensor | None = None
+    row_columns: tuple[tuple[Tensor, Tensor], ...] | None = None
+    alpha: tuple[float, str] | None = None  # the alpha in use and where it came from
+    row_alpha: float | Tensor | None = None  # its alpha per sequence: one number, or [batch, 1, 1]
+    # n' averaged over the batch per decode step, left on the device until stats() (no sync per step)
+    selected: list[Tensor] = field(default_factory=list)
+
+    def in_store(self, wide: Tensor) -> Tensor:
+        """``wide`` [..., kv_heads, rows, k]: values in the widest columns, cut to the store's."""
+        if self.stored is None:
+            return wide
+        return torch.gather(wide, -1, self.stored[:, None, :].expand(*wide.shape[:-1], -1))

@@ -1,0 +1,82 @@
+"""InfiniGen's rehearsal as pure functions: partial query and partial keys in, scores and counts out.
+
+:func:`speculative_scores` is step 2 of the policy's decode step (``policy.py``): the speculated logits of a
+layer, from its partial (skewed, few-column) query against its partial key cache. :func:`count_within` is
+step 3, the count rule: per sequence, how many tokens come within ``alpha`` of each KV head's best score,
+capped by the budget. The policy then takes each row's top-n' with the shared ``base.pick_top``. Neither
+function holds state, so each is tested alone (tests/test_infinigen.py) and the policy's observer sees what
+they returned in a :class:`Rehearsal` record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..base import group_relative_max
+
+Tensor = torch.Tensor
+
+
+def speculative_scores(
+    partial_query: Tensor,
+    partial_keys: Tensor,
+    row_columns: tuple[tuple[Tensor, Tensor], ...] = (),
+    real_slots: Tensor | None = None,
+) -> Tensor:
+    """Speculated logits [batch, kv_heads, slots]: each query head's relative to its own best (so <= 0), then
+    the max over the heads of a KV group (the heads of a group differ in logit scale, one may put everything
+    on a sink token; a token counts if any head of the group wants it).
+
+    ``partial_query`` [batch, kv_heads, group, k] (scaled) and ``partial_keys`` [batch, kv_heads, k, slots]
+    in the same k columns. ``row_columns``: (rows, columns [kv_heads, k']) for sequences that score with
+    fewer of the k columns, as they would alone. ``real_slots`` [batch, kv_heads, slots]: False hides a slot
+    (left padding) at -inf."""
+    scores = torch.matmul(partial_query, partial_keys)  # [batch, kv_heads, group, slots]
+    for rows, own in row_columns:
+        q_rows, k_rows = partial_query[rows], partial_keys[rows]
+        q_rows = torch.gather(q_rows, 3, own[None, :, None, :].expand(*q_rows.shape[:3], -1))
+        k_rows = torch.gather(k_rows, 2, own[None, :, :, None].expand(len(rows), -1, -1, k_rows.shape[-1]))
+        scores[rows] = torch.matmul(q_rows, k_rows)
+    if real_slots is not None:
+        scores = scores.masked_fill(~real_slots[:, :, None], -math.inf)
+    return group_relative_max(scores.flatten(1, 2), partial_query.shape[2])
+
+
+def count_within(
+    scores: Tensor, alpha: float | Tensor, budgets: list[int], reserved: Tensor | None = None
+) -> Tensor:
+    """n' per sequence [batch]: the mean over KV heads of the count of ``scores`` [batch, kv_heads, slots]
+    within ``alpha`` (one, or [batch, 1, 1]) of the head's best, rounded up, ``reserved`` slots (sinks and
+    recent window) counted whatever their score; capped by the row's budget (``budgets``, tokens) and by its
+    real (finite) slots."""
+    best = scores.amax(dim=-1, keepdim=True)
+    wanted = scores > best - alpha
+    if reserved is not None:
+        wanted = wanted | reserved
+    within = wanted.sum(dim=-1).float().mean(dim=-1).ceil().long()
+    available = (scores > -math.inf).sum(dim=-1).amin(dim=-1)
+    budget = torch.tensor(budgets, device=within.device)
+    return torch.minimum(torch.minimum(within, available), budget).clamp(min=0)
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """What one layer's rehearsal decided in one decode step, for an observer (``InfiniGenPolicy(...,
+    observer=)``): the speculation probe (``eval/speculation.py``) and the tests read it instead of the
+    policy's state. Tensors are the policy's own: read them, do not change them."""
+
+    layer: int
+    step: int  # decode steps so far, this one included
+    scores: Tensor  # [batch, kv_heads, slots]: speculative_scores (-inf on left padding)
+    reserved: Tensor | None  # [batch, kv_heads, slots]: sinks and recent window, taken first
+    counts: Tensor  # [batch]: n', the slots each sequence fetches
+    real_tokens: tuple[int, ...]  # per sequence: real tokens seen, the context of its budget
+    index: Tensor  # [batch, kv_heads, max n']: the slots fetched, ascending per row
+    valid: Tensor | None  # as index: False on a narrower row's extra entries (None: none)
+    real_slots: Tensor  # [batch, kv_heads, slots]: True where a slot holds a real token
+    partial_keys: Tensor  # [batch, kv_heads, k, slots]: the partial key cache the scores were read from
+    to_partial: Callable[[Tensor], Tensor]  # a query [batch, kv_heads, group, d] -> its k partial columns
