@@ -45,8 +45,8 @@ from tqdm import tqdm
 from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import InfiniGenConfig, InfiniGenPolicy, prepare, resolve_budget
-from ..policies.base import attention, group_relative_max
-from ..policies.infinigen.policy import reserved_first
+from ..policies.base import attention, group_relative_max, reserved_first
+from ..policies.infinigen.rehearsal import Rehearsal
 from ..policies.infinigen.tuning import ALPHAS, coverage_by_alpha
 from .ppl import PerplexityConfig, make_windows
 from .runner import DecodeRun
@@ -77,7 +77,9 @@ def _top(scores: Tensor, k: int) -> Tensor:
 
 
 class SpeculationProbe(InfiniGenPolicy):
-    """InfiniGen that also scores its speculation against each managed layer's real attention.
+    """InfiniGen that also scores its speculation against each managed layer's real attention: it observes
+    each rehearsal (the policy's :class:`~infinikv.policies.infinigen.rehearsal.Rehearsal` records) and
+    measures it when the layer attends, with the layer's real query.
 
     Needs the whole pool in position order, so the host pool never evicts (``capacity`` 1)."""
 
@@ -96,64 +98,49 @@ class SpeculationProbe(InfiniGenPolicy):
     ):
         if config.capacity != 1:
             raise InputError("the speculation probe needs the whole cache: capacity must be 1")
-        super().__init__(config, spec, device, skew)
+        super().__init__(config, spec, device, skew, observer=self._observe)
         self.attend_dense = attend_dense
         self.alphas = alphas
         self.n_sink, self.n_recent = n_sink, n_recent
-        self._speculated: dict[int, Tensor] = {}
-        # per layer: n' per row, the real tokens per row, and the scores InfiniGen ranks by (the speculated
-        # ones, reserved sinks and window first)
-        self._choice: dict[int, tuple[Tensor, list[int], Tensor]] = {}
-        self._layer = -1
+        self._rehearsed: dict[int, Rehearsal] = {}  # per layer: this step's rehearsal, until it attends
         layers = spec.num_layers
         self.sums: list[dict[str, float]] = [dict.fromkeys(METRICS, 0.0) for _ in range(layers)]
         self.samples = [0] * layers  # (step, sequence) pairs measured per layer
         self.curve = torch.zeros(layers, len(alphas), 2, dtype=torch.float64)  # per alpha: kept mass, fetched
 
-    def _select(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
-        self._layer = layer  # the layer that speculate and choose are called for
-        return super()._select(layer, x, position_ids)
-
-    def speculate(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
-        scores = super().speculate(layer, x, position_ids)
-        self._speculated[layer] = scores
-        return scores
-
-    def choose(
-        self, scores: Tensor, real_tokens: list[int], alpha: float | Tensor, reserved: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        index, per_row = super().choose(scores, real_tokens, alpha, reserved)
-        ranked = scores if reserved is None else reserved_first(scores, reserved)
-        self._choice[self._layer] = (per_row, list(real_tokens), ranked)
-        return index, per_row
+    def _observe(self, rehearsal: Rehearsal) -> None:
+        self._rehearsed[rehearsal.layer] = rehearsal
 
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
     ) -> Tensor:
-        if layer not in self._speculated:
+        if layer not in self._rehearsed:
             return super().attend(layer, q, k, v, mask, scaling)
-        self._measure(layer, self._speculated.pop(layer), q, scaling)
+        self._measure(layer, self._rehearsed.pop(layer), q, scaling)
         if not self.attend_dense:
             return super().attend(layer, q, k, v, mask, scaling)
-        real = self._slot_real(layer)[:, :, None, :]
+        real = self.real_slots(layer)[:, :, None, :]
         keys, values = (t.to(q.device) for t in (self.host_pool.keys(layer), self.host_pool.values(layer)))
         return attention(q, keys, values, real, scaling)
 
     @torch.no_grad()
-    def _measure(self, layer: int, speculated: Tensor, q: Tensor, scaling: float) -> None:
-        per_row, real_tokens, ranked = self._choice.pop(layer)
+    def _measure(self, layer: int, rehearsal: Rehearsal, q: Tensor, scaling: float) -> None:
+        speculated, per_row, real_tokens = rehearsal.scores, rehearsal.counts, rehearsal.real_tokens
+        # the scores InfiniGen ranks by: reserved sinks and window first
+        ranked = speculated if rehearsal.reserved is None else reserved_first(speculated, rehearsal.reserved)
         n = speculated.shape[-1]  # past slots; the pool now also holds the new token, in slot n
         batch, kv_heads, group, dim = q.shape[0], self.spec.num_kv_heads, self.spec.group_size, q.shape[-1]
         query = q[:, :, -1].reshape(batch, kv_heads, group, dim).float()
         keys = self.host_pool.keys(layer)[:, :, : n + 1].to(q.device).float()
         logits = torch.matmul(query, keys.transpose(-1, -2)) * scaling  # [batch, kv_heads, group, n + 1]
-        real = self._slot_real(layer)[:, :, : n + 1].to(q.device)
+        real = self.real_slots(layer)[:, :, : n + 1].to(q.device)
         logits = logits.masked_fill(~real[:, :, None], -math.inf)
         mass = torch.softmax(logits, dim=-1).mean(dim=2)  # [batch, kv_heads, n + 1]
         past_mass, new_mass = mass[..., :n], mass[..., n]
         real_scores = group_relative_max(logits[..., :n].flatten(1, 2), group)
-        realq = self._in_store(layer, torch.matmul(query, self._proj[layer].float())) * scaling
-        realq = torch.matmul(realq, self._slots[layer].view("partial")[..., :n].float())
+        partial_keys = rehearsal.partial_keys
+        realq = rehearsal.to_partial(query.to(partial_keys.dtype)).float() * scaling
+        realq = torch.matmul(realq, partial_keys[..., :n].float())
         realq = group_relative_max(realq.masked_fill(~real[:, :, None, :n], -math.inf).flatten(1, 2), group)
         sums = self.sums[layer]
         for row in range(batch):
