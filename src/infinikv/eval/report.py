@@ -194,7 +194,7 @@ def write_report(config: SweepConfig, summary: dict[str, Any], command: str, not
         lines += ["", notes.strip()]
     lines += ["", "## Method", "", METHOD.strip()]
     for kind, title, setup, table, image in (
-        ("retrieval", "Retrieval", _retrieval_setup, retrieval_table, "accuracy_vs_kv.png"),
+        ("retrieval", "Retrieval", retrieval_setup, retrieval_table, "accuracy_vs_kv.png"),
         ("ppl", "Perplexity", _ppl_setup, ppl_table, "ppl_vs_kv.png"),
     ):
         groups = _by_model_and_context([r for r in summary["cells"] if r["cell"]["kind"] == kind])
@@ -235,7 +235,7 @@ def _missing_lines(keys: list[str], variants: int) -> list[str]:
     ]
 
 
-def _retrieval_setup(config: SweepConfig) -> str:
+def retrieval_setup(config: SweepConfig) -> str:
     depths = ", ".join(str(d) for d in config.depths)
     per_model = {c.model: c.samples for c in cells(config) if c.kind == "retrieval"}
     if len(set(per_model.values())) == 1:

@@ -234,6 +234,10 @@ class HostPoolPolicy(Policy):
         raise NotImplementedError
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        self.prefetch(layer, x, position_ids)
+
+    def prefetch(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+        """Start the copy of what ``layer`` reads this step now, for its ``decode`` to pick up."""
         self._in_flight[layer] = self.start_fetch(layer, x, position_ids)
 
     def take_fetch(self, layer: int) -> Any:

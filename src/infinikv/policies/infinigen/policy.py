@@ -284,7 +284,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if layer == 0:  # the cache calls this before anything else of a decode step
             self._step += 1
         if layer in self.own_query():
-            self._in_flight[layer] = self.start_fetch(layer, x, position_ids)
+            self.prefetch(layer, x, position_ids)
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if layer in self.own_query():
