@@ -10,7 +10,7 @@ A policy owns the KV cache of one generation run. The cache (``infinikv.cache``)
   normalised input of the layer whose hook runs (InfiniGen rehearses ``layer``'s attention from it);
 * ``before_attention(layer, x, position_ids)`` with ``layer``'s own normalised input, before its q/k/v
   projections and before the look-ahead's ``plan`` of the next layer (a policy that needs the layer's real
-  query computes it here, as Quest does);
+  query computes it here, as Quest and the oracle do through :class:`ScoredPolicy`);
 * ``decode(layer, k_new, v_new)`` with the new token's K/V; it stores them and returns a :class:`Selection`,
   the K/V the layer attends to this step;
 * ``attend(layer, q, k, v, mask, scaling)``, the attention itself (SDPA unless the policy needs the
@@ -18,9 +18,11 @@ A policy owns the KV cache of one generation run. The cache (``infinikv.cache``)
 
 :class:`HostPoolPolicy` is the base of every policy whose KV lives in the host pool: it owns the pool, the
 prompt storage and the prefetch bookkeeping, so a policy only says what to copy (``start_fetch``) and what
-to attend to. Configs are frozen dataclasses whose fields are declared with :func:`knob`: a docstring per
-knob and its valid range, checked once in :class:`PolicyConfig` for every policy. A new policy is one file
-in this package and one line in ``registry.py``.
+to attend to. :class:`ScoredPolicy` goes further for a policy that chooses tokens: it says only how it
+scores them (``score``), and the base applies the shared rules of choosing (:func:`pick_top`). Configs
+(``config.py``) are frozen dataclasses whose fields are declared with ``knob``: a docstring per knob and
+its valid range, checked once for every policy. A new policy is one file with ``@register("name")``
+(``registry.py``), in this package or in another distribution's ``infinikv.policies`` entry point.
 """
 
 from __future__ import annotations
