@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -12,7 +13,9 @@ from infinikv.cache import InfinikvCache
 from infinikv.errors import PolicyError
 from infinikv.generate import GenerationConfig, Generator
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, resolve_budget
-from infinikv.policies.infinigen import calibration, skewfile
+from infinikv.policies.base import pick_top
+from infinikv.policies.infinigen import calibration, rehearsal, skewfile
+from infinikv.policies.infinigen.rehearsal import Rehearsal
 from infinikv.policies.infinigen.skewfile import RatioAtLength
 from infinikv.testing import tiny_model
 
@@ -38,21 +41,18 @@ def calibrated(skews, monkeypatch):
 
 
 class _Spy:
-    """Records the policy's decisions by wrapping InfiniGenPolicy methods."""
+    """Records each InfiniGen policy built while it is active, its rehearsals (the observer's
+    :class:`~infinikv.policies.infinigen.rehearsal.Rehearsal` records, in order) and what each decode step
+    attended to."""
 
     def __init__(self, monkeypatch):
-        self.choices, self.selections, self.policies, self.pool_lengths, self.alphas = [], [], [], [], []
-        choose, decode, init = InfiniGenPolicy.choose, InfiniGenPolicy.decode, InfiniGenPolicy.__init__
+        self.records: list[Rehearsal] = []
+        self.selections, self.policies, self.pool_lengths = [], [], []
+        decode, init = InfiniGenPolicy.decode, InfiniGenPolicy.__init__
 
-        def spy_init(policy, *args, **kwargs):
-            init(policy, *args, **kwargs)
+        def spy_init(policy, config, spec, device, skew=None, observer=None):
+            init(policy, config, spec, device, skew=skew, observer=functools.partial(self.observe, policy))
             self.policies.append(policy)
-
-        def spy_choose(policy, scores, real_tokens, alpha, reserved=None):
-            index, per_row = choose(policy, scores, real_tokens, alpha, reserved)
-            self.choices.append((scores.clone(), list(real_tokens), index.clone(), per_row.clone(), reserved))
-            self.alphas.append(alpha)
-            return index, per_row
 
         def spy_decode(policy, layer, k_new, v_new):
             selection = decode(policy, layer, k_new, v_new)
@@ -61,8 +61,15 @@ class _Spy:
             return selection
 
         monkeypatch.setattr(InfiniGenPolicy, "__init__", spy_init)
-        monkeypatch.setattr(InfiniGenPolicy, "choose", spy_choose)
         monkeypatch.setattr(InfiniGenPolicy, "decode", spy_decode)
+
+    def observe(self, policy: InfiniGenPolicy, record: Rehearsal) -> None:
+        # The partial key cache is the policy's live store: keep it as it was at this step, with its strides
+        # (the buffer behind the view, copied), so that scores recomputed from it are computed the same way.
+        buffer = policy.layers[record.layer].slots.partial.clone()
+        self.records.append(
+            dataclasses.replace(record, partial_keys=buffer[..., : record.partial_keys.shape[-1]])
+        )
 
 
 def _tokens(loaded, policy, prompts=PROMPTS, new=24, **knobs):
@@ -137,46 +144,66 @@ def test_full_budget_equals_dense(kind, dense_layers, first_layers, tiny, tiny_g
 
 
 def _speculation_inputs(loaded, monkeypatch, **knobs):
-    """Run InfiniGen with ``knobs``: (each speculate call's (layer, input) in order, each layer's attention
-    inputs in order (the prefill's first), the run's stats)."""
-    seen: dict[int, list[torch.Tensor]] = {}
+    """Run InfiniGen with ``knobs``: (the policy, its rehearsal records in order, each layer's attention
+    inputs (x, position_ids) in order (the prefill's first), the run's stats)."""
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def keep(i, kwargs):
+        seen.setdefault(i, []).append((kwargs["hidden_states"].clone(), kwargs["position_ids"].clone()))
+
     hooks = [
         layer.self_attn.register_forward_pre_hook(
-            lambda _m, args, kwargs, i=i: seen.setdefault(i, []).append(kwargs["hidden_states"].clone()),
-            with_kwargs=True,
+            lambda _m, args, kwargs, i=i: keep(i, kwargs), with_kwargs=True
         )
         for i, layer in enumerate(loaded.model.model.layers)
     ]
-    speculated: list[tuple[int, torch.Tensor]] = []
-    speculate = InfiniGenPolicy.speculate
+    with monkeypatch.context() as patched:
+        spy = _Spy(patched)
+        try:
+            _, stats = _tokens(loaded, "infinigen", new=4, budget=3, **knobs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    return spy.policies[-1], spy.records, seen, stats
 
-    def spy(policy, layer, x, position_ids):
-        speculated.append((layer, x.clone()))
-        return speculate(policy, layer, x, position_ids)
 
-    monkeypatch.setattr(InfiniGenPolicy, "speculate", spy)
-    try:
-        _, stats = _tokens(loaded, "infinigen", new=4, budget=3, **knobs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-        monkeypatch.setattr(InfiniGenPolicy, "speculate", speculate)
-    return speculated, seen, stats
+@torch.inference_mode()
+def _rehearsed_from(loaded, policy, record, x, position_ids) -> bool:
+    """Whether ``record``'s scores are those speculated from the attention input ``x``: its layer's query
+    from x, in the layer's partial columns, against the partial key cache the record read."""
+    spec, layer = loaded.spec, record.layer
+    query = spec.query(layer, x, position_ids)
+    grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
+    partial_query = record.to_partial(grouped) * spec.scaling(layer)
+    row_columns = policy.layers[layer].row_columns
+    scores = rehearsal.speculative_scores(partial_query, record.partial_keys, row_columns, record.real_slots)
+    return torch.equal(scores, record.scores)
+
+
+def _check_sources(loaded, policy, records, seen, own) -> None:
+    """Each rehearsal in order, one per managed layer and decode step, read the input of its own layer (the
+    layers in ``own``) or of the layer before (the others), that step's and no other."""
+    step_of = {layer: 0 for layer in seen}
+    for record in records:
+        step_of[record.layer] += 1
+        assert record.step == step_of[record.layer]
+        layer, step = record.layer, record.step  # the prefill's input is seen[i][0]
+        source = layer if layer in own else layer - 1
+        assert _rehearsed_from(loaded, policy, record, *seen[source][step])
+        other = layer - 1 if layer in own else layer  # the input it must not have read
+        if other >= 0:
+            assert not _rehearsed_from(loaded, policy, record, *seen[other][step])
 
 
 def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypatch):
     """With first_layers "own", layers below dense_layers fetch a budget's tokens chosen from their own
     attention input (not rehearsed from the layer before), before the look-ahead starts the next layer's
     copy, and the others still rehearse one layer ahead."""
-    speculated, seen, stats = _speculation_inputs(tiny, monkeypatch, dense_layers=3, first_layers="own")
+    policy, records, seen, stats = _speculation_inputs(tiny, monkeypatch, dense_layers=3, first_layers="own")
     layers = tiny.spec.num_layers  # 4: layers 0-2 select with their own input, layer 3 is rehearsed
-    order = [layer for layer, _ in speculated]
+    order = [record.layer for record in records]
     assert order and order == list(range(layers)) * (len(order) // layers)  # own copy before the look-ahead
-    step_of = {layer: 0 for layer in seen}
-    for layer, x in speculated:  # decode steps in order: the prefill input is seen[i][0]
-        step_of[layer] += 1
-        source = layer if layer < 3 else layer - 1
-        assert torch.equal(x, seen[source][step_of[layer]])
+    _check_sources(tiny, policy, records, seen, own=(0, 1, 2))
     per_layer = stats["selected_tokens_per_layer"]
     assert all(per_layer[layer]["max"] <= 3 for layer in range(layers))
     _, dense_first = _tokens(tiny, "infinigen", new=4, budget=3, dense_layers=3, first_layers="dense")
@@ -187,12 +214,9 @@ def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypa
 def test_own_query_layers_choose_with_their_own_input(tiny, calibrated, monkeypatch):
     """A later layer named in own_query_layers chooses from its own input, the others still one layer ahead;
     at full budget that is dense, token for token; a layer the model does not have is a clear error."""
-    speculated, seen, _ = _speculation_inputs(tiny, monkeypatch, dense_layers=1, own_query_layers="2")
-    step_of = {layer: 0 for layer in seen}
-    for layer, x in speculated:
-        step_of[layer] += 1
-        source = layer if layer in (0, 2) else layer - 1  # layer 1 and 3 rehearsed from the one before
-        assert torch.equal(x, seen[source][step_of[layer]])
+    policy, records, seen, _ = _speculation_inputs(tiny, monkeypatch, dense_layers=1, own_query_layers="2")
+    assert {record.layer for record in records} == {0, 1, 2, 3}
+    _check_sources(tiny, policy, records, seen, own=(0, 2))  # layer 1 and 3 rehearsed from the one before
     dense, _ = _tokens(tiny, "dense")
     full, stats = _tokens(tiny, "infinigen", alpha=math.inf, budget=1.0, own_query_layers="2,3")
     assert full == dense
@@ -227,11 +251,9 @@ def test_calibrated_own_query_layers_are_used_by_default_and_flags_override(tiny
         (dict(first_layers="dense"), (3,)),
     )
     for knobs, own in cases:
-        speculated, seen, stats = _speculation_inputs(tiny, monkeypatch, **knobs)
-        step_of = {layer: 0 for layer in seen}
-        for layer, x in speculated:
-            step_of[layer] += 1
-            assert torch.equal(x, seen[layer if layer in own else layer - 1][step_of[layer]])
+        policy, records, seen, stats = _speculation_inputs(tiny, monkeypatch, **knobs)
+        assert records
+        _check_sources(tiny, policy, records, seen, own)
         assert stats["layers_by_own_query"] == list(own)
         assert stats["own_query_layers_used"] == [layer for layer in own if layer >= 2]
         calibrated = "own_query_layers" not in knobs
@@ -252,8 +274,9 @@ def test_selection_respects_budget_padding_and_top_token(tiny, calibrated, monke
     spy = _Spy(monkeypatch)
     paper = dict(n_sink=0, window=0)  # the paper's rule: no reserved tokens
     _tokens(tiny, "infinigen", new=16, alpha=3.0, budget=0.25, skew=skewed, **paper)
-    assert spy.choices
-    for scores, real_tokens, index, per_row, _ in spy.choices:
+    assert spy.records
+    for record in spy.records:
+        scores, real_tokens, index, per_row = record.scores, record.real_tokens, record.index, record.counts
         counts = (scores > scores.amax(-1, keepdim=True) - 3.0).sum(-1).float().mean(-1).ceil().long()
         for row in range(scores.shape[0]):
             cap = resolve_budget(0.25, real_tokens[row])
@@ -271,9 +294,9 @@ def test_selection_respects_budget_padding_and_top_token(tiny, calibrated, monke
         best = scores.argmax(dim=-1, keepdim=True)
         assert bool((index == best).any(dim=-1).all())  # every head's top token is selected
     policy = spy.policies[-1]
-    padded = ~policy._real  # [batch, prompt]: the short prompt's left padding
-    assert bool(padded[1].any())
-    for layer, positions, _ in spy.selections:
+    for layer, positions, key_valid in spy.selections:
+        padded = ~key_valid  # [batch, positions]: the mask's left padding (the short prompt's)
+        assert bool(padded[1].any())
         if policy.managed(layer):
             width, prompt = positions.shape[-1] - 1, padded.shape[1]
             for row in range(positions.shape[0]):
@@ -309,7 +332,7 @@ def test_counter_eviction_keeps_pool_within_capacity(tiny, calibrated, monkeypat
     for _, length, seen in spy.pool_lengths:
         assert length <= math.ceil(0.5 * seen)
     for layer in range(tiny.spec.num_layers):
-        slots = policy._slots[layer]
+        slots = policy.layers[layer].slots
         pos = slots.view("pos")
         assert slots.n == policy.host_pool.length(layer)
         # The newest tokens are never evicted, and each position is held at most once.
@@ -319,7 +342,7 @@ def test_counter_eviction_keeps_pool_within_capacity(tiny, calibrated, monkeypat
         assert pos[0, 0].unique().numel() == slots.n
         if policy.managed(layer):  # evicted tokens left the partial key cache with the pool
             keys = policy.host_pool.keys(layer)
-            expected = torch.matmul(keys, policy._proj[layer]).transpose(2, 3)
+            expected = policy.partial_query(layer, keys).transpose(2, 3)  # the keys in the partial columns
             assert torch.allclose(slots.view("partial"), expected, atol=1e-5)
 
 
@@ -330,13 +353,29 @@ def test_absolute_capacity(tiny, calibrated, monkeypatch):
     assert stats["kv_bytes_host"] == 64 * 2 * 2 * 16 * 4 * tiny.spec.num_layers
 
 
-def _constructed(tiny, calibrated, eviction: str) -> InfiniGenPolicy:
-    """A policy whose layer 2 holds 8 tokens (positions 0..7), position 0 being left padding."""
-    policy = InfiniGenPolicy(InfiniGenConfig(eviction=eviction), tiny.spec, torch.device("cpu"))
+def _constructed(tiny, eviction: str, padded: bool) -> InfiniGenPolicy:
+    """A policy whose layer 2 holds 8 tokens (positions 0..7) in a pool of 8, so that the next token
+    overwrites one; position 0 is left padding if ``padded``."""
+    config = InfiniGenConfig(eviction=eviction, capacity=8, own_query_layers="none")
+    policy = InfiniGenPolicy(config, tiny.spec, torch.device("cpu"))
     k = torch.randn(1, 2, 8, 16)
-    policy.key_valid = torch.tensor([[False] + [True] * 7])
+    policy.key_valid = torch.tensor([[not padded] + [True] * 7])
     policy.prefill(2, k, k.clone())
     return policy
+
+
+def _victims(policy: InfiniGenPolicy, fetches: list[int], last: list[int]) -> list[int]:
+    """Per KV head, the slot of layer 2 that the next decode token overwrites, once the 8 slots were fetched
+    ``fetches`` times and last used at steps ``last``."""
+    policy.plan(2, None, None)  # no look-ahead input: layer 2 reads its whole pool
+    slots = policy.layers[2].slots
+    slots.view("fetches")[:] = torch.tensor(fetches)
+    slots.view("last")[:] = torch.tensor(last)
+    k_new = torch.randn(1, 2, 1, 16)
+    policy.decode(2, k_new, k_new.clone())
+    pos = slots.view("pos")[0]  # [kv_heads, 8]
+    assert slots.n == 8 and bool((pos == 8).sum(dim=-1).eq(1).all())  # one slot per head overwritten
+    return (pos == 8).int().argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize(
@@ -350,34 +389,94 @@ def _constructed(tiny, calibrated, eviction: str) -> InfiniGenPolicy:
     ],
 )
 def test_eviction_rules(tiny, calibrated, eviction, fetches, last, victim):
-    policy = _constructed(tiny, calibrated, eviction)
-    slots = policy._slots[2]
-    slots.view("fetches")[:] = torch.tensor(fetches)
-    slots.view("last")[:] = torch.tensor(last)
-    with_padding = policy._eviction_keys(2)
-    policy._real = torch.tensor([[True] * 8])  # without padding the rule decides
-    assert policy._eviction_keys(2)[0].argmin(dim=-1).tolist() == [victim, victim]
-    assert with_padding[0].argmin(dim=-1).tolist() == [0, 0]  # a padding slot always goes first
+    # without padding the rule decides
+    assert _victims(_constructed(tiny, eviction, padded=False), fetches, last) == [victim, victim]
+    # a padding slot always goes first
+    assert _victims(_constructed(tiny, eviction, padded=True), fetches, last) == [0, 0]
 
 
-def test_heads_of_a_group_are_compared_on_their_own_scale(tiny, calibrated, monkeypatch):
+def test_heads_of_a_group_are_compared_on_their_own_scale(tiny):
     """A token within alpha of the best score of any query head of a KV group is counted and fetched: one
     head's strong attention sink must not hide the tokens another head of the group needs."""
-    spec, layer = tiny.spec, 2
+    spec = tiny.spec
     d, kv, group = spec.head_dim, spec.num_kv_heads, spec.group_size
-    policy = InfiniGenPolicy(InfiniGenConfig(alpha=5.0, budget=1.0), spec, torch.device("cpu"))
-    policy.prefill(layer, torch.randn(1, kv, 8, d), torch.randn(1, kv, 8, d))
-    policy._proj[layer] = torch.eye(d).expand(kv, d, d)
-    policy._slots[layer].partial = torch.eye(d)[:, :8].expand(1, kv, d, 8)  # key t = e_t: q·k_t = q[t]
+    partial_keys = torch.eye(d)[:, :8].expand(1, kv, d, 8)  # key t = e_t: q·k_t = q[t]
     sink = [20.0, 0, 0, 0, 0, 0, 0, 0]  # head 0 of each group: everything on slot 0
     spread = [0.0, 3, 3, 3, -10, -10, -10, -10]  # head 1: slots 1..3, logits far below the other head's
-    logits = torch.zeros(1, kv, group, d)
-    logits[..., :8] = torch.tensor([sink, spread] + [sink] * (group - 2))
-    query = (logits / spec.attention[layer].scaling).reshape(1, spec.num_heads, 1, d)
-    monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
-    index, per_row = policy.choose(policy.speculate(layer, None, None), [8], policy.alpha(layer)[0])
-    assert per_row.tolist() == [4]
-    assert index[0].sort(dim=-1).values.tolist() == [[0, 1, 2, 3]] * kv
+    partial_query = torch.zeros(1, kv, group, d)
+    partial_query[..., :8] = torch.tensor([sink, spread] + [sink] * (group - 2))
+    scores = rehearsal.speculative_scores(partial_query, partial_keys)
+    counts = rehearsal.count_within(scores, 5.0, [resolve_budget(1.0, 8)])
+    index, valid = pick_top(scores, counts.tolist())
+    assert counts.tolist() == [4]
+    assert valid is None and index[0].tolist() == [[0, 1, 2, 3]] * kv
+
+
+def test_rehearsal_functions_alone():
+    """The rehearsal's pure functions on crafted tensors: with every column, the speculated scores are the
+    real logits, each query head relative to its own best, then the max over its KV group; a row scoring
+    with fewer columns gets the scores it would get alone; at alpha inf the count is the budget, capped by
+    the real slots; a ragged pick keeps each row's own best, ascending, and hides exactly the extras."""
+    torch.manual_seed(0)
+    batch, kv, group, d, n = 2, 2, 3, 8, 10
+    query, keys = torch.randn(batch, kv, group, d), torch.randn(batch, kv, n, d)
+    logits = torch.matmul(query, keys.transpose(2, 3))  # [batch, kv_heads, group, slots]
+    expected = (logits - logits.amax(dim=-1, keepdim=True)).amax(dim=2)
+    scores = rehearsal.speculative_scores(query, keys.transpose(2, 3))
+    assert scores.shape == (batch, kv, n) and torch.allclose(scores, expected, atol=1e-6)
+    assert bool((scores.amax(dim=-1) == 0).all())
+
+    # left padding: hidden at -inf, the rest as before
+    real = torch.ones(batch, kv, n, dtype=torch.bool)
+    real[1, :, :3] = False
+    masked = rehearsal.speculative_scores(query, keys.transpose(2, 3), real_slots=real)
+    assert bool((masked[1, :, :3] == -math.inf).all()) and torch.equal(masked[0], scores[0])
+    logits_1 = logits[1, :, :, 3:]
+    assert torch.allclose(
+        masked[1, :, 3:], (logits_1 - logits_1.amax(-1, keepdim=True)).amax(dim=1), atol=1e-6
+    )
+
+    # row 1 scores with columns 1, 4, 6 of each head: as it would alone with only those columns
+    own = torch.tensor([[1, 4, 6], [0, 2, 7]])
+    narrow = rehearsal.speculative_scores(query, keys.transpose(2, 3), ((torch.tensor([1]), own),))
+    alone_q = torch.gather(query[1:], 3, own[None, :, None, :].expand(1, kv, group, -1))
+    alone_k = torch.gather(keys[1:], 3, own[None, :, None, :].expand(1, kv, n, -1))
+    alone = rehearsal.speculative_scores(alone_q, alone_k.transpose(2, 3))
+    assert torch.equal(narrow[0], scores[0]) and torch.allclose(narrow[1:], alone, atol=1e-6)
+    assert not torch.allclose(narrow[1:], scores[1:], atol=1e-3)
+
+    # count_within: per sequence, the mean over KV heads of the slots within alpha of the head's best,
+    # rounded up, reserved slots counted whatever their score, capped by the budget and the real slots
+    inf = math.inf
+    crafted = torch.tensor(
+        [
+            [[0.0, -1, -2, -6, -9], [0, -0.5, -7, -8, -9]],  # within 2.5: 3 and 2 slots
+            [[-inf, -inf, 0, -3, -4], [-inf, -inf, -1, 0, -10]],  # 1 and 2; 3 real slots
+        ]
+    )
+    assert rehearsal.count_within(crafted, 2.5, [9, 9]).tolist() == [3, 2]
+    assert rehearsal.count_within(crafted, 2.5, [2, 1]).tolist() == [2, 1]
+    assert rehearsal.count_within(crafted, inf, [4, 9]).tolist() == [4, 3]  # the budget, or the real slots
+    assert rehearsal.count_within(masked, inf, [4, 9]).tolist() == [4, n - 3]
+    reserved = torch.zeros(2, 2, 5, dtype=torch.bool)
+    reserved[0, 1, 3:] = True  # two more on row 0's head 1: (3 + 4) / 2, rounded up
+    assert rehearsal.count_within(crafted, 2.5, [9, 9], reserved).tolist() == [4, 2]
+    alpha = torch.tensor([2.5, inf])[:, None, None]  # one alpha per sequence
+    assert rehearsal.count_within(crafted, alpha, [5, 5]).tolist() == [3, 3]
+
+    # pick_top with ragged counts: each row's own top entries, ascending, the extras hidden by valid
+    takes = [4, 2]
+    index, valid = pick_top(masked, takes)
+    assert index.shape == (batch, kv, 4) and valid is not None and valid.shape == index.shape
+    assert bool((index[..., 1:] > index[..., :-1]).all())  # ascending slots, no repeats
+    for row, take in enumerate(takes):
+        assert valid[row].sum(dim=-1).tolist() == [take] * kv
+        for head in range(kv):
+            best = masked[row, head].topk(take).indices.sort().values
+            assert torch.equal(index[row, head][valid[row, head]], best)
+    assert bool(valid[0].all())  # the widest row hides nothing
+    equal, none = pick_top(masked, [3, 3])
+    assert none is None and torch.equal(equal, masked.topk(3, dim=-1).indices.sort(dim=-1).values)
 
 
 def test_missing_calibration_is_a_clear_error(tiny, tmp_path, monkeypatch):
@@ -416,17 +515,20 @@ def test_other_model_calibration_is_rejected_by_the_policy(calibrated, tiny):
 def test_sinks_and_recent_window_are_always_fetched_and_counted(tiny, calibrated, monkeypatch):
     spy = _Spy(monkeypatch)
     _tokens(tiny, "infinigen", new=12, alpha=0.5, budget=0.6, n_sink=2, window=4)
-    policy = spy.policies[-1]
-    padding = (~policy._real).sum(dim=1)  # [batch] left-padding tokens per sequence
-    assert spy.choices
-    for scores, real_tokens, index, per_row, reserved in spy.choices:
+    padding = (~spy.selections[-1][2]).sum(dim=1)  # [batch] left-padding tokens per sequence (the mask's)
+    assert bool(padding.any()) and spy.records
+    for record in spy.records:
+        scores, real_tokens, index, per_row = record.scores, record.real_tokens, record.index, record.counts
+        reserved = record.reserved
         seen = max(real_tokens) + int(padding.min())  # mask columns seen by the layer
         for row in range(scores.shape[0]):
             first = int(padding[row])
             expected = {first, first + 1, *range(seen - 4, seen)}  # slots = positions (no eviction)
             for head in range(scores.shape[1]):
                 assert {int(s) for s in reserved[row, head].nonzero()} == expected
-                assert expected <= set(index[row, head, : per_row[row]].tolist())  # fetched, first
+                own = index[row, head] if record.valid is None else index[row, head][record.valid[row, head]]
+                assert len(own) == per_row[row]
+                assert expected <= set(own.tolist())  # fetched, among the row's own n' entries
         wanted = (scores > scores.amax(-1, keepdim=True) - 0.5) | reserved
         counts = wanted.sum(-1).float().mean(-1).ceil().long()
         for row in range(scores.shape[0]):
@@ -438,7 +540,7 @@ def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrat
     assert tuned.alpha in calibration.tuning.ALPHAS and "dense attention" in tuned.rule
     assert tuned.partial_ratio in calibration.tuning.RATIOS and "full-width" in tuned.ratio_rule
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=4)
-    assert stats["alpha"] == 0 and stats["partial_ratio"] == 0  # the knobs: 0 = calibrated
+    assert stats["knobs"]["alpha"] == 0 and stats["knobs"]["partial_ratio"] == 0  # 0 = calibrated
     # every layer has its own calibrated alpha (the first two scored with their own query)
     expected = list(tuned.alpha_per_layer)
     assert None not in expected
@@ -494,11 +596,11 @@ def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeyp
         tokens, stats = _tokens(tiny, "infinigen", prompts=[prompt], new=8, budget=0.5, window=0)
         alone += tokens
         assert stats["partial_ratio_used"] == [ratio]
-        assert spy.policies[-1]._slots[2].partial.shape[2] == math.ceil(ratio * d)
+        assert spy.policies[-1].layers[2].slots.partial.shape[2] == math.ceil(ratio * d)
     tokens, stats = _tokens(tiny, "infinigen", prompts=[short, long], new=8, budget=0.5, window=0)
     assert tokens == alone
     assert stats["partial_ratio_used"] == [0.25, 0.75]
-    assert spy.policies[-1]._slots[2].partial.shape[2] == math.ceil(0.75 * d)
+    assert spy.policies[-1].layers[2].slots.partial.shape[2] == math.ceil(0.75 * d)
 
 
 def _alphas_per_layer(tuned: skewfile.Tuned, per_layer: list[float | None]) -> skewfile.Tuned:
@@ -527,12 +629,13 @@ def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny,
         tokens, stats = _tokens(tiny, "infinigen", prompts=[prompt], **knobs)
         alone += tokens
         assert stats["count_rule_used"][0].startswith(rule)
-    spy.choices.clear()
+    spy.records.clear()
     tokens, stats = _tokens(tiny, "infinigen", prompts=[short, long], **knobs)
     assert tokens == alone
     assert stats["count_rule_used"][0] == "alpha" and stats["count_rule_used"][1].startswith("budget")
-    assert spy.choices
-    for scores, real_tokens, _, per_row, _ in spy.choices:
+    assert spy.records
+    for record in spy.records:
+        scores, real_tokens, per_row = record.scores, record.real_tokens, record.counts
         within = (scores > scores.amax(-1, keepdim=True) - 0.01).sum(-1).float().mean(-1).ceil().long()
         available = int((scores[1] > -math.inf).sum(-1).min())
         assert int(per_row[0]) == min(int(within[0]), resolve_budget(0.5, real_tokens[0]))
@@ -547,17 +650,30 @@ def test_each_layer_counts_with_its_own_calibrated_alpha(tiny, skews, monkeypatc
     layers); the count rule runs with that layer's alpha."""
     skew = skews[tiny.weights_id]
     layers = tiny.spec.num_layers
-    per_layer = [None, None, 0.5] + [None] * (layers - 3)  # layer 3 on: none, so the alpha for all
-    tuned = dataclasses.replace(_alphas_per_layer(skew.tuned, per_layer), alpha=3.0)
+    # the tiny model's speculated scores span about 0.1: 0.01 and 0.05 count differently
+    per_layer = [None, None, 0.01] + [None] * (layers - 3)  # layer 3 on: none, so the alpha for all
+    tuned = dataclasses.replace(_alphas_per_layer(skew.tuned, per_layer), alpha=0.05)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
     spy = _Spy(monkeypatch)
     _, stats = _tokens(tiny, "infinigen", prompts=[PROMPTS[0]], new=6, window=0)
-    expected = [3.0, 3.0, 0.5] + [3.0] * (layers - 3)  # the first two select with their own query
+    expected = [0.05, 0.05, 0.01] + [0.05] * (layers - 3)  # the first two select with their own query
     assert stats["alpha_used"] == expected
-    assert spy.alphas and sorted(spy.alphas) == sorted(expected * (len(spy.alphas) // layers))
-    for alpha, (scores, real_tokens, _, per_row, _) in zip(spy.alphas, spy.choices, strict=True):
-        counts = (scores > scores.amax(-1, keepdim=True) - alpha).sum(-1).float().mean(-1).ceil().long()
-        assert int(per_row[0]) == min(int(counts[0]), resolve_budget(0.2, real_tokens[0]))
+    records = spy.records
+    assert records  # every layer rehearsed once per step
+    assert sorted(r.layer for r in records) == sorted(list(range(layers)) * (len(records) // layers))
+
+    def count(record, alpha):
+        scores = record.scores
+        within = (scores > scores.amax(-1, keepdim=True) - alpha).sum(-1).float().mean(-1).ceil().long()
+        return min(int(within[0]), resolve_budget(0.2, record.real_tokens[0]))
+
+    for record in records:  # each layer counted with its own alpha
+        assert int(record.counts[0]) == count(record, expected[record.layer])
+    for layer in range(layers):  # and the other alpha would have counted otherwise
+        other = 0.05 if expected[layer] == 0.01 else 0.01
+        assert any(
+            int(record.counts[0]) != count(record, other) for record in records if record.layer == layer
+        )
 
 
 def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, skews):
@@ -570,7 +686,10 @@ def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, ske
     assert math.ceil(given * spec.head_dim) != math.ceil(calibrated_ratio * spec.head_dim)
     for knobs, ratio in ((dict(), calibrated_ratio), (dict(partial_ratio=given), given)):
         policy = InfiniGenPolicy(InfiniGenConfig(**knobs), spec, torch.device("cpu"), skew=skew)
-        assert policy._partial_keys(2, keys).shape[-1] == math.ceil(ratio * spec.head_dim)
+        policy.prefill(2, keys, keys.clone())
+        width = math.ceil(ratio * spec.head_dim)
+        assert policy.layers[2].slots.view("partial").shape == (1, spec.num_kv_heads, width, 5)
+        assert policy.partial_query(2, keys).shape[-1] == width
 
 
 def test_rehearsal_share_counts_the_partial_keys_of_managed_layers_only(tiny, tiny_gemma, calibrated):
