@@ -1,20 +1,309 @@
-"""Every registered policy through a short batched generation on tiny Llama and tiny Gemma-3."""
+"""Every registered policy through a short batched generation on tiny Llama and tiny Gemma-3.
+
+Each policy has an entry in :data:`CASES`: the knobs at which it selects little (``tight``), the knobs at
+which it must give dense's tokens (``full``), and ``expected``, the byte counters its module docstring
+implies at the tight setting, worked out from the model's shapes (layers, KV heads, head_dim, element size,
+sliding windows) and the batch's lengths alone. A registered policy without an entry fails
+``test_every_policy_has_a_case``: a new policy declares its tight setting and its byte arithmetic here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import fields
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from infinikv import GenerationConfig, Generator
-from infinikv.policies import POLICIES
+from infinikv.policies import POLICIES, PolicyConfig, make_config
 
 PROMPTS = ["A short one.", "A much longer prompt, padded on the left of its shorter batch mate " * 3]
 NEW_TOKENS = 8
-# Knob values that force a selective policy below the full context (applied where the policy has the knob).
-TIGHT = {"budget": 0.3, "window": 8, "page_size": 4, "dense_layers": 1}
+MODELS = ["tiny", "tiny_gemma"]
 
 
+# -- the arithmetic ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shapes:
+    """What a run's byte counters follow from: the model's shapes and the batch's lengths."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    element: int  # bytes per K/V element
+    windows: tuple[int | None, ...]  # per layer: its sliding window, or None
+    real: tuple[int, ...]  # real prompt tokens per row (the batch is left-padded to the longest)
+    steps: int  # decode steps (forwards after the prefill)
+
+    @classmethod
+    def of(cls, loaded, stats: list[dict]) -> Shapes:
+        spec = loaded.spec
+        element = torch.empty(0, dtype=loaded.model.dtype).element_size()
+        return cls(
+            layers=spec.num_layers,
+            kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            element=element,
+            windows=tuple(spec.sliding_window),
+            real=tuple(s["prompt_tokens"] for s in stats),
+            steps=stats[0]["decode_steps"],
+        )
+
+    @property
+    def batch(self) -> int:
+        return len(self.real)
+
+    @property
+    def padded(self) -> int:
+        return max(self.real)
+
+    @property
+    def final(self) -> int:
+        """Slots per layer after the run: the padded prompt and one per decode step."""
+        return self.padded + self.steps
+
+    def past(self, step: int) -> int:
+        """Slots of the padded batch before decode step ``step``'s token."""
+        return self.padded + step
+
+    def real_past(self, step: int) -> list[int]:
+        """Each row's real past tokens before decode step ``step``'s token."""
+        return [n + step for n in self.real]
+
+    @property
+    def slot_bytes(self) -> int:
+        """K and V of one token slot, every row and KV head."""
+        return self.batch * self.kv_heads * 2 * self.head_dim * self.element
+
+    def moved(self, rows: Callable[[int, int], int], slot_bytes: int | None = None) -> int:
+        """Bytes copied when ``rows(layer, step)`` slots (per row and KV head) cross per layer and step."""
+        total = sum(rows(layer, step) for layer in range(self.layers) for step in range(self.steps))
+        return total * (self.slot_bytes if slot_bytes is None else slot_bytes)
+
+    def window_rows(self, layer: int, step: int) -> int:
+        """A sliding layer reads the window - 1 slots before the new token."""
+        return min(self.past(step), self.windows[layer] - 1)
+
+
+def budget_tokens(budget: float, context: int, capped: bool = True) -> int:
+    """A budget in tokens: <= 1 a fraction of ``context`` (rounded up, at least one), above 1 a count."""
+    tokens = math.ceil(budget * context) if budget <= 1 else int(budget)
+    return max(1, min(tokens, context) if capped or budget <= 1 else tokens)
+
+
+def gathered(takes: list[int], have: list[int], past: int) -> int:
+    """Slots a selecting layer copies per row and head: all ``past`` slots when every row takes all it
+    ``have``s, else as many as the widest row takes (a narrower row's extras are hidden, not skipped)."""
+    takes = [min(take, n) for take, n in zip(takes, have, strict=True)]
+    return past if takes == have else max(takes)
+
+
+def dense_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
+    """Everything on the device, nothing moved."""
+    return {"bytes_h2d": 0, "kv_bytes_host": 0, "kv_bytes_device": run.layers * run.final * run.slot_bytes}
+
+
+def offload_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
+    """Each step copies every layer's whole KV (every slot of the padded batch); all of it on the host."""
+    return {
+        "bytes_h2d": run.moved(lambda layer, step: run.past(step)),
+        "kv_bytes_host": run.layers * run.final * run.slot_bytes,
+        "kv_bytes_device": 0,
+    }
+
+
+def streaming_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
+    """A full layer copies its n_sink sinks and window - 1 recent tokens (the new token completes the
+    window); a sliding layer its window."""
+
+    def rows(layer: int, step: int) -> int:
+        if run.windows[layer] is not None:
+            return run.window_rows(layer, step)
+        have = run.real_past(step)
+        return gathered([config.n_sink + config.window - 1] * run.batch, have, run.past(step))
+
+    return {
+        "bytes_h2d": run.moved(rows),
+        "kv_bytes_host": run.layers * run.final * run.slot_bytes,
+        "kv_bytes_device": 0,
+    }
+
+
+def oracle_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
+    """A managed layer copies the budget's top tokens of each row's real past (sinks and window counted in
+    it); the first dense_layers layers copy everything, sliding layers their window."""
+
+    def rows(layer: int, step: int) -> int:
+        if run.windows[layer] is not None:
+            return run.window_rows(layer, step)
+        if layer < config.dense_layers:
+            return run.past(step)
+        have = run.real_past(step)
+        return gathered([budget_tokens(config.budget, n) for n in have], have, run.past(step))
+
+    return {
+        "bytes_h2d": run.moved(rows),
+        "kv_bytes_host": run.layers * run.final * run.slot_bytes,
+        "kv_bytes_device": 0,
+    }
+
+
+def quest_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
+    """A managed layer copies whole pages (the budget, less the unfinished page and the new token, in whole
+    pages) and the unfinished page; the device holds, per full-attention layer (the dense_layers too), the
+    minimums and maximums of the widest row's pages and one page of unfinished keys."""
+    size = config.page_size
+
+    def rows(layer: int, step: int) -> int:
+        if run.windows[layer] is not None:
+            return run.window_rows(layer, step)
+        if layer < config.dense_layers:
+            return run.past(step)
+        have = run.real_past(step)
+        pages, held = [n // size for n in have], [n % size for n in have]
+        budgets = [budget_tokens(config.budget, n + 1, capped=False) for n in have]
+        takes = [max(0, (b - h - 1) // size) for b, h in zip(budgets, held, strict=True)]
+        takes = [min(take, n) for take, n in zip(takes, pages, strict=True)]
+        if takes == pages:
+            return run.past(step)
+        return max(takes) * size + max(held)
+
+    full_layers = sum(window is None for window in run.windows)
+    pages = max((n + run.steps) // size for n in run.real)
+    metadata = run.batch * run.kv_heads * run.head_dim * run.element * (2 * pages + size)
+    return {
+        "bytes_h2d": run.moved(rows),
+        "kv_bytes_host": run.layers * run.final * run.slot_bytes,
+        "kv_bytes_device": full_layers * metadata,
+    }
+
+
+def h2o_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
+    """A layer keeps the widest row's budget - 1 slots (its window - 1 on a sliding layer), the prompt cut
+    to that at the first step, and copies all it keeps each step."""
+
+    def kept(layer: int) -> int:
+        window = run.windows[layer]
+        if window is not None:
+            return window - 1
+        return max(budget_tokens(config.budget, n, capped=False) for n in run.real) - 1
+
+    return {
+        "bytes_h2d": run.moved(lambda layer, step: min(kept(layer), run.past(step))),
+        "kv_bytes_host": sum(min(kept(layer), run.final) for layer in range(run.layers)) * run.slot_bytes,
+        "kv_bytes_device": 0,
+    }
+
+
+def quant_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
+    """Group scheme: per token and head, the packed codes of K and V (bits / 8 bytes a value) and a scale
+    and a minimum per group of min(group_size, head_dim) values of each; every step copies a full layer
+    whole and a sliding layer its window. 16 bits: stored as is."""
+    assert not config.kivi, "the arithmetic below is the group scheme's"
+    if config.bits == 16:
+        slot = run.slot_bytes
+    else:
+        groups = run.head_dim // min(config.group_size, run.head_dim)
+        per_head = 2 * run.head_dim * config.bits // 8 + 2 * 2 * groups * run.element
+        slot = run.batch * run.kv_heads * per_head
+
+    def rows(layer: int, step: int) -> int:
+        return run.past(step) if run.windows[layer] is None else run.window_rows(layer, step)
+
+    return {
+        "bytes_h2d": run.moved(rows, slot),
+        "kv_bytes_host": run.layers * run.final * slot,
+        "kv_bytes_device": 0,
+    }
+
+
+def infinigen_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
+    """alpha inf counts every real token, so the budget alone decides: a managed layer copies each row's
+    budget (of its real tokens) as wide as the widest row; a layer it does not manage copies all it holds,
+    a sliding one its window - 1 slots (its pool keeps the window). The device holds the managed layers'
+    partial keys, ⌈partial_ratio·head_dim⌉ columns per slot. Capacity 1: nothing is evicted."""
+    assert math.isinf(config.alpha) and config.capacity == 1 and config.partial_ratio
+    own = config.first_layers == "own"  # the first dense_layers layers select too, by their own query
+    managed = [
+        window is None and (layer >= config.dense_layers or own) for layer, window in enumerate(run.windows)
+    ]
+
+    def rows(layer: int, step: int) -> int:
+        if managed[layer]:
+            return max(budget_tokens(config.budget, max(n, 1)) for n in run.real_past(step))
+        if run.windows[layer] is not None:
+            return run.window_rows(layer, step)
+        return run.past(step)
+
+    def held(layer: int) -> int:
+        window = run.windows[layer]
+        return run.final if window is None else min(run.final, window)
+
+    columns = max(1, math.ceil(config.partial_ratio * run.head_dim))
+    moved = run.moved(rows)
+    return {
+        "bytes_h2d": moved,
+        "decode_bytes_h2d": moved,
+        "offload_equivalent_bytes_h2d": offload_bytes(run, config)["bytes_h2d"],
+        "kv_bytes_host": sum(held(layer) for layer in range(run.layers)) * run.slot_bytes,
+        "kv_bytes_device": sum(managed) * run.batch * run.kv_heads * columns * run.final * run.element,
+    }
+
+
+# -- one entry per policy ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    tight: dict  # knobs at which the policy selects (or stores) little
+    expected: Callable[[Shapes, PolicyConfig], dict[str, int]]  # its byte counters at ``tight``
+    selects: bool  # at ``tight`` each layer attends to fewer tokens than dense
+    full: dict = field(default_factory=dict)  # knobs at which it gives dense's tokens
+
+
+CASES: dict[str, Case] = {
+    "dense": Case({}, dense_bytes, selects=False),
+    "offload": Case({}, offload_bytes, selects=False),
+    "streaming": Case({"n_sink": 2, "window": 8}, streaming_bytes, selects=True, full={"window": 100_000}),
+    "quest": Case(
+        {"budget": 0.25, "page_size": 4, "dense_layers": 1},
+        quest_bytes,
+        selects=True,
+        full={"budget": 1.0, "dense_layers": 0, "page_size": 4},
+    ),
+    "h2o": Case({"budget": 0.25, "heavy_ratio": 0.25}, h2o_bytes, selects=True, full={"budget": 100_000}),
+    "quant": Case({"bits": 2, "group_size": 8}, quant_bytes, selects=False, full={"bits": 16}),
+    "infinigen": Case(
+        {"budget": 0.25, "alpha": math.inf, "partial_ratio": 0.25, "window": 8, "dense_layers": 1},
+        infinigen_bytes,
+        selects=True,
+        full={"budget": 1.0, "alpha": math.inf, "dense_layers": 0},
+    ),
+    "oracle": Case(
+        {"budget": 0.25, "n_sink": 1, "window": 8},
+        oracle_bytes,
+        selects=True,
+        full={"budget": 1.0, "dense_layers": 0},
+    ),
+}
+
+
+def case(policy: str) -> Case:
+    if policy not in CASES:
+        pytest.fail(f"policy '{policy}' has no entry in CASES (its tight setting and byte arithmetic)")
+    return CASES[policy]
+
+
+def test_every_policy_has_a_case():
+    """A registered policy must declare its tight setting; an entry must name a registered policy."""
+    assert set(POLICIES) - set(CASES) == set(), "registered policies without an entry in CASES"
+    assert set(CASES) - set(POLICIES) == set(), "entries in CASES for no registered policy"
+    for name, entry in CASES.items():
+        make_config(name, **entry.tight)  # every knob is the policy's, in range
+        make_config(name, **entry.full)
+
+
+# -- the runs ------------------------------------------------------------------------------------------------
 def _run(loaded, policy: str, knobs: dict):
     generator = Generator(loaded, policy, **knobs)  # may calibrate (InfiniGen) before the hook goes on
     finite = []
@@ -33,41 +322,51 @@ def dense_runs():
     return {}
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_gemma"])
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_policy_matrix(policy, model, request, dense_runs):
-    loaded = request.getfixturevalue(model)
-    own = {f.name for f in fields(POLICIES[policy].config_class)}
-    knobs = {k: v for k, v in TIGHT.items() if k in own}
-    results, finite = _run(loaded, policy, knobs)
+def _dense(model: str, loaded, dense_runs: dict):
     if model not in dense_runs:
         dense_runs[model] = _run(loaded, "dense", {})[0]
-    dense = dense_runs[model]
+    return dense_runs[model]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_policy_matrix(policy, model, request, dense_runs):
+    entry = case(policy)
+    loaded = request.getfixturevalue(model)
+    results, finite = _run(loaded, policy, entry.tight)
+    dense = _dense(model, loaded, dense_runs)
 
     assert len(results) == len(PROMPTS)
     assert all(finite) and len(finite) == NEW_TOKENS  # prefill + one forward per further token
     for result, reference in zip(results, dense, strict=True):
         assert 1 <= len(result.token_ids) <= NEW_TOKENS
-        stats = result.stats
-        for key in ("bytes_h2d", "mean_tokens_attended", "kv_bytes_host", "kv_bytes_device"):
-            assert key in stats and stats[key] >= 0
-        assert stats["policy"] == policy
-        # Never more than the whole context; strictly less when a budget or window applies.
-        assert stats["mean_tokens_attended"] <= reference.stats["mean_tokens_attended"]
-        if knobs.get("budget") or knobs.get("window"):
-            assert stats["mean_tokens_attended"] < reference.stats["mean_tokens_attended"]
-        if policy != "dense":
-            assert stats["kv_bytes_host"] > 0
+        assert result.stats["policy"] == policy
+        # Strictly less than the whole context for a policy that selects; all of it for the others.
+        attended, whole = result.stats["mean_tokens_attended"], reference.stats["mean_tokens_attended"]
+        assert attended < whole if entry.selects else attended == whole
+
+    stats = [result.stats for result in results]
+    run = Shapes.of(loaded, stats)
+    assert run.real == tuple(len(loaded.tokenizer(p)["input_ids"]) for p in PROMPTS)
+    expected = entry.expected(run, make_config(policy, **entry.tight))
+    assert {"bytes_h2d", "kv_bytes_host", "kv_bytes_device"} <= set(expected)
+    for row in stats:
+        got = {key: row.get(key) for key in expected}
+        assert got == expected, f"{policy} on {model}: counters differ from the shapes' arithmetic"
+    if policy != "dense":
+        assert stats[0]["kv_bytes_host"] > 0
+    if policy not in ("dense", "offload"):  # the tight setting moves less than full offload
+        assert stats[0]["bytes_h2d"] < offload_bytes(run, make_config("offload"))["bytes_h2d"]
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_gemma"])
-def test_oracle_at_full_budget_is_dense(model, request, dense_runs):
-    """The ceiling of token selection at full budget attends to everything: dense, token for token."""
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_full_setting_is_dense(policy, model, request, dense_runs):
+    """At its full setting every policy attends to everything it holds at full precision: dense, token for
+    token (the oracle at full budget is the ceiling of token selection)."""
     loaded = request.getfixturevalue(model)
-    results, _ = _run(loaded, "oracle", {"budget": 1.0, "dense_layers": 0})
-    if model not in dense_runs:
-        dense_runs[model] = _run(loaded, "dense", {})[0]
-    assert [r.token_ids for r in results] == [r.token_ids for r in dense_runs[model]]
+    results, _ = _run(loaded, policy, case(policy).full)
+    assert [r.token_ids for r in results] == [r.token_ids for r in _dense(model, loaded, dense_runs)]
 
 
 # -- batch invariance ----------------------------------------------------------------------------------------
@@ -79,19 +378,20 @@ ALIGNED = [
 ]
 MISALIGNED = PROMPTS
 KIVI = {"scheme": "kivi", "group_size": 4, "residual": 4}
+CALIBRATED = {"alpha": 0.0, "partial_ratio": 0.0}  # InfiniGen's calibrated count rule and columns
 
 
 VARIANTS = [pytest.param(policy, policy, {}, id=policy) for policy in POLICIES]
 VARIANTS.append(pytest.param("quant-kivi", "quant", KIVI, id="quant-kivi"))
+VARIANTS.append(pytest.param("infinigen-calibrated", "infinigen", CALIBRATED, id="infinigen-calibrated"))
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_gemma"])
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("padding", ["aligned", "misaligned"])
 @pytest.mark.parametrize(("variant", "policy", "extra"), VARIANTS)
 def test_batch_invariance(variant, policy, extra, padding, model, request):
     loaded = request.getfixturevalue(model)
-    own = {f.name for f in fields(POLICIES[policy].config_class)}
-    knobs = {**{k: v for k, v in TIGHT.items() if k in own}, **extra}
+    knobs = {**case(policy).tight, **extra}
     prompts = ALIGNED if padding == "aligned" else MISALIGNED
     assert len(loaded.tokenizer(prompts[1])["input_ids"]) - len(
         loaded.tokenizer(prompts[0])["input_ids"]
