@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from infinikv import GenerationConfig, Generator
 from infinikv.policies import make_policy
-from infinikv.policies.base import attention_weights
+from infinikv.policies.base import attention_weights, pick_top
 from infinikv.policies.quant import dequantize, pack, quantize, unpack
 
 FULL = [
@@ -221,3 +223,22 @@ def test_oracle_reserves_sinks_and_window_within_its_budget(tiny, monkeypatch):
     for head in index[0].tolist():
         assert {5, 6, 37, 38, 39} <= set(head) and min(head) >= 5  # sinks after the padding, the window
     policy.close()
+
+
+def test_pick_top_breaks_ties_at_the_cut_by_slot_alone_and_batched():
+    """Entries tied at a row's cut go to the earlier slots, whatever the batch around the row (a top-k's own
+    tie order depends on the gather's width); without ties the pick is the plain top-k, ascending."""
+    torch.manual_seed(0)
+    short = torch.randn(1, 1, 64)
+    short[..., 6] = short[..., 30] = 10.0
+    batch = torch.cat([short, torch.randn(1, 1, 64)])
+    alone, valid_alone = pick_top(short, [1])
+    together, valid = pick_top(batch, [1, 40])
+    assert valid_alone is None and alone[0, 0].tolist() == [6]
+    assert together[0, 0][valid[0, 0]].tolist() == [6] and int(valid[1, 0].sum()) == 40
+    flat = torch.zeros(1, 2, 20)
+    flat[..., :4] = -math.inf  # left padding is never tied with a real slot
+    assert pick_top(flat, [5])[0].tolist() == [[[4, 5, 6, 7, 8]] * 2]
+    scores = torch.randn(3, 2, 100)
+    expected = scores.topk(30, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(pick_top(scores, [30] * 3)[0], expected)

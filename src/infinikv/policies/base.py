@@ -82,7 +82,9 @@ def pick_top(
     scores: Tensor, takes: list[int], reserved: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """Each row's best entries by ``scores`` [batch, kv_heads, n]: ``takes[row]`` of them per KV head,
-    ``reserved`` (bool, broadcastable to ``scores``) first.
+    ``reserved`` (bool, broadcastable to ``scores``) first; among entries tied at a row's cut, the earlier
+    slots (ties are common: each query head's best is exactly 0 after ``group_relative_max``, and which of
+    them a top-k keeps would otherwise depend on the gather's width, hence on the batch).
 
     Returns (index [batch, kv_heads, max(takes)], valid): each row's entries in ascending order, so a row
     reads its tokens in the same order alone and batched. The gather is as wide as the widest row; a
@@ -90,16 +92,41 @@ def pick_top(
     """
     if reserved is not None:
         scores = reserved_first(scores, reserved)
+    batch, heads, n = scores.shape
     width = max(takes, default=0)
     ragged = min(takes, default=0) < width
     # A narrower row needs its own best first (sorted by score), to hide the rest.
-    top = scores.topk(width, dim=-1, sorted=ragged).indices
+    values, top = scores.topk(width, dim=-1, sorted=ragged)
+    count = torch.tensor(takes, device=scores.device)[:, None, None]
+    rank = torch.arange(width, device=scores.device)
+    own = (rank < count).expand(batch, heads, width)
+    if width:
+        # Each row's value at its cut; when more entries hold it than its own top kept, the cut splits a tie.
+        if ragged:
+            cut = values.gather(-1, (count - 1).clamp(min=0).expand(batch, heads, 1))
+        else:
+            cut = values.amin(dim=-1, keepdim=True)
+        tied = scores == cut
+        if bool((tied.sum(dim=-1) != ((values == cut) & own).sum(dim=-1)).any()):
+            # each row's own entries come first, ascending: its first takes[row]
+            return _earliest_at_cut(scores, cut, tied, count, width), own if ragged else None
     if not ragged:
         return top.sort(dim=-1).values, None
-    rank = torch.arange(width, device=top.device)
-    own = rank < torch.tensor(takes, device=top.device)[:, None, None]
     index, order = top.sort(dim=-1)
-    return index, own.expand_as(top).gather(-1, order)
+    return index, own.gather(-1, order)
+
+
+def _earliest_at_cut(scores: Tensor, cut: Tensor, tied: Tensor, count: Tensor, width: int) -> Tensor:
+    """[batch, kv_heads, width] ascending: each row's entries above its ``cut`` value and, of those tied at
+    it, the earliest, ``count`` in all; a narrower row's extra entries are slot 0 (hidden by the caller)."""
+    batch, heads, n = scores.shape
+    above = scores > cut
+    needed = count - above.sum(dim=-1, keepdim=True)
+    chosen = (above | (tied & (tied.cumsum(dim=-1) <= needed))) & (count > 0)
+    at = torch.where(chosen, chosen.cumsum(dim=-1) - 1, width)  # each chosen slot's place; the rest: a spare
+    index = torch.zeros(batch, heads, width + 1, dtype=torch.long, device=scores.device)
+    index.scatter_(-1, at, torch.arange(n, device=scores.device).expand(batch, heads, n))
+    return index[..., :width]
 
 
 def resolve_budget(budget: float, context: int, capped: bool = True) -> int:
