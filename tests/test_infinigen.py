@@ -464,7 +464,11 @@ def test_rehearsal_functions_alone():
     alpha = torch.tensor([2.5, inf])[:, None, None]  # one alpha per sequence
     assert rehearsal.count_within(crafted, alpha, [5, 5]).tolist() == [3, 3]
 
-    # pick_top with ragged counts: each row's own top entries, ascending, the extras hidden by valid
+    # pick_top with ragged counts: each row's own top entries (ties at the cut to the earlier slot: each
+    # head's best is exactly 0 here), ascending, the extras hidden by valid
+    def first(scores: torch.Tensor, take: int) -> torch.Tensor:
+        return scores.sort(dim=-1, descending=True, stable=True).indices[..., :take].sort(dim=-1).values
+
     takes = [4, 2]
     index, valid = pick_top(masked, takes)
     assert index.shape == (batch, kv, 4) and valid is not None and valid.shape == index.shape
@@ -472,11 +476,10 @@ def test_rehearsal_functions_alone():
     for row, take in enumerate(takes):
         assert valid[row].sum(dim=-1).tolist() == [take] * kv
         for head in range(kv):
-            best = masked[row, head].topk(take).indices.sort().values
-            assert torch.equal(index[row, head][valid[row, head]], best)
+            assert torch.equal(index[row, head][valid[row, head]], first(masked[row, head], take))
     assert bool(valid[0].all())  # the widest row hides nothing
     equal, none = pick_top(masked, [3, 3])
-    assert none is None and torch.equal(equal, masked.topk(3, dim=-1).indices.sort(dim=-1).values)
+    assert none is None and torch.equal(equal, first(masked, 3))
 
 
 def test_missing_calibration_is_a_clear_error(tiny, tmp_path, monkeypatch):

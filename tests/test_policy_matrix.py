@@ -86,6 +86,13 @@ class Shapes:
         """A sliding layer reads the window - 1 slots before the new token."""
         return min(self.past(step), self.windows[layer] - 1)
 
+    def unselected_rows(self, layer: int, step: int, dense_layers: int) -> int | None:
+        """What a layer that does not choose reads: a sliding layer its window, one of the first
+        ``dense_layers`` every past slot; None for a layer that chooses."""
+        if self.windows[layer] is not None:
+            return self.window_rows(layer, step)
+        return self.past(step) if layer < dense_layers else None
+
 
 def budget_tokens(budget: float, context: int, capped: bool = True) -> int:
     """A budget in tokens: <= 1 a fraction of ``context`` (rounded up, at least one), above 1 a count."""
@@ -136,10 +143,9 @@ def oracle_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
     it); the first dense_layers layers copy everything, sliding layers their window."""
 
     def rows(layer: int, step: int) -> int:
-        if run.windows[layer] is not None:
-            return run.window_rows(layer, step)
-        if layer < config.dense_layers:
-            return run.past(step)
+        fixed = run.unselected_rows(layer, step, config.dense_layers)
+        if fixed is not None:
+            return fixed
         have = run.real_past(step)
         return gathered([budget_tokens(config.budget, n) for n in have], have, run.past(step))
 
@@ -157,10 +163,9 @@ def quest_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
     size = config.page_size
 
     def rows(layer: int, step: int) -> int:
-        if run.windows[layer] is not None:
-            return run.window_rows(layer, step)
-        if layer < config.dense_layers:
-            return run.past(step)
+        fixed = run.unselected_rows(layer, step, config.dense_layers)
+        if fixed is not None:
+            return fixed
         have = run.real_past(step)
         pages, held = [n // size for n in have], [n % size for n in have]
         budgets = [budget_tokens(config.budget, n + 1, capped=False) for n in have]

@@ -517,8 +517,7 @@ def test_kv_report_keeps_numbers_and_per_layer_lists():
     flags or nested records; the policy's knobs apart."""
     stats = {
         "policy": "infinigen",
-        "budget": 0.2,
-        "alpha": 0.0,
+        "knobs": {"budget": 0.2, "alpha": 0.0},
         "bytes_h2d": 10,
         "alpha_used": [None, None, 4.0, 6.0],
         "alpha_source": "calibrated: ...",

@@ -102,31 +102,28 @@ def pick_top(
     own = (rank < count).expand(batch, heads, width)
     if width:
         # Each row's value at its cut; when more entries hold it than its own top kept, the cut splits a tie.
-        if ragged:
-            cut = values.gather(-1, (count - 1).clamp(min=0).expand(batch, heads, 1))
-        else:
-            cut = values.amin(dim=-1, keepdim=True)
+        last = values.amin(dim=-1, keepdim=True)  # the width-th best
+        cut = values.gather(-1, (count - 1).clamp(min=0).expand(batch, heads, 1)) if ragged else last
         tied = scores == cut
         if bool((tied.sum(dim=-1) != ((values == cut) & own).sum(dim=-1)).any()):
-            # each row's own entries come first, ascending: its first takes[row]
-            return _earliest_at_cut(scores, cut, tied, count, width), own if ragged else None
+            wide = _earliest_at_cut(scores, last, width)
+            index = wide.nonzero()[:, 2].view(batch, heads, width)  # each row's width slots, ascending
+            if not ragged:
+                return index, None
+            return index, _earliest_at_cut(scores, cut, count).gather(-1, index)
     if not ragged:
         return top.sort(dim=-1).values, None
     index, order = top.sort(dim=-1)
     return index, own.gather(-1, order)
 
 
-def _earliest_at_cut(scores: Tensor, cut: Tensor, tied: Tensor, count: Tensor, width: int) -> Tensor:
-    """[batch, kv_heads, width] ascending: each row's entries above its ``cut`` value and, of those tied at
-    it, the earliest, ``count`` in all; a narrower row's extra entries are slot 0 (hidden by the caller)."""
-    batch, heads, n = scores.shape
+def _earliest_at_cut(scores: Tensor, cut: Tensor, count: Tensor | int) -> Tensor:
+    """bool, as ``scores``: each row's ``count`` best entries, those tied at its ``cut`` value taken from the
+    earliest slot on."""
     above = scores > cut
-    needed = count - above.sum(dim=-1, keepdim=True)
-    chosen = (above | (tied & (tied.cumsum(dim=-1) <= needed))) & (count > 0)
-    at = torch.where(chosen, chosen.cumsum(dim=-1) - 1, width)  # each chosen slot's place; the rest: a spare
-    index = torch.zeros(batch, heads, width + 1, dtype=torch.long, device=scores.device)
-    index.scatter_(-1, at, torch.arange(n, device=scores.device).expand(batch, heads, n))
-    return index[..., :width]
+    tied = scores == cut
+    chosen = above | (tied & (tied.cumsum(dim=-1) <= count - above.sum(dim=-1, keepdim=True)))
+    return chosen & (torch.as_tensor(count, device=scores.device) > 0)
 
 
 def resolve_budget(budget: float, context: int, capped: bool = True) -> int:
