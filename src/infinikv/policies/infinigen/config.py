@@ -3,9 +3,10 @@
 ``alpha``, ``partial_ratio`` and ``own_query_layers`` default to the values calibrated for the model and
 stored with its skew (a ``skewfile.Tuned`` record, ``calibration.tune``); :meth:`InfiniGenConfig.resolve`,
 :meth:`~InfiniGenConfig.resolve_own_query` and :meth:`~InfiniGenConfig.alpha_holds` say which value a layer
-or a sequence takes and where it came from. A calibration without calibrated knobs (none of this version)
-falls back to the paper's constants (:data:`PAPER_ALPHA`, :data:`PAPER_PARTIAL_RATIO`) and rehearses every
-layer. The policy's module docstring (``policy.py``) says why each knob is what it is.
+or a sequence takes and where it came from, and :meth:`~InfiniGenConfig.check_spec` refuses layer numbers
+the model does not have. A calibration without calibrated knobs (none of this version) falls back to the
+paper's constants (:data:`PAPER_ALPHA`, :data:`PAPER_PARTIAL_RATIO`) and rehearses every layer. The
+policy's module docstring (``policy.py``) says why each knob is what it is.
 """
 
 from __future__ import annotations
@@ -100,6 +101,18 @@ class InfiniGenConfig(PolicyConfig):
                 knob="own_query_layers",
             )
         return frozenset(int(part) for part in parts)
+
+    def check_spec(self, spec: ModelSpec) -> None:
+        """Refuse knob values the model cannot take: ``own_query_layers`` naming a layer it does not have.
+        The policy checks this when built; the server, when a request arrives, so that one request's bad
+        layer number never fails the batch it would have joined."""
+        named = self.own_query_set()
+        if named is not None and any(layer >= spec.num_layers for layer in named):
+            raise PolicyError(
+                f"own_query_layers: this model's layers are 0-{spec.num_layers - 1}, got "
+                f"{self.own_query_layers!r}",
+                knob="own_query_layers",
+            )
 
     def resolve_own_query(self, skew: Skew | None) -> tuple[frozenset[int], str]:
         """The later layers that choose with their own query with ``skew``, and where they came from (as

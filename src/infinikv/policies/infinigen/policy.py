@@ -128,13 +128,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if skew is not None:
             skew.check(spec)
         self._skew = skew
-        named = config.own_query_set()
-        if named is not None and any(layer >= spec.num_layers for layer in named):
-            last = spec.num_layers - 1
-            raise PolicyError(
-                f"own_query_layers: this model's layers are 0-{last}, got {config.own_query_layers!r}",
-                knob="own_query_layers",
-            )
+        config.check_spec(spec)
         self.observer = observer
         self.layers = [LayerState(config.selects(spec, layer)) for layer in range(spec.num_layers)]
         # managed layers that choose with their own input (before_attention), not one layer ahead (plan);
