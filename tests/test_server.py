@@ -5,7 +5,9 @@ back-pressure and client disconnects, on a tiny random model served in-process o
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import math
 import socket
 import threading
 import time
@@ -19,8 +21,10 @@ import pytest
 import uvicorn
 
 from infinikv import GenerationConfig, Generator
+from infinikv.serve import app as app_module
 from infinikv.serve.app import ServerSettings, create_app
 from infinikv.serve.kv_policy import kv_report
+from infinikv.serve.schemas import MAX_DEPTH
 from infinikv.testing import tiny_model
 
 CHAT_TEMPLATE = (
@@ -240,6 +244,7 @@ BAD = {
     "unknown knob": {"prompt": "hi", "kv_policy": "quest", "kv_alpha": 3},
     "knob out of range": {"prompt": "hi", "kv_policy": "quest", "kv_budget": -1},
     "knob of the wrong type": {"prompt": "hi", "kv_policy": "quest", "kv_page_size": "big"},
+    "nested 100,000 deep": '{"prompt": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
 }
 BAD_CHAT = {
     "no messages": {"messages": []},
@@ -253,9 +258,12 @@ BAD_CHAT = {
 }
 
 
+JSON_HEADERS = {"content-type": "application/json"}
+
+
 def _post(url: str, path: str, body) -> httpx.Response:
     content = body if isinstance(body, str) else json.dumps(body)
-    return httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json"})
+    return httpx.post(f"{url}{path}", content=content, headers=JSON_HEADERS)
 
 
 @pytest.mark.parametrize(
@@ -288,6 +296,8 @@ def test_bad_knob_names_its_parameter(server):
         ({"temperature": 2.5}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
         ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),  # the OpenAI API's seed is a signed 64-bit integer
+        ({"seed": 2**64}, "seed"),
         ({"stop": ["a", ""]}, "stop"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"kv_policy": "magic"}, "kv_policy"),
@@ -295,6 +305,13 @@ def test_bad_knob_names_its_parameter(server):
         ({"kv_policy": "quest", "kv_budget": 0.5, "kv_alpha": 3}, "kv_alpha"),
         ({"kv_policy": "quest", "kv_budget": -1}, "kv_budget"),
         ({"kv_page_size": 4}, "kv_page_size"),  # the server's policy, dense, has no knobs
+        ({"kv_policy": "quest", "kv_page_size": 1.5}, "kv_page_size"),
+        ({"kv_policy": "quest", "kv_page_size": 2.0}, "kv_page_size"),  # an integer knob takes no float
+        ({"kv_policy": "quant", "kv_group_size": 1.5}, "kv_group_size"),
+        ({"kv_policy": "quant", "kv_group_size": 2.0}, "kv_group_size"),
+        # the tiny model has 4 layers: refused on arrival, not by the policy in the worker
+        ({"kv_policy": "infinigen", "kv_own_query_layers": "99"}, "kv_own_query_layers"),
+        ({"kv_policy": "infinigen", "kv_own_query_layers": "1,4"}, "kv_own_query_layers"),
     ],
 )
 def test_a_refused_setting_names_its_request_field(server, fields, param):
@@ -307,6 +324,92 @@ def test_a_refused_setting_names_its_request_field(server, fields, param):
     message = error["message"]
     assert len(message.splitlines()) == 1 and "max_new_tokens" not in message
     assert param.removeprefix("kv_") in message
+
+
+def test_a_default_knob_the_model_cannot_take_fails_the_load(model):
+    """The server's own own_query_layers naming a layer the model lacks is the operator's mistake: the load
+    fails with the message, rather than every request being refused for a field it did not send."""
+    with serving(lambda: model, policy="infinigen", knobs={"own_query_layers": "9"}) as (url, _):
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").json()["status"] == "loading" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = httpx.get(f"{url}/health")
+    assert health.status_code == 503 and health.json()["status"] == "failed"
+    assert "own_query_layers: this model's layers are 0-3" in health.json()["error"]
+
+
+def _nested(depth: int) -> str:
+    """A completion body with an extra field whose value makes the body ``depth`` levels deep."""
+    inner = depth - 1  # the body object is the first level
+    return '{"prompt": "hi", "max_tokens": 1, "x": ' + "[" * inner + "]" * inner + "}"
+
+
+def test_deep_nesting_is_refused_before_parsing(server):
+    """The depth is bounded on the raw body, not by the parser running out of stack: one level over the
+    bound is refused though Python's parser would take it, and the error names the top-level field."""
+    url, _ = server
+    assert _post(url, "/v1/completions", _nested(MAX_DEPTH)).status_code == 200
+    over = _post(url, "/v1/completions", _nested(MAX_DEPTH + 1))
+    assert over.status_code == 400, over.text
+    assert over.json()["error"]["param"] == "x" and "nested deeper" in over.json()["error"]["message"]
+    # brackets inside strings do not count; a top-level array names no field
+    assert _post(url, "/v1/completions", {"prompt": "[{" * 40, "max_tokens": 1}).status_code == 200
+    array = _post(url, "/v1/completions", "[" * 100_000 + "]" * 100_000)
+    assert array.status_code == 400 and array.json()["error"]["param"] is None
+
+
+def _strict_json(text: str):
+    """``text`` parsed as JSON proper: no Infinity or NaN."""
+    return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the answer"))
+
+
+def test_infinite_alpha_answers_with_valid_json(server):
+    """``kv_alpha`` may be infinite (then the budget alone decides); the answer's kv field says "inf",
+    as JSON has no infinity, whole and streamed."""
+    url, _ = server
+    body = '{"prompt": "hi", "max_tokens": 2, "kv_policy": "infinigen", "kv_alpha": Infinity'
+    response = _post(url, "/v1/completions", body + "}")
+    assert response.status_code == 200, response.text
+    assert _strict_json(response.text)["kv"]["knobs"]["alpha"] == "inf"
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", content=body + ', "stream": true}', headers=JSON_HEADERS
+    ) as streamed:
+        lines = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert _strict_json(lines[-1][6:])["kv"]["knobs"]["alpha"] == "inf"
+
+
+# -- errors nobody foresaw -----------------------------------------------------------------------------------
+def test_an_unexpected_error_is_a_500_and_the_connection_still_serves(server, monkeypatch):
+    """An exception inside a route is a whole OpenAI-shaped 500, and the keep-alive connection it came on
+    takes the next request."""
+    url, app = server
+    errors0 = metric(app, "infinikv_requests_total", policy="none", status="500")
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(app_module, "prompt_ids", broken)
+    target = httpx.URL(url)
+    connection = http.client.HTTPConnection(target.host, target.port, timeout=60)
+    body = json.dumps({"prompt": "hi", "max_tokens": 1})
+    try:
+        connection.request("POST", "/v1/completions", body, JSON_HEADERS)
+        failed = connection.getresponse()
+        error = json.loads(failed.read())["error"]
+        assert failed.status == 500 and failed.getheader("connection") != "close"
+        assert error == {
+            "message": "internal error: broken on purpose",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+        monkeypatch.undo()
+        connection.request("POST", "/v1/completions", body, JSON_HEADERS)  # the same socket
+        served = connection.getresponse()
+        assert served.status == 200 and json.loads(served.read())["usage"]["completion_tokens"] == 1
+    finally:
+        connection.close()
+    assert metric(app, "infinikv_requests_total", policy="none", status="500") - errors0 == 1
 
 
 # -- each prompt tokenised once ------------------------------------------------------------------------------
@@ -528,3 +631,17 @@ def test_kv_report_keeps_numbers_and_per_layer_lists():
     report = kv_report(types.SimpleNamespace(stats=stats))
     assert report["knobs"] == {"alpha": 0.0, "budget": 0.2}
     assert report["stats"] == {"bytes_h2d": 10, "alpha_used": [None, None, 4.0, 6.0]}
+
+
+def test_kv_report_writes_non_finite_numbers_as_strings():
+    """JSON has no infinity or NaN: in knobs and statistics they become strings, None stays None."""
+    stats = {
+        "policy": "infinigen",
+        "knobs": {"budget": 0.2, "alpha": math.inf},
+        "alpha_used": [None, math.inf, -math.inf],
+        "rehearsal_s": math.nan,
+    }
+    report = kv_report(types.SimpleNamespace(stats=stats))
+    assert report["knobs"] == {"budget": 0.2, "alpha": "inf"}
+    assert report["stats"] == {"alpha_used": [None, "inf", "-inf"], "rehearsal_s": "nan"}
+    json.dumps(report, allow_nan=False)

@@ -9,7 +9,9 @@
 A request picks its KV policy with the extra body fields ``kv_policy`` and ``kv_<knob>`` (``extra_body`` in
 the openai client); without them it gets the server's policy and knobs. Every response carries a ``kv``
 field with the policy, its knobs and the statistics of the batch the request ran in. Every mistake in a
-request is a 4xx with an OpenAI-shaped body ``{"error": {"message", "type", "param", "code"}}``.
+request is a 4xx with an OpenAI-shaped body ``{"error": {"message", "type", "param", "code"}}``; an error
+the server did not foresee is a 500 of the same shape, after which the connection still serves
+(:class:`CompleteErrors`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import InfinikvError
 from ..models import LoadedModel
 from ..policies import make_config
 from . import answers
-from .kv_policy import PolicyDefaults, kv_report, resolve_policy
+from .kv_policy import PolicyDefaults, check_for_model, kv_report, resolve_policy
 from .metrics import NO_POLICY, ServerMetrics
 from .openai_shapes import ApiError, answer_meta, completion
 from .sampling import prompt_ids, sampling_config
@@ -66,8 +69,10 @@ class _State:
         self.created = int(time.time())
 
     def ready(self, loaded: LoadedModel) -> None:
+        default = make_config(self.defaults.name, **dict(self.defaults.knobs))
+        check_for_model(default, loaded.spec)  # the operator's knob the model cannot take: fail the load
         scheduler = Scheduler(loaded, self.metrics, self.settings.max_batch, self.settings.max_queue)
-        scheduler.prepare(make_config(self.defaults.name, **dict(self.defaults.knobs)))
+        scheduler.prepare(default)
         scheduler.start()
         self.tokenizer = copy.deepcopy(loaded.tokenizer)
         self.loaded, self.scheduler = loaded, scheduler
@@ -123,11 +128,7 @@ def create_app(
         state.metrics.record_request(NO_POLICY, exc.status)
         return exc.response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error")
-        state.metrics.record_request(NO_POLICY, 500)
-        return ApiError(f"internal error: {exc}", 500, type="server_error").response()
+    app.add_middleware(CompleteErrors, on_error=lambda: state.metrics.record_request(NO_POLICY, 500))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -192,6 +193,37 @@ def create_app(
     return app
 
 
+class CompleteErrors:
+    """Answers an exception no route handled with an OpenAI-shaped 500 and ends it there. (Starlette's
+    handler for ``Exception`` sends its answer and then raises again, and uvicorn, seeing an exception
+    after the answer began, closes the connection: the client's next request on it was reset.) An
+    exception after the answer began still closes the connection, as the answer is then incomplete."""
+
+    def __init__(self, app: ASGIApp, on_error: Callable[[], None]):
+        self.app, self.on_error = app, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unexpected error")
+            self.on_error()
+            answer = ApiError(f"internal error: {exc}", 500, type="server_error").response()
+            await answer(scope, receive, send)
+
+
 def _require_ready(state: _State) -> None:
     if state.scheduler is None:
         raise ApiError("the model is still loading", 503, type="server_error", code="loading")
@@ -213,7 +245,8 @@ async def _generate(
     ids = prompt_ids(state.tokenizer, prompt, param)
     default_max_tokens = state.settings.default_max_tokens if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
     sampling = sampling_config(body, len(ids), state.loaded.max_context, default_max_tokens, param)
-    policy_name, policy = resolve_policy(body.kv_policy, body.model_extra or {}, state.defaults)
+    extra = body.model_extra or {}
+    policy_name, policy = resolve_policy(body.kv_policy, extra, state.defaults, state.loaded.spec)
     try:
         job = state.scheduler.submit(ids, policy, sampling, stream=body.stream)
     except QueueFull:

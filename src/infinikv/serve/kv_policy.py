@@ -2,17 +2,19 @@
 ``kv`` field of every answer.
 
 The policy registry (``make_config``, and each config's own checks) is the one judge of a policy name, its
-knob names and their values; its refusal becomes a 400 naming the request field it is about.
+knob names and their values, and a config's ``check_spec`` (InfiniGen's) of the values that depend on the
+model; its refusal becomes a 400 naming the request field it is about.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PolicyError
 from ..generate import RequestResult
-from ..policies import PolicyConfig, make_config
+from ..policies import ModelSpec, PolicyConfig, make_config
 from .openai_shapes import ApiError
 
 
@@ -26,19 +28,30 @@ class PolicyDefaults:
 
 
 def resolve_policy(
-    requested: str | None, extra: dict[str, Any], defaults: PolicyDefaults
+    requested: str | None, extra: dict[str, Any], defaults: PolicyDefaults, spec: ModelSpec
 ) -> tuple[str, PolicyConfig]:
     """The policy name and config of a request with ``kv_policy`` = ``requested`` and the extra fields
-    ``extra`` (its ``kv_<knob>`` fields are the knobs); 400 on any mistake."""
+    ``extra`` (its ``kv_<knob>`` fields are the knobs) on the model of ``spec``; 400 on any mistake, so that
+    none reaches the worker, where it would fail the whole batch."""
     name = defaults.name if requested is None else requested
     knobs = {key.removeprefix("kv_"): value for key, value in extra.items() if key.startswith("kv_")}
     try:
-        return name, make_config(name, **(dict(defaults.knobs) | knobs if name == defaults.name else knobs))
+        config = make_config(name, **(dict(defaults.knobs) | knobs if name == defaults.name else knobs))
+        check_for_model(config, spec)
+        return name, config
     except PolicyError as exc:
         param = "kv_policy" if exc.knob is None else f"kv_{exc.knob}"
         raise ApiError(
             str(exc), param=param, code="kv_policy" if param == "kv_policy" else "kv_knob"
         ) from None
+
+
+def check_for_model(config: PolicyConfig, spec: ModelSpec) -> None:
+    """``PolicyError`` for a knob value the model of ``spec`` cannot take, as the policy would raise when
+    built (a config with such knobs has ``check_spec``: InfiniGen's layer numbers)."""
+    check_spec = getattr(config, "check_spec", None)
+    if check_spec is not None:
+        check_spec(spec)
 
 
 def _is_figure(value: Any) -> bool:
@@ -48,13 +61,26 @@ def _is_figure(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with each infinite or NaN float as the string ``"inf"``, ``"-inf"`` or ``"nan"``: JSON has
+    no such numbers (``kv_alpha: Infinity`` is a knob value the policy takes), and ``null`` already means
+    "not this layer" in the per-layer lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
+
+
 def kv_report(result: RequestResult) -> dict[str, Any]:
     """The ``kv`` field: policy, knobs, and the numeric statistics of the batch the request ran in (numbers
-    and per-layer lists of numbers, such as InfiniGen's ``alpha_used``)."""
+    and per-layer lists of numbers, such as InfiniGen's ``alpha_used``), valid JSON (:func:`_json_safe`)."""
     stats = dict(result.stats)
     name = stats.pop("policy")
     knobs = stats.pop("knobs")
     figures = {k: v for k, v in stats.items() if _is_figure(v)}
     figures.pop("prompt_tokens", None)
     figures.pop("new_tokens", None)
-    return {"policy": name, "knobs": knobs, "stats": figures}
+    return {"policy": name, "knobs": _json_safe(knobs), "stats": _json_safe(figures)}

@@ -3,12 +3,14 @@
 The models check types (strictly: ``"0.5"`` is not a number, ``4.5`` not an integer, NaN and infinities are
 refused) and the limits that are the OpenAI API's own (``temperature`` up to 2, at most 4 ``stop``
 strings, ``n`` = 1, the options this server does not implement). The ranges of the sampling settings are
-checked once, by ``GenerationConfig``, and the KV policy's knobs by the policy registry.
+checked once, by ``GenerationConfig``, and the KV policy's knobs by the policy registry. A body nested
+deeper than ``MAX_DEPTH`` is refused before it is parsed.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal, TypeVar
 
 from fastapi import Request
@@ -29,6 +31,14 @@ UNSUPPORTED = {
     "tools": (None, []),
     "response_format": (None, {"type": "text"}),
 }
+
+
+# The JSON nesting a request body may have. The deepest thing the server reads (a chat message's content
+# part) is 5 levels down; Python's JSON parser recurses once per level, so a body nested thousands deep is
+# refused before it is parsed.
+MAX_DEPTH = 32
+# The tokens that matter for nesting: a string (skipped whole, brackets inside it do not count) or a bracket.
+_NESTING_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 
 
 class _Strict(BaseModel):
@@ -95,9 +105,37 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return (f"{param}: {first['msg']}" if param else first["msg"]), param
 
 
+def _refuse_deep_nesting(raw: bytes) -> None:
+    """400 for a body nested deeper than ``MAX_DEPTH``, naming the top-level field the nesting is in."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return  # the common case, without a scan
+    depth, key = 0, None
+    for token in _NESTING_TOKEN.finditer(raw):
+        text = token[0]
+        if text.startswith(b'"'):
+            if depth == 1:
+                key = text  # in the top-level object, a key comes before its value
+        elif text in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_DEPTH:
+                param = _field_name(key) if raw.lstrip().startswith(b"{") else None
+                where = f"{param}:" if param else "the request body is"
+                raise ApiError(f"{where} nested deeper than {MAX_DEPTH} levels", param=param)
+        else:
+            depth -= 1
+
+
+def _field_name(key: bytes | None) -> str | None:
+    try:
+        return json.loads(key) if key is not None else None
+    except ValueError:  # a malformed key: the message names no field
+        return None
+
+
 async def parse(request: Request, schema: type[Body]) -> Body:
     """The request's JSON body as ``schema``; 400 naming the field on any mistake."""
     raw = await request.body()
+    _refuse_deep_nesting(raw)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
