@@ -45,7 +45,7 @@ from tqdm import tqdm
 from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import InfiniGenConfig, InfiniGenPolicy, prepare, resolve_budget
-from ..policies.base import attention, group_relative_max, reserved_first
+from ..policies.base import attention, group_relative_max, pick_top, reserved_first
 from ..policies.infinigen.rehearsal import Rehearsal
 from ..policies.infinigen.tuning import ALPHAS, coverage_by_alpha
 from .ppl import PerplexityConfig, make_windows
@@ -72,8 +72,10 @@ METRICS = (
 
 
 def _top(scores: Tensor, k: int) -> Tensor:
-    """bool mask [..., n] of the k highest ``scores`` along the last axis."""
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, scores.topk(k, dim=-1).indices, True)
+    """bool mask [kv_heads, n] of the k highest ``scores`` [kv_heads, n] per head, ties broken as the
+    policy breaks them (``pick_top``: the earlier slot)."""
+    index, _ = pick_top(scores[None], [k])
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index[0], True)
 
 
 class SpeculationProbe(InfiniGenPolicy):
@@ -139,7 +141,7 @@ class SpeculationProbe(InfiniGenPolicy):
         past_mass, new_mass = mass[..., :n], mass[..., n]
         real_scores = group_relative_max(logits[..., :n].flatten(1, 2), group)
         partial_keys = rehearsal.partial_keys
-        realq = rehearsal.to_partial(query.to(partial_keys.dtype)).float() * scaling
+        realq = rehearsal.to_partial(query) * scaling  # query: float32, as the real logits
         realq = torch.matmul(realq, partial_keys[..., :n].float())
         realq = group_relative_max(realq.masked_fill(~real[:, :, None, :n], -math.inf).flatten(1, 2), group)
         sums = self.sums[layer]

@@ -105,7 +105,8 @@ def pick_top(
         last = values.amin(dim=-1, keepdim=True)  # the width-th best
         cut = values.gather(-1, (count - 1).clamp(min=0).expand(batch, heads, 1)) if ragged else last
         tied = scores == cut
-        if bool((tied.sum(dim=-1) != ((values == cut) & own).sum(dim=-1)).any()):
+        splits = (tied.sum(dim=-1) != ((values == cut) & own).sum(dim=-1)) & (count[..., 0] > 0)
+        if bool(splits.any()):
             wide = _earliest_at_cut(scores, last, width)
             index = wide.nonzero()[:, 2].view(batch, heads, width)  # each row's width slots, ascending
             if not ragged:
@@ -126,6 +127,21 @@ def _earliest_at_cut(scores: Tensor, cut: Tensor, count: Tensor | int) -> Tensor
     return chosen & (torch.as_tensor(count, device=scores.device) > 0)
 
 
+def _reserved_slots(reserved: Tensor, takes: list[int], heads: int) -> tuple[Tensor, Tensor | None]:
+    """(index [batch, heads, max(takes)], valid): each row's first ``takes[row]`` reserved slots of
+    ``reserved`` [batch, n], ascending, without scoring anything; a narrower row's extras hidden."""
+    batch, n = reserved.shape
+    width = max(takes, default=0)
+    count = torch.tensor(takes, device=reserved.device)[:, None]
+    taken = reserved & (reserved.cumsum(dim=-1) <= count)
+    at = torch.where(taken, taken.cumsum(dim=-1) - 1, width)  # each taken slot's place; the rest: a spare
+    index = torch.zeros(batch, width + 1, dtype=torch.long, device=reserved.device)
+    index = index.scatter_(-1, at, torch.arange(n, device=reserved.device).expand(batch, n))[:, :width]
+    valid = None if min(takes, default=0) == width else torch.arange(width, device=reserved.device) < count
+    index = index[:, None].expand(-1, heads, -1)
+    return index, None if valid is None else valid[:, None].expand(-1, heads, -1)
+
+
 def resolve_budget(budget: float, context: int, capped: bool = True) -> int:
     """Tokens a ``budget`` stands for: <= 1 is a fraction of ``context`` (1 = all of it, at least one token),
     above 1 a token count. ``capped``: never more than ``context`` (False keeps a token count's meaning while
@@ -143,7 +159,7 @@ class Policy:
     name: ClassVar[str]  # set by ``registry.register``
     config_class: ClassVar[type[PolicyConfig]]
     # Policies of one family build the same state from a prompt whatever their knobs, so a prefill recorded
-    # under one can be replayed into another (driver.PrefillMemo) instead of running the model
+    # under one can be replayed into another (forward.PrefillMemo) instead of running the model
     # over the prompt again. "dense": prompt attention is plain dense attention over the full-precision
     # K/V and the policy keeps what it is handed. None: never shared.
     prefill_family: ClassVar[str | None] = None
@@ -153,8 +169,9 @@ class Policy:
 
     @classmethod
     def prepare(cls, config: PolicyConfig, loaded: Any) -> None:
-        """Model-level work before the policy first runs on ``loaded`` (a LoadedModel) with ``config``, e.g.
-        InfiniGen's calibration; ``registry.prepare`` is what the drivers call. Most policies need nothing."""
+        """Model-level work before the policy first runs on ``loaded`` (a LoadedModel) with ``config``,
+        e.g. InfiniGen's calibration; the Generator, the eval and the bench call it through
+        ``registry.prepare``. Most policies need nothing."""
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device):
         self.config = config
@@ -320,11 +337,12 @@ class ScoredPolicy(HostPoolPolicy):
         """Whether ``layer`` chooses its tokens (else it reads every past token, or its window)."""
         return not self.spec.is_sliding(layer) and layer >= getattr(self.config, "dense_layers", 0)
 
-    def score(self, layer: int, n_past: int, batch: int) -> Tensor:
+    def score(self, layer: int, n_past: int, batch: int) -> Tensor | None:
         """``layer``'s scores of its past units this step, higher first: [batch, kv_heads, units], or one per
         query head [batch, heads, units] (the base compares each head with its own best and keeps the max
         over the heads of a KV group). -inf: never taken (a unit the row does not have). A unit is a token
-        slot, whose left padding the base hides, unless ``scores_slots`` is False (:meth:`expand`)."""
+        slot, whose left padding the base hides, unless ``scores_slots`` is False (:meth:`expand`). None:
+        nothing to score, the reserved units are the whole pick (StreamingLLM)."""
         raise NotImplementedError
 
     def takes(self, layer: int, real: list[int]) -> list[int]:
@@ -382,12 +400,14 @@ class ScoredPolicy(HostPoolPolicy):
             self._query.pop(layer, None)
             return everything, None
         scores = self.score(layer, n_past, batch)
+        reserved = self.reserved(layer, n_past, batch)
+        if scores is None:
+            return self.expand(layer, *_reserved_slots(reserved, takes, self.spec.num_kv_heads))
         if self.scores_slots:
             padding = ~self.past_valid(n_past, batch).to(scores.device)
             scores = scores.masked_fill(padding[:, None], -math.inf)
         if scores.shape[1] != self.spec.num_kv_heads:
             scores = group_relative_max(scores, scores.shape[1] // self.spec.num_kv_heads)
-        reserved = self.reserved(layer, n_past, batch)
         index, valid = pick_top(
             scores, takes, None if reserved is None else reserved[:, None].to(scores.device)
         )

@@ -66,8 +66,8 @@ class StreamingPolicy(ScoredPolicy):
         self._skipped[layer] = (rank[:, -1] - kept).clamp(min=0)
         return valid & ((rank <= self.config.n_sink) | (slot >= n_past - self.config.window + 1))
 
-    def score(self, layer: int, n_past: int, batch: int) -> Tensor:
-        return torch.zeros(batch, self.spec.num_kv_heads, n_past, device=self.device)
+    def score(self, layer: int, n_past: int, batch: int) -> None:
+        return None  # the sinks and the window are the whole pick
 
     def adjust_keys(self, layer: int, index: Tensor, keys: Tensor) -> Tensor:
         skipped = self._skipped.pop(layer, None)

@@ -8,6 +8,8 @@ Each module imports only those listed after it:
   much of the real top-k the speculated top-k holds), ``alpha`` per layer (the attention its count keeps)
   and the layers that choose with their own query;
 * ``config.py``: the policy's knobs (``InfiniGenConfig``) and how the calibrated ones resolve;
+* ``layer.py`` and ``rehearsal.py``: what the policy keeps per layer (``LayerState``), and the rehearsal as
+  pure functions with the ``Rehearsal`` record an observer gets;
 * ``skewfile.py``: the calibration a policy reads (skewing matrices + column scores, and the calibrated
   knobs as a ``Tuned`` record), its file format;
 * ``slots.py``: what each slot of its host pool holds (position, fetch counts, partial key).

@@ -364,7 +364,7 @@ class InfiniGenPolicy(HostPoolPolicy):
     def partial_query(self, layer: int, query: Tensor) -> Tensor:
         """``query`` [batch, kv_heads, group, d] in ``layer``'s partial columns, as its store keeps them."""
         state = self.layers[layer]
-        return state.in_store(torch.matmul(query, state.projection))
+        return state.in_store(torch.matmul(query, state.projection.to(query.dtype)))
 
     def _reserved(self, layer: int) -> Tensor | None:
         """bool [batch, kv_heads, slots]: the slots of the first ``n_sink`` real tokens and of the last
