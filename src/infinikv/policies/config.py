@@ -13,6 +13,11 @@ from typing import Any
 
 from ..errors import PolicyError
 
+# The largest value of a number knob that declares no ``high`` and cannot be infinite (every integer knob,
+# every token-count budget): beyond any model's context, where a count means all of it, and far below where
+# arithmetic on it in int64 tensors would overflow.
+MAX_COUNT = 10**9
+
 
 def knob(
     default: Any,
@@ -26,8 +31,9 @@ def knob(
 ) -> Any:
     """A policy knob: its default, what it means (shown by ``infinikv policies``) and its valid values.
 
-    ``low``/``high`` bound numbers (``open_low``: strictly above ``low``); numbers must be finite unless
-    ``allow_inf``; ``choices`` lists a string knob's values."""
+    ``low``/``high`` bound numbers (``open_low``: strictly above ``low``; no ``high``: :data:`MAX_COUNT`,
+    unless ``allow_inf``); numbers must be finite unless ``allow_inf``; an ``int`` knob takes only ints;
+    ``choices`` lists a string knob's values."""
     meta = {"doc": doc, "low": low, "high": high, "open_low": open_low, "allow_inf": allow_inf}
     return field(default=default, metadata={**meta, "choices": choices})
 
@@ -87,11 +93,13 @@ def _check_knob(name: str, kind: Any, value: Any, meta: Any) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PolicyError(f"{name} must be a number, got {value!r}")
-    if kind == "int" and (isinstance(value, float) and not value.is_integer()):
+    if kind == "int" and not isinstance(value, int):  # a float would reach tensor shapes and indexing
         raise PolicyError(f"{name} must be a whole number, got {value}")
     if math.isnan(value) or (math.isinf(value) and not meta.get("allow_inf")):
         raise PolicyError(f"{name} must be a finite number, got {value}")
     low, high = meta.get("low"), meta.get("high")
+    if high is None and not meta.get("allow_inf"):
+        high = MAX_COUNT
     if low is not None and (value <= low if meta.get("open_low") else value < low):
         raise PolicyError(f"{name} must be {'>' if meta.get('open_low') else '>='} {low}, got {value}")
     if high is not None and value > high:

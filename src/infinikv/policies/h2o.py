@@ -38,7 +38,11 @@ SCORE_ROWS = 256  # prefill query rows scored at once (bounds the [rows, tokens]
 @dataclass(frozen=True)
 class H2OConfig(PolicyConfig):
     budget: float = knob(
-        0.2, "tokens attended per layer and step (<= 1: fraction of the prompt)", low=0, open_low=True
+        0.2,
+        "tokens attended per layer and step (<= 1: fraction of the prompt; a count above the context keeps "
+        "everything)",
+        low=0,
+        open_low=True,
     )
     heavy_ratio: float = knob(
         0.5, "share of the budget held by heavy hitters; the rest is the recent window", low=0, high=1

@@ -40,16 +40,26 @@ Tensor = torch.Tensor
 class OracleConfig(PolicyConfig):
     budget: float = knob(
         0.2,
-        "past tokens attended per managed layer and step (<= 1: fraction of the real past tokens), as "
-        "InfiniGen's cap",
+        "past tokens attended per managed layer and step, as InfiniGen's cap (<= 1: fraction of the real "
+        "past tokens; a count above them attends to all)",
         low=0,
         open_low=True,
     )
     dense_layers: int = knob(
         0, "the first layers, which load their full KV (InfiniGen's select too, with their own query)", low=0
     )
-    n_sink: int = knob(0, "first real tokens always among the budget's tokens", low=0)
-    window: int = knob(0, "most recent past tokens always among the budget's tokens", low=0)
+    n_sink: int = knob(
+        0,
+        "first real tokens always among the budget's tokens (more than there are: all, the budget still "
+        "caps)",
+        low=0,
+    )
+    window: int = knob(
+        0,
+        "most recent past tokens always among the budget's tokens (more than there are: all, the budget "
+        "still caps)",
+        low=0,
+    )
 
 
 @register("oracle")

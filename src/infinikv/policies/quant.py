@@ -35,14 +35,23 @@ Tensor = torch.Tensor
 @dataclass(frozen=True)
 class QuantConfig(PolicyConfig):
     bits: int = knob(4, "bits per value: 8, 4 or 2 (16 = stored unquantized)", low=2, high=16)
-    group_size: int = knob(64, "values per scale and minimum", low=1)
+    group_size: int = knob(
+        64,
+        "values per scale and minimum (a group wider than head_dim is the whole head; kivi's key groups: "
+        "tokens, and more than the context quantizes none)",
+        low=1,
+    )
     scheme: str = knob(
         "group",
         '"group": per token, groups along head_dim (FlexGen); "kivi": keys per channel over groups of '
         "tokens, values per token (KIVI)",
         choices=("group", "kivi"),
     )
-    residual: int = knob(128, "kivi only: newest tokens kept in full precision on the device", low=0)
+    residual: int = knob(
+        128,
+        "kivi only: newest tokens kept in full precision on the device (more than the context: all of them)",
+        low=0,
+    )
 
     def __post_init__(self):
         super().__post_init__()

@@ -35,11 +35,18 @@ Tensor = torch.Tensor
 class QuestConfig(PolicyConfig):
     budget: float = knob(
         0.2,
-        "tokens attended per layer and step (<= 1: fraction of the current context)",
+        "tokens attended per layer and step (<= 1: fraction of the current context; a count above it "
+        "attends to everything)",
         low=0,
         open_low=True,
     )
-    page_size: int = knob(16, "tokens per page", low=1)
+    page_size: int = knob(
+        16,
+        "tokens per page, at most 4096 (larger is refused: each row's unfinished page of keys stays on the "
+        "compute device); a page longer than the context never fills, so every token is attended",
+        low=1,
+        high=4096,
+    )
     dense_layers: int = knob(2, "leading layers that attend to everything (the paper keeps two)", low=0)
 
 

@@ -31,10 +31,11 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class StreamingConfig(PolicyConfig):
-    n_sink: int = knob(4, "initial tokens always kept (the paper uses 4)", low=0)
+    n_sink: int = knob(4, "initial tokens always kept (the paper uses 4; more than the context: all)", low=0)
     window: int = knob(
         1020,
-        "recent tokens kept, the new token included (the paper's 1,024-token cache = 4 sinks + 1,020 recent)",
+        "recent tokens kept, the new token included (the paper's 1,024-token cache = 4 sinks + 1,020 recent; "
+        "longer than the context: everything is kept)",
         low=1,
     )
 

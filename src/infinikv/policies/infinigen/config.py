@@ -49,7 +49,10 @@ class InfiniGenConfig(PolicyConfig):
         high=1,
     )
     budget: float = knob(
-        0.2, "cap on tokens fetched per layer (<= 1: fraction of the context)", low=0, open_low=True
+        0.2,
+        "cap on tokens fetched per layer (<= 1: fraction of the context; a count above it fetches all)",
+        low=0,
+        open_low=True,
     )
     capacity: float = knob(
         1.0,
@@ -79,10 +82,16 @@ class InfiniGenConfig(PolicyConfig):
     n_sink: int = knob(
         0,
         "first real tokens always fetched on managed layers (attention sinks; on SmolLM2 the sink is already "
-        "every sink head's best token, and 4 changed nothing)",
+        "every sink head's best token, and 4 changed nothing; more than there are: all, the budget still "
+        "caps)",
         low=0,
     )
-    window: int = knob(32, "most recent past tokens always fetched on managed layers (paper: 0)", low=0)
+    window: int = knob(
+        32,
+        "most recent past tokens always fetched on managed layers (paper: 0; more than there are: all, the "
+        "budget still caps)",
+        low=0,
+    )
 
     def __post_init__(self):
         super().__post_init__()
