@@ -46,7 +46,8 @@ class GenerationConfig:
         _check_int("max_new_tokens", self.max_new_tokens, low=1)
         _check_int("prefill_chunk", self.prefill_chunk, low=2)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0, high=2**64 - 1)  # torch's generator takes 64 bits
+            # torch's generator takes 64 unsigned bits, the OpenAI API's seed a signed 64-bit integer
+            _check_int("seed", self.seed, low=0, high=2**63 - 1)
         temperature = _check_finite("temperature", self.temperature)
         if temperature < 0:
             raise InputError(f"temperature must be >= 0, got {self.temperature}")
@@ -57,6 +58,20 @@ class GenerationConfig:
             raise InputError(f"stop must be a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise InputError("stop strings must not be empty (an empty string would stop before any text)")
+        for stop in self.stop:
+            check_text("a stop string", stop)
+
+
+def check_text(what: str, text: str) -> None:
+    """An InputError naming ``what`` when ``text`` cannot be encoded as UTF-8: it holds lone surrogates, which
+    is what undecodable bytes of a command-line argument become (and what a JSON escape such as ``\\udcff``
+    gives). The tokenizer would fail on them with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(
+            f"{what} is not valid UTF-8: undecodable byte or lone surrogate at character {exc.start + 1}"
+        ) from None
 
 
 def _check_finite(name: str, value: Any) -> float:
@@ -74,6 +89,30 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
         raise InputError(f"{name} must be at least {low}, got {value}")
     if high is not None and value > high:
         raise InputError(f"{name} must be at most {high}, got {value}")
+
+
+def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator) -> Tensor:
+    """One token per row of ``logits`` [batch, vocab]: the argmax at temperature 0, else drawn from the
+    softmax at ``config.temperature``, cut to the top-p nucleus, with ``generator``."""
+    if config.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float()
+    # Shifted so the best logit is 0: the scaled logits are never above 0, so a tiny temperature
+    # cannot overflow them to inf (the best token then gets all the mass). A temperature below float32's
+    # smallest normal number is taken as that number: a smaller one rounds (or flushes) to 0 in float32,
+    # and 0 / 0 is nan.
+    temperature = max(config.temperature, torch.finfo(torch.float32).tiny)
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(shifted / temperature, dim=-1).cpu()
+    if config.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p, always the top token (a top_p that rounds
+        # to 0 in float32 would drop every token).
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= config.top_p
+        outside[..., 0] = False
+        sorted_probs[outside] = 0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
 
 
 @dataclass
@@ -174,7 +213,7 @@ class Generator:
             decode_forwards = 0
             start = now(self.loaded.device)
             for step in range(config.max_new_tokens):
-                next_tokens = self._sample(logits, config, generator)
+                next_tokens = sample(logits, config, generator)
                 last_step = step == config.max_new_tokens - 1
                 for row, token in enumerate(next_tokens.tolist()):
                     if finish[row] is not None:
@@ -241,6 +280,8 @@ class Generator:
         for i, prompt in enumerate(prompts):
             if not prompt or (isinstance(prompt, str) and not prompt.strip()):
                 raise InputError(f"prompt {i + 1} is empty")
+            if isinstance(prompt, str):
+                check_text(f"prompt {i + 1}", prompt)
             ids = self.loaded.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
             lengths.append(len(ids))
         limit = self.loaded.max_context
@@ -262,18 +303,6 @@ class Generator:
             encoded = tokenizer.pad({"input_ids": ids}, return_tensors="pt")
         device = self.loaded.device
         return encoded["input_ids"].to(device), encoded["attention_mask"].to(device), lengths
-
-    def _sample(self, logits: Tensor, config: GenerationConfig, generator: torch.Generator) -> Tensor:
-        if config.temperature == 0:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(logits.float() / config.temperature, dim=-1).cpu()
-        if config.top_p < 1:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
-            outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= config.top_p
-            sorted_probs[outside] = 0
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
 
     def _advance(
         self,
