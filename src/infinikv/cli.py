@@ -36,7 +36,7 @@ def _read_text(path: str, what: str) -> str:
 
 # -- subcommands ---------------------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .generate import GenerationConfig, Generator
+    from .generate import GenerationConfig, Generator, check_text
     from .models import load
     from .policies import make_config
 
@@ -48,8 +48,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = [_read_text(args.prompt_file, "prompt file")]
     else:
         prompts = [args.prompt]
-    if not prompts[0].strip():  # before the slow model load (the Generator checks every prompt again)
+    # before the slow model load (the Generator checks every prompt again)
+    if not prompts[0].strip():
         raise InputError("the prompt is empty")
+    if args.prompt is not None:  # files are read as strict UTF-8; an argument may carry undecodable bytes
+        check_text("the prompt", args.prompt)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -302,6 +305,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("infinikv: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        unreachable = _unreachable(exc)
+        if unreachable is None:
+            raise
+        print(f"infinikv: error: {unreachable}", file=sys.stderr)
+        return InfinikvError.exit_code
+
+
+def _unreachable(exc: Exception) -> str | None:
+    """The one line for a connection that failed (``bench-serve --url`` where no server answers), or None for
+    any other exception."""
+    httpx = sys.modules.get("httpx")  # not imported: the exception cannot be one of its errors
+    if httpx is None or not isinstance(exc, httpx.TransportError):
+        return None
+    try:
+        url = exc.request.url
+    except RuntimeError:  # an error raised outside a request carries none
+        return f"network error: {exc}"
+    return f"cannot reach {url}: {exc}"
 
 
 if __name__ == "__main__":
