@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -17,3 +19,18 @@ def int_list(text: str) -> tuple[int, ...]:
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"values must be positive, got {text!r}")
     return values
+
+
+def output_folder(text: str) -> Path:
+    """A folder the command writes into, usable as an argparse ``type``: made now if missing, so a path it
+    cannot write (a file in the way, no permission) is one line before any work."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the folder {text}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in the folder {text}")
+    return path

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..cliargs import int_list
+from ..cliargs import int_list, output_folder
 from ..errors import InputError
 from ..models import DEFAULT_MODEL
 from .peers import PEERS
@@ -53,7 +53,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = run_bench(loaded, config, progress=not args.quiet)
     result["environment"] = bench_environment(loaded, command)
     if args.plot:
-        result["plots"] = write_plots(result, Path(args.plot))
+        result["plots"] = write_plots(result, args.plot)
     if args.report:
         write_bench_report(result, Path(args.report))
     if args.json:
@@ -90,7 +90,7 @@ def register_cli(subparsers) -> None:
     )
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     bench.add_argument("--json", action="store_true", help="print the full result as JSON")
-    bench.add_argument("--plot", default=None, help="directory for the PNG plots")
+    bench.add_argument("--plot", type=output_folder, default=None, help="directory for the PNG plots")
     bench.add_argument("--report", default=None, help="Markdown report to write (e.g. docs/benchmarks.md)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(bench, multiple=True)

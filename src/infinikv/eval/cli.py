@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..cliargs import int_list
+from ..cliargs import int_list, output_folder
 from ..errors import InputError
 
 
@@ -68,8 +68,6 @@ def cmd_retrieval(args: argparse.Namespace) -> int:
 
 
 def cmd_speculation(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ..models import load
     from ..policies import InfiniGenConfig, make_config
     from .speculation import SpeculationConfig, markdown, probe, write
@@ -80,7 +78,7 @@ def cmd_speculation(args: argparse.Namespace) -> int:
     }
     policy = make_config("infinigen", **knobs)
     result = probe(load(args.model, device=args.device), policy, config, progress=True)
-    paths = write(result, Path(args.out))
+    paths = write(result, args.out)
     print(json.dumps(result, indent=2) if args.json else markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
@@ -189,7 +187,9 @@ def register_cli(subparsers) -> None:
         default="infinigen",
         help="what managed layers attend to: InfiniGen's selection, or everything (speculation alone)",
     )
-    spec.add_argument("--out", required=True, help="folder for speculation.json, .md and .png")
+    spec.add_argument(
+        "--out", type=output_folder, required=True, help="folder for speculation.json, .md and .png"
+    )
     spec.add_argument("--json", action="store_true")
     _infinigen_knob_arguments(spec)
     spec.set_defaults(func=cmd_speculation)
