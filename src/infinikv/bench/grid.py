@@ -13,6 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..data import CORPORA, load_corpus
 from ..errors import InfinikvError, InputError
 from ..forward import PrefillMemo
 from ..models import LoadedModel
@@ -33,8 +34,8 @@ class BenchConfig:
     gen: tokens generated per sequence (the first from the prefill, then gen-1 timed decode steps); repeats:
     timed runs per policy and cell, interleaved across policies, medians reported; warmup: decode steps of
     an untimed run per policy and cell; prefill: ``shared`` or ``per-run`` (module docstring); knobs: policy
-    knob values, each given to the policies that have it; corpus: text the prompts are cut from (None or
-    unavailable: tokenizer-encoded filler)."""
+    knob values, each given to the policies that have it; corpus: text the prompts are cut from, a registered
+    corpus or a UTF-8 file (None, or a registered corpus that cannot be fetched: tokenizer-encoded filler)."""
 
     policies: tuple[str, ...] = ("dense", "offload")
     peers: tuple[str, ...] = ()
@@ -66,6 +67,8 @@ class BenchConfig:
                 raise InputError(f"unknown peer '{name}'; available: {', '.join(PEERS)}")
         for name in self.policies:
             make_config(name, **self.policy_knobs(name))  # unknown policy or bad knob value: fail now
+        if self.corpus is not None and self.corpus not in CORPORA:
+            load_corpus(self.corpus)  # a missing or unreadable file, or an unknown name: fail now
 
     def policy_knobs(self, name: str) -> dict[str, Any]:
         own = {f for f in make_config(name).knobs()} if name in POLICIES else set()

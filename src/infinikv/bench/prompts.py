@@ -1,4 +1,5 @@
-"""The benchmark's prompts: real token ids cut from a corpus (or from filler text when none is available)."""
+"""The benchmark's prompts: real token ids cut from a corpus (or from filler text when none is given, or a
+registered one cannot be fetched)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ Tensor = torch.Tensor
 
 
 def prompt_ids(loaded: LoadedModel, tokens: int, rows: int, corpus: str | None) -> tuple[Tensor, str]:
-    """[rows, tokens] real token ids: consecutive slices of a corpus, else of repeated filler text. Also
-    returns where they came from (the corpus name or "filler")."""
+    """[rows, tokens] real token ids: consecutive slices of ``corpus`` (a registered name or a UTF-8 file),
+    else (None, or a registered corpus that cannot be fetched) of repeated filler text. Also returns where
+    they came from (the corpus name or "filler")."""
     tokenizer = loaded.tokenizer
     text, source = None, "filler"
     if corpus is not None:
-        from ..data import load_corpus
+        from ..data import CORPORA, load_corpus
 
         try:
             text, source = load_corpus(corpus), corpus
         except InfinikvError:
+            if corpus not in CORPORA:  # a file the user named: never replaced by filler
+                raise
             text = None
     if text is None:
         text = " ".join(
