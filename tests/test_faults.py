@@ -15,8 +15,10 @@ import torch
 from infinikv import models
 from infinikv.cache import InfinikvCache
 from infinikv.cli import main
-from infinikv.errors import CacheError, InputError, ModelError
-from infinikv.generate import GenerationConfig
+from infinikv.errors import CacheError, InputError, ModelError, PolicyError
+from infinikv.generate import GenerationConfig, Generator, sample
+from infinikv.policies import make_config
+from infinikv.policies.config import MAX_COUNT
 from infinikv.policies.infinigen import skewfile
 from infinikv.store import MANIFEST
 from infinikv.testing import tiny_model
@@ -56,6 +58,152 @@ def test_bad_numbers_stop_the_cli_before_loading(monkeypatch, capsys):
         assert main(["generate", *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("infinikv: error:"), err
+
+
+def _one_line(err: str) -> bool:
+    return err.count("\n") == 1 and err.startswith("infinikv") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "policy, knobs",
+    [
+        ("quest", {"page_size": 10**9}),  # its unfinished page alone would be 768 GB on SmolLM2
+        ("quest", {"page_size": 4097}),
+        ("h2o", {"budget": 1e30}),  # past int64
+        ("quest", {"budget": MAX_COUNT + 1}),
+        ("infinigen", {"window": 10**20}),
+        ("oracle", {"window": 10**20}),
+        ("streaming", {"n_sink": MAX_COUNT + 1}),
+        ("infinigen", {"capacity": 1e19}),
+        ("quest", {"page_size": 1.5}),
+        ("quest", {"page_size": 2.0}),  # a whole float too: it would reach tensor shapes
+        ("quant", {"residual": 8.0}),
+    ],
+)
+def test_knob_out_of_range_is_one_line(policy, knobs):
+    with pytest.raises(PolicyError, match=next(iter(knobs))):
+        make_config(policy, **knobs)
+
+
+def test_huge_knobs_stop_the_cli_before_loading(monkeypatch, capsys):
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model for bad input"))
+    for flags in (
+        ["--policy", "quest", "--page-size", "1000000000"],
+        ["--policy", "h2o", "--budget", "1e30"],
+        ["--policy", "infinigen", "--window", str(10**20)],
+        ["--policy", "oracle", "--window", str(10**20)],
+    ):
+        assert main(["generate", "--prompt", "hi", *flags]) == 2
+        assert _one_line(capsys.readouterr().err)
+
+
+def test_counts_beyond_the_context_mean_everything(tiny):
+    """The largest accepted counts run, and mean what a count above the context means: all of it."""
+    prompts, config = (
+        ["the quick brown fox jumps over the lazy dog", "hello"],
+        GenerationConfig(max_new_tokens=4),
+    )
+    dense = [r.token_ids for r in Generator(tiny, "dense").generate(prompts, config)]
+    for policy, knobs in (
+        ("quest", {"page_size": 4096}),
+        ("quest", {"budget": MAX_COUNT}),
+        ("h2o", {"budget": MAX_COUNT}),
+        ("streaming", {"window": MAX_COUNT, "n_sink": MAX_COUNT}),
+        ("quant", {"scheme": "kivi", "group_size": MAX_COUNT, "residual": MAX_COUNT}),
+    ):
+        results = Generator(tiny, make_config(policy, **knobs)).generate(prompts, config)
+        assert [r.token_ids for r in results] == dense, (policy, knobs)
+
+
+def test_seed_is_a_signed_64_bit_integer():
+    assert GenerationConfig(seed=2**63 - 1).seed == 2**63 - 1
+    for seed in (2**63, 2**64 - 1, 2**64):
+        with pytest.raises(InputError, match="seed"):
+            GenerationConfig(seed=seed)
+
+
+def _reference_sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """Sampling as it was: the softmax of logits / temperature, without the shift by the best logit."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def test_sampling_is_safe_at_tiny_temperatures_and_top_p():
+    logits = torch.randn(8, 4096, generator=torch.Generator().manual_seed(0)) * 4
+    best = logits.argmax(dim=-1)
+    for temperature in (1e-45, 1e-50, 5e-324, 1e-30, 1e-6):
+        drawn = sample(logits, GenerationConfig(temperature=temperature), torch.Generator().manual_seed(1))
+        assert torch.equal(drawn, best), temperature
+    for top_p in (1e-45, 1e-300):
+        config = GenerationConfig(temperature=1.0, top_p=top_p)
+        assert torch.equal(sample(logits, config, torch.Generator().manual_seed(1)), best), top_p
+    for temperature in (0.3, 0.7, 1.0, 1.5):  # ordinary temperatures draw what they drew before
+        for seed in range(10):
+            drawn = sample(
+                logits, GenerationConfig(temperature=temperature), torch.Generator().manual_seed(seed)
+            )
+            assert torch.equal(
+                drawn, _reference_sample(logits, temperature, torch.Generator().manual_seed(seed))
+            )
+
+
+def test_tiny_temperature_generates_the_greedy_tokens(tiny):
+    prompts = ["the quick brown fox jumps over the lazy dog", "hello"]
+    greedy = Generator(tiny, "dense").generate(prompts, GenerationConfig(max_new_tokens=6))
+    tiny_t = Generator(tiny, "dense").generate(
+        prompts, GenerationConfig(max_new_tokens=6, temperature=1e-45, seed=3)
+    )
+    assert [r.token_ids for r in tiny_t] == [r.token_ids for r in greedy]
+
+
+def test_undecodable_prompt_is_one_line(tiny, monkeypatch, capsys):
+    """Undecodable bytes in a command-line argument arrive as lone surrogates (Python's surrogateescape)."""
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model for bad input"))
+    for flags in (["--prompt", "Hello \udcff there", "--json"], ["--prompt", "hi", "--stop", "\udcff"]):
+        assert main(["generate", *flags]) == 2
+        err = capsys.readouterr().err
+        assert _one_line(err) and "UTF-8" in err, err
+    with pytest.raises(InputError, match="prompt 2 is not valid UTF-8"):
+        Generator(tiny, "dense").generate(["fine", "not \ud800 fine"], GenerationConfig(max_new_tokens=2))
+
+
+@pytest.mark.parametrize(
+    "command", [["eval", "speculation", "--out"], ["bench", "--corpus", "none", "--plot"]]
+)
+def test_output_folder_that_cannot_be_written_is_one_line_before_work(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("loaded a model for an unusable output"))
+    afile = tmp_path / "results"
+    afile.write_text("kept")
+    for out in (afile, afile / "sub"):
+        with pytest.raises(SystemExit) as stop:
+            main([*command, str(out)])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert _one_line(err) and str(afile) in err, err
+    assert afile.read_text() == "kept"
+
+
+def test_unreachable_server_is_one_line(capsys):
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)  # bench-serve installs its own
+    try:
+        assert main(["bench-serve", "--url", "http://127.0.0.1:1", "--no-warmup"]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    err = capsys.readouterr().err
+    assert _one_line(err) and "http://127.0.0.1:1" in err, err
+
+
+@pytest.mark.parametrize("corpus", ["missing.txt", "latin1.txt"])
+def test_bench_corpus_that_cannot_be_read_is_one_line_before_loading(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(
+        models, "load", lambda *a, **k: pytest.fail("loaded a model for an unreadable corpus")
+    )
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    assert main(["bench", "--corpus", str(tmp_path / corpus), "--policies", "dense", "--peers", "none"]) == 2
+    err = capsys.readouterr().err
+    assert _one_line(err) and corpus in err, err
 
 
 # -- devices -------------------------------------------------------------------------------------------------
