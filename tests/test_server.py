@@ -312,6 +312,7 @@ def test_bad_knob_names_its_parameter(server):
         # the tiny model has 4 layers: refused on arrival, not by the policy in the worker
         ({"kv_policy": "infinigen", "kv_own_query_layers": "99"}, "kv_own_query_layers"),
         ({"kv_policy": "infinigen", "kv_own_query_layers": "1,4"}, "kv_own_query_layers"),
+        ({"kv_policy": "quant", "kv_group_size": 3}, "kv_group_size"),  # head_dim 16: not a divisor
     ],
 )
 def test_a_refused_setting_names_its_request_field(server, fields, param):

@@ -305,25 +305,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("infinikv: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:
-        unreachable = _unreachable(exc)
-        if unreachable is None:
-            raise
-        print(f"infinikv: error: {unreachable}", file=sys.stderr)
-        return InfinikvError.exit_code
-
-
-def _unreachable(exc: Exception) -> str | None:
-    """The one line for a connection that failed (``bench-serve --url`` where no server answers), or None for
-    any other exception."""
-    httpx = sys.modules.get("httpx")  # not imported: the exception cannot be one of its errors
-    if httpx is None or not isinstance(exc, httpx.TransportError):
-        return None
-    try:
-        url = exc.request.url
-    except RuntimeError:  # an error raised outside a request carries none
-        return f"network error: {exc}"
-    return f"cannot reach {url}: {exc}"
 
 
 if __name__ == "__main__":

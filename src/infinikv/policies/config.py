@@ -64,6 +64,11 @@ class PolicyConfig:
     def defaults(cls) -> dict[str, Any]:
         return {f.name: None if f.default is MISSING else f.default for f in fields(cls)}
 
+    def check_spec(self, spec: Any) -> None:
+        """``PolicyError`` for a knob value the model of ``spec`` (a ModelSpec) cannot take, checked before
+        the policy is built (the server checks each request with it on arrival); most knobs fit every
+        model."""
+
     def padding_grid(self) -> int:
         """A row of a left-padded batch gets what it gets alone only when its padding is a multiple of this
         (1: any padding). A policy that groups token slots on the batch's shared grid (KIVI's key groups)

@@ -58,6 +58,13 @@ class QuantConfig(PolicyConfig):
         if self.bits not in (2, 4, 8, 16):
             raise PolicyError(f"bits must be 2, 4, 8 or 16, got {self.bits}", knob="bits")
 
+    def check_spec(self, spec: ModelSpec) -> None:
+        if spec.head_dim % min(self.group_size, spec.head_dim):
+            raise PolicyError(
+                f"quant: group_size {self.group_size} does not divide head_dim {spec.head_dim}",
+                knob="group_size",
+            )
+
     @property
     def kivi(self) -> bool:
         """Keys quantized per channel over groups of tokens (at 16 bits nothing is quantized)."""
@@ -111,11 +118,8 @@ class QuantPolicy(HostPoolPolicy):
         super().__init__(config, spec, device)
         self.raw = config.bits == 16
         self.kivi = config.kivi
+        config.check_spec(spec)
         self.width = min(config.group_size, spec.head_dim)  # group width along head_dim
-        if spec.head_dim % self.width:
-            raise PolicyError(
-                f"quant: group_size {config.group_size} does not divide head_dim {spec.head_dim}"
-            )
         layers = spec.num_layers
         self.codes = self.host_pool  # packed codes (or raw K/V at 16 bits)
         self.key_params = KVPool(layers, device, host=True, overlap="thread")  # key scale, key minimum

@@ -34,7 +34,7 @@ from ..errors import InfinikvError
 from ..models import LoadedModel
 from ..policies import make_config
 from . import answers
-from .kv_policy import PolicyDefaults, check_for_model, kv_report, resolve_policy
+from .kv_policy import PolicyDefaults, kv_report, resolve_policy
 from .metrics import NO_POLICY, ServerMetrics
 from .openai_shapes import ApiError, answer_meta, completion
 from .sampling import prompt_ids, sampling_config
@@ -70,7 +70,7 @@ class _State:
 
     def ready(self, loaded: LoadedModel) -> None:
         default = make_config(self.defaults.name, **dict(self.defaults.knobs))
-        check_for_model(default, loaded.spec)  # the operator's knob the model cannot take: fail the load
+        default.check_spec(loaded.spec)  # the operator's knob the model cannot take: fail the load
         scheduler = Scheduler(loaded, self.metrics, self.settings.max_batch, self.settings.max_queue)
         scheduler.prepare(default)
         scheduler.start()

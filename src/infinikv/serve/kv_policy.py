@@ -2,7 +2,7 @@
 ``kv`` field of every answer.
 
 The policy registry (``make_config``, and each config's own checks) is the one judge of a policy name, its
-knob names and their values, and a config's ``check_spec`` (InfiniGen's) of the values that depend on the
+knob names and their values, and a config's ``check_spec`` of the values that depend on the
 model; its refusal becomes a 400 naming the request field it is about.
 """
 
@@ -37,21 +37,13 @@ def resolve_policy(
     knobs = {key.removeprefix("kv_"): value for key, value in extra.items() if key.startswith("kv_")}
     try:
         config = make_config(name, **(dict(defaults.knobs) | knobs if name == defaults.name else knobs))
-        check_for_model(config, spec)
+        config.check_spec(spec)  # knobs the served model cannot take: refused on arrival
         return name, config
     except PolicyError as exc:
         param = "kv_policy" if exc.knob is None else f"kv_{exc.knob}"
         raise ApiError(
             str(exc), param=param, code="kv_policy" if param == "kv_policy" else "kv_knob"
         ) from None
-
-
-def check_for_model(config: PolicyConfig, spec: ModelSpec) -> None:
-    """``PolicyError`` for a knob value the model of ``spec`` cannot take, as the policy would raise when
-    built (a config with such knobs has ``check_spec``: InfiniGen's layer numbers)."""
-    check_spec = getattr(config, "check_spec", None)
-    if check_spec is not None:
-        check_spec(spec)
 
 
 def _is_figure(value: Any) -> bool:

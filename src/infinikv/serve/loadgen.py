@@ -183,10 +183,15 @@ def summarise(policy: str, rounds: list[Round]) -> PolicyResult:
 
 
 async def _served_model(url: str) -> str:
+    """The model the server at ``url`` serves; one line (InputError) when nothing answers there."""
     import httpx
 
     async with httpx.AsyncClient(timeout=10.0) as client:
-        return (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        try:
+            answer = await client.get(f"{url}/v1/models")
+        except httpx.TransportError as exc:
+            raise InputError(f"cannot reach {url}/v1/models: {exc}") from None
+        return answer.json()["data"][0]["id"]
 
 
 def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
