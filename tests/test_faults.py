@@ -5,14 +5,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from infinikv import models
+from infinikv import models, store
 from infinikv.cache import InfinikvCache
 from infinikv.cli import main
 from infinikv.errors import CacheError, InputError, ModelError, PolicyError
@@ -221,7 +224,6 @@ FAKE_GGUF = b"not really a gguf file"
 def install_fake_model(cache: Path, conversions: Path | None = None, delay: float = 0.0) -> str:
     """Register ``fake-tiny``: its "download" writes a small file, its "conversion" returns the tiny Llama
     (each conversion appends a line to ``conversions``, after ``delay`` seconds)."""
-    import os
     import time
 
     os.environ["INFINIKV_CACHE"] = str(cache)
@@ -299,7 +301,7 @@ def test_damaged_entry_is_reported_and_repaired(fake_model, tmp_path, damage, ca
     assert models.is_pulled(fake_model)
     repaired = json.loads((hf / MANIFEST).read_text())["files"]
     assert repaired.keys() == reference.keys()
-    assert repaired["model.safetensors"] == reference["model.safetensors"]  # the same weights again
+    assert repaired["model.safetensors"]["sha256"] == reference["model.safetensors"]["sha256"]  # same weights
 
 
 @pytest.mark.parametrize(
@@ -313,6 +315,100 @@ def test_load_repairs_what_it_cannot_read(fake_model, damage, capsys):
     assert "re-creating fake-tiny" in capsys.readouterr().err
     assert loaded.model.config.num_hidden_layers == 4
     assert models.is_pulled(fake_model)
+
+
+def _overwrite_in_place(path: Path, size: int) -> None:
+    """Zero ``size`` bytes at the end of ``path`` through the same inode (tensor data, not the header), and
+    move its mtime on as a later write would."""
+    before = path.stat().st_mtime_ns
+    with open(path, "r+b") as handle:
+        handle.seek(-size, 2)
+        handle.write(bytes(size))
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+
+
+def test_weights_changed_in_place_are_caught_on_load(fake_model, capsys):
+    """Same size, other bytes, written in place: the load sees the new mtime, hashes and re-creates."""
+    hf = models.pull(fake_model)
+    weights = hf / "model.safetensors"
+    reference = json.loads((hf / MANIFEST).read_text())["files"]["model.safetensors"]
+    _overwrite_in_place(weights, min(4 << 20, weights.stat().st_size // 2))
+    capsys.readouterr()
+    loaded = models.load(fake_model, device="cpu")
+    err = capsys.readouterr().err
+    assert f"{weights} does not match the SHA-256" in err and "re-creating fake-tiny" in err, err
+    assert loaded.model.config.num_hidden_layers == 4
+    assert store.sha256_file(weights) == reference["sha256"]  # the weights that were converted, again
+
+
+def test_a_file_touched_but_unchanged_is_hashed_once(fake_model, monkeypatch):
+    hf = models.pull(fake_model)
+    weights = hf / "model.safetensors"
+    moved = weights.stat().st_mtime_ns + 10**9
+    os.utime(weights, ns=(moved, moved))
+    assert store.check_manifest(hf) is None  # hashed: the bytes are those recorded
+    assert json.loads((hf / MANIFEST).read_text())["files"]["model.safetensors"]["mtime_ns"] == moved
+    monkeypatch.setattr(store, "sha256_file", lambda path: pytest.fail(f"hashed {path} again"))
+    assert store.check_manifest(hf) is None
+    models.load(fake_model, device="cpu")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_cache_entries_are_readable_by_the_users_who_share_it(umask, fake_model, tmp_path):
+    """Weights, skew files and lock files get the shared-cache modes (less the umask), whatever mode
+    their writer (safetensors: 0600) created them with."""
+    from infinikv.policies.infinigen.calibration import calibrate
+
+    old = os.umask(umask)
+    try:
+        hf = models.pull(fake_model)
+        tiny = tiny_model("llama")
+        skew = calibrate(tiny, text="calibration text " * 20, tokens=64, save=False)
+        path = skew.save(skewfile.skew_path(tiny.weights_id, skew.source, skew.tokens))
+        with store.locked("shared"):
+            pass
+    finally:
+        os.umask(old)
+    files = [*(p for p in hf.rglob("*") if p.is_file()), path, tmp_path / "locks" / "shared.lock"]
+    assert hf / "model.safetensors" in files
+    assert {str(p): oct(p.stat().st_mode & 0o777) for p in files} == {
+        str(p): oct(0o644 & ~umask) for p in files
+    }
+    assert oct(hf.stat().st_mode & 0o777) == oct(0o755 & ~umask)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="taking another user's identity needs root")
+def test_another_user_reads_the_cache_and_takes_its_locks(monkeypatch):
+    """What one user wrote, another (uid 65534) loads, reads and locks, as it failed to with 0600 files and
+    a lock file opened for writing."""
+    from infinikv.policies.infinigen.calibration import calibrate
+
+    shared = Path(tempfile.mkdtemp(prefix="infinikv-shared-"))  # pytest's own folder is private to root
+    old = os.umask(0o022)
+    try:
+        shared.chmod(0o755)
+        monkeypatch.setattr(models, "REGISTRY", dict(models.REGISTRY))
+        monkeypatch.setattr(models, "download_gguf", models.download_gguf)
+        monkeypatch.setattr(models, "read_gguf", models.read_gguf)
+        monkeypatch.setenv("INFINIKV_CACHE", str(shared))
+        name = install_fake_model(shared)
+        models.pull(name)
+        tiny = tiny_model("llama")
+        skew = calibrate(tiny, text="calibration text " * 20, tokens=64, save=False)
+        path = skew.save(skewfile.skew_path(tiny.weights_id, skew.source, skew.tokens))
+        with store.locked(f"model-{name}"):
+            pass
+        os.seteuid(65534)
+        try:
+            assert models.load(name, device="cpu").model.config.num_hidden_layers == 4
+            assert skewfile.read_skew(path).tokens == skew.tokens
+            with store.locked(f"model-{name}"):
+                pass
+        finally:
+            os.seteuid(0)
+    finally:
+        os.umask(old)
+        shutil.rmtree(shared)
 
 
 def test_unusable_cache_folder_is_one_line(tmp_path, monkeypatch, capsys):
@@ -363,8 +459,6 @@ def test_two_processes_share_first_time_conversion(tmp_path):
     cache = tmp_path / "cache"
     argv = [sys.executable, "-c", script, str(ROOT), str(cache), str(conversions)]
     env = {"PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    import os
-
     procs = [
         subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}

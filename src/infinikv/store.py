@@ -6,11 +6,13 @@ Everything the cache holds is written the same way, so a crash, a full disk or a
 leaves a half-written entry under its final name:
 
 * :func:`atomic_write` hands out a temporary name unique to the call, beside the target; when the block
-  ends cleanly the content is flushed to disk (fsync) and renamed onto the target in one step.
+  ends cleanly the content is given the modes of a shared cache (:data:`FILE_MODE`, :data:`DIR_MODE`,
+  less the umask), flushed to disk (fsync) and renamed onto the target in one step.
 * :func:`locked` serialises first-time work (a model's conversion, a calibration) across processes with an
   ``fcntl`` lock: a second process waits, then finds the entry made.
-* :func:`write_manifest` records each file's size and SHA-256 beside an entry; :func:`check_manifest`
-  compares them cheaply (sizes) on every open, fully (hashes) when asked.
+* :func:`write_manifest` records each file's size, mtime and SHA-256 beside an entry;
+  :func:`check_manifest` compares sizes and mtimes on every open, and hashes a file whose mtime moved (or
+  every file, when asked).
 * :func:`cache_errors` turns an ``OSError`` into one line naming the file and the fix.
 """
 
@@ -31,6 +33,9 @@ from pathlib import Path
 from .errors import CacheError
 
 MANIFEST = "manifest.json"
+# A cache may be shared by several users: what one writes, the others can read (the umask still applies).
+FILE_MODE = 0o644
+DIR_MODE = 0o755
 
 
 def cache_dir() -> Path:
@@ -90,6 +95,28 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux tells it (another thread may be creating
+    files meanwhile)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _share(path: Path) -> None:
+    """Give ``path`` (and everything under a folder) the shared-cache modes: writers such as safetensors
+    create files readable by their owner only."""
+    mask = _umask()
+    for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if item.is_symlink():
+            continue
+        item.chmod((DIR_MODE if item.is_dir() else FILE_MODE) & ~mask)
+
+
 def _unique_name(target: Path, kind: str) -> str:
     """A hidden name beside ``target``, unique to this process and call."""
     return f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.{kind}"
@@ -99,9 +126,9 @@ def _unique_name(target: Path, kind: str) -> str:
 def atomic_write(target: Path, folder: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary path (a folder, with ``folder``) beside ``target``; write it in the block.
 
-    On a clean exit the content is fsynced and renamed onto ``target`` (a folder replaces the old one); on
-    an error the temporary is removed and ``target`` is left as it was. The name is unique to this call,
-    so concurrent writers never share one."""
+    On a clean exit the content is given the shared-cache modes, fsynced and renamed onto ``target`` (a
+    folder replaces the old one); on an error the temporary is removed and ``target`` is left as it was.
+    The name is unique to this call, so concurrent writers never share one."""
     target.parent.mkdir(parents=True, exist_ok=True)
     # Not mkstemp: its private permissions would hide the entry from other users of a shared cache.
     tmp = target.with_name(_unique_name(target, "tmp"))
@@ -109,6 +136,7 @@ def atomic_write(target: Path, folder: bool = False) -> Iterator[Path]:
         tmp.mkdir()
     try:
         yield tmp
+        _share(tmp)
         _fsync(tmp)
         if folder and target.exists():
             old = target.with_name(_unique_name(target, "old"))
@@ -144,28 +172,34 @@ def write_bytes(target: Path, data: bytes) -> None:
 @contextlib.contextmanager
 def locked(name: str) -> Iterator[None]:
     """Hold the cache-wide lock ``name`` (an exclusive ``fcntl`` lock on ``locks/<name>.lock``); a second
-    process blocks here, with one line saying so, until the first is done."""
+    process blocks here, with one line saying so, until the first is done. The lock file is opened read
+    only (flock needs no more), so users who share the cache can take one another's lock files."""
     with cache_errors(f"cannot take the lock for {name} in the cache"):
         folder = cache_dir() / "locks"
-        folder.mkdir(exist_ok=True)
-        handle = open(folder / f"{name}.lock", "a+")  # noqa: SIM115 - closed below, after the block
+        folder.mkdir(mode=DIR_MODE, exist_ok=True)
+        fd = os.open(folder / f"{name}.lock", os.O_RDONLY | os.O_CREAT, FILE_MODE)
     try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"infinikv: waiting for another infinikv process ({name})", file=sys.stderr)
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        handle.close()  # closing releases the lock
+        os.close(fd)  # closing releases the lock
 
 
 # -- manifests -----------------------------------------------------------------------------------------------
+def _record(path: Path, sha256: str) -> dict:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
+
+
 def write_manifest(folder: Path, extra: dict | None = None) -> dict:
-    """Record the size and SHA-256 of every file under ``folder`` (the manifest itself aside) in
+    """Record the size, mtime and SHA-256 of every file under ``folder`` (the manifest itself aside) in
     ``folder/manifest.json``, with ``extra`` fields. Returns what was written."""
     files = {
-        str(path.relative_to(folder)): {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        str(path.relative_to(folder)): _record(path, sha256_file(path))
         for path in sorted(folder.rglob("*"))
         if path.is_file() and path.name != MANIFEST
     }
@@ -184,18 +218,29 @@ def read_manifest(folder: Path) -> dict | None:
 
 
 def check_manifest(folder: Path, full: bool = False) -> str | None:
-    """Why ``folder`` does not match its manifest (missing, wrong size, ``full``: wrong SHA-256), or None."""
+    """Why ``folder`` does not match its manifest (missing, wrong size, wrong SHA-256), or None.
+
+    A file is hashed when its mtime differs from the one recorded (it was written to since), or always with
+    ``full``. A file whose hash still matches gets its new mtime recorded, so it is hashed once per
+    modification; a cache this process cannot write just hashes it again next time."""
     manifest = read_manifest(folder)
     if manifest is None:
         return f"{folder / MANIFEST} is missing or unreadable"
+    moved = False
     for name, record in manifest["files"].items():
         path = folder / name
         try:
-            size = path.stat().st_size
+            stat = path.stat()
         except OSError:
             return f"{path} is missing"
-        if size != record.get("size"):
-            return f"{path} has {size} bytes, {record.get('size')} were written"
-        if full and sha256_file(path) != record.get("sha256"):
-            return f"{path} does not match the SHA-256 recorded when it was written"
+        if stat.st_size != record.get("size"):
+            return f"{path} has {stat.st_size} bytes, {record.get('size')} were written"
+        if full or stat.st_mtime_ns != record.get("mtime_ns"):
+            if sha256_file(path) != record.get("sha256"):
+                return f"{path} does not match the SHA-256 recorded when it was written"
+            moved |= stat.st_mtime_ns != record.get("mtime_ns")
+            record["mtime_ns"] = stat.st_mtime_ns
+    if moved:
+        with contextlib.suppress(OSError):
+            write_bytes(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
     return None
