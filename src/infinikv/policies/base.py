@@ -107,8 +107,7 @@ def pick_top(
         tied = scores == cut
         splits = (tied.sum(dim=-1) != ((values == cut) & own).sum(dim=-1)) & (count[..., 0] > 0)
         if bool(splits.any()):
-            wide = _earliest_at_cut(scores, last, width)
-            index = wide.nonzero()[:, 2].view(batch, heads, width)  # each row's width slots, ascending
+            index = first_slots(_earliest_at_cut(scores, last, width), width)  # width slots each
             if not ragged:
                 return index, None
             return index, _earliest_at_cut(scores, cut, count).gather(-1, index)
@@ -127,19 +126,22 @@ def _earliest_at_cut(scores: Tensor, cut: Tensor, count: Tensor | int) -> Tensor
     return chosen & (torch.as_tensor(count, device=scores.device) > 0)
 
 
-def _reserved_slots(reserved: Tensor, takes: list[int], heads: int) -> tuple[Tensor, Tensor | None]:
-    """(index [batch, heads, max(takes)], valid): each row's first ``takes[row]`` reserved slots of
-    ``reserved`` [batch, n], ascending, without scoring anything; a narrower row's extras hidden."""
-    batch, n = reserved.shape
-    width = max(takes, default=0)
-    count = torch.tensor(takes, device=reserved.device)[:, None]
-    taken = reserved & (reserved.cumsum(dim=-1) <= count)
+def first_slots(mask: Tensor, width: int) -> Tensor:
+    """LongTensor [..., width]: the positions of ``mask``'s first ``width`` True entries along its last axis,
+    ascending; a row with fewer gets slot 0 for the rest (hidden by its caller)."""
+    n = mask.shape[-1]
+    taken = mask & (mask.cumsum(dim=-1) <= width)
     at = torch.where(taken, taken.cumsum(dim=-1) - 1, width)  # each taken slot's place; the rest: a spare
-    index = torch.zeros(batch, width + 1, dtype=torch.long, device=reserved.device)
-    index = index.scatter_(-1, at, torch.arange(n, device=reserved.device).expand(batch, n))[:, :width]
-    valid = None if min(takes, default=0) == width else torch.arange(width, device=reserved.device) < count
-    index = index[:, None].expand(-1, heads, -1)
-    return index, None if valid is None else valid[:, None].expand(-1, heads, -1)
+    index = torch.zeros(*mask.shape[:-1], width + 1, dtype=torch.long, device=mask.device)
+    return index.scatter_(-1, at, torch.arange(n, device=mask.device).expand_as(mask))[..., :width]
+
+
+def sinks_and_recent(valid: Tensor, n_sink: int, recent: int) -> Tensor:
+    """bool [batch, n_past]: the first ``n_sink`` real tokens (``valid``: False on left padding) and the last
+    ``recent`` past slots."""
+    rank = valid.long().cumsum(dim=1)  # 1 for the first real token
+    slot = torch.arange(valid.shape[1], device=valid.device)
+    return valid & ((rank <= n_sink) | (slot >= valid.shape[1] - recent))
 
 
 def resolve_budget(budget: float, context: int, capped: bool = True) -> int:
@@ -364,10 +366,7 @@ class ScoredPolicy(HostPoolPolicy):
         n_sink, window = getattr(self.config, "n_sink", 0), getattr(self.config, "window", 0)
         if not (n_sink or window):
             return None
-        valid = self.past_valid(n_past, batch)
-        rank = valid.long().cumsum(dim=1)  # 1 for the first real token
-        slot = torch.arange(n_past, device=valid.device)
-        return valid & ((rank <= n_sink) | (slot >= n_past - window))
+        return sinks_and_recent(self.past_valid(n_past, batch), n_sink, window)
 
     def expand(self, layer: int, index: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The slots of the chosen units ``index`` [batch, kv_heads, m] (ascending), and which are real:
@@ -401,8 +400,12 @@ class ScoredPolicy(HostPoolPolicy):
             return everything, None
         scores = self.score(layer, n_past, batch)
         reserved = self.reserved(layer, n_past, batch)
-        if scores is None:
-            return self.expand(layer, *_reserved_slots(reserved, takes, self.spec.num_kv_heads))
+        if scores is None:  # the reserved slots are the pick: each row's first takes[row], ascending
+            width, heads = max(takes, default=0), self.spec.num_kv_heads
+            index = first_slots(reserved, width)[:, None].expand(-1, heads, -1)
+            count = torch.tensor(takes, device=index.device)[:, None, None]
+            own = (torch.arange(width, device=index.device) < count).expand(-1, heads, -1)
+            return self.expand(layer, index, None if min(takes, default=0) == width else own)
         if self.scores_slots:
             padding = ~self.past_valid(n_past, batch).to(scores.device)
             scores = scores.masked_fill(padding[:, None], -math.inf)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import ModelSpec, rotate_half
-from .base import ScoredPolicy
+from .base import ScoredPolicy, sinks_and_recent
 from .config import PolicyConfig, knob
 from .registry import register
 
@@ -61,11 +61,9 @@ class StreamingPolicy(ScoredPolicy):
     def reserved(self, layer: int, n_past: int, batch: int) -> Tensor:
         """The first ``n_sink`` real tokens and the last ``window`` - 1 past slots."""
         valid = self.past_valid(n_past, batch)
-        rank = valid.long().cumsum(dim=1)  # 1 for the first real token
-        slot = torch.arange(n_past, device=valid.device)
         kept = self.config.n_sink + self.config.window - 1
-        self._skipped[layer] = (rank[:, -1] - kept).clamp(min=0)
-        return valid & ((rank <= self.config.n_sink) | (slot >= n_past - self.config.window + 1))
+        self._skipped[layer] = (valid.sum(dim=1) - kept).clamp(min=0)
+        return sinks_and_recent(valid, self.config.n_sink, self.config.window - 1)
 
     def score(self, layer: int, n_past: int, batch: int) -> None:
         return None  # the sinks and the window are the whole pick
