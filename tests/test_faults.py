@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
-from infinikv import models, store
+from infinikv import cli, models, store
 from infinikv.cache import InfinikvCache
 from infinikv.cli import main
 from infinikv.errors import CacheError, InputError, ModelError, PolicyError
@@ -420,6 +422,61 @@ def test_unusable_cache_folder_is_one_line(tmp_path, monkeypatch, capsys):
     assert err.count("\n") == 1 and str(blocker / "cache") in err and "INFINIKV_CACHE" in err
     with pytest.raises(CacheError, match="INFINIKV_CACHE"):
         skewfile.skew_dir()
+
+
+def _no_leftovers(cache: Path) -> bool:
+    """Nothing half-written under the models folder: no temporaries, no converted entry."""
+    return not [p for p in (cache / "models").rglob("*") if p.name.startswith(".") or p.name == "hf"]
+
+
+def test_a_disk_too_small_for_the_conversion_is_one_line_before_converting(fake_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    with pytest.raises(
+        CacheError, match=r"converting fake.gguf needs about \d+ MiB in .*, and 0 MiB are free"
+    ):
+        models.pull(fake_model)
+    assert _no_leftovers(tmp_path)
+
+
+def test_a_full_disk_during_the_conversion_is_one_line_leaves_nothing_and_heals(
+    fake_model, tmp_path, monkeypatch
+):
+    """safetensors reports a full disk as its own error: one line with the path and the size needed, the
+    temporary folder removed, and the next pull converts again."""
+    read = models.read_gguf
+
+    def full_disk(gguf):
+        model, tokenizer = read(gguf)
+
+        def save(folder, **kwargs):
+            (Path(folder) / "model.safetensors").write_bytes(b"half")
+            raise SafetensorError(
+                'Error while serializing: IoError(Os { code: 28, message: "No space left" })'
+            )
+
+        model.save_pretrained = save
+        return model, tokenizer
+
+    monkeypatch.setattr(models, "read_gguf", full_disk)
+    with pytest.raises(
+        CacheError, match=r"cannot write the converted fake.gguf \(.*\): .*No space left.*MiB"
+    ) as exc:
+        models.pull(fake_model)
+    assert "\n" not in str(exc.value) and _no_leftovers(tmp_path)
+    monkeypatch.setattr(models, "read_gguf", read)
+    assert (models.pull(fake_model) / "model.safetensors").stat().st_size > 1000
+
+
+def test_an_output_that_cannot_be_written_is_one_line(monkeypatch, capsys):
+    """A full disk (or no permission) while a command writes its results: one line naming the file."""
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device", "/results/cells.jsonl")
+
+    monkeypatch.setattr(cli, "cmd_policies", full)
+    assert main(["policies"]) == 1
+    err = capsys.readouterr().err
+    assert err == "infinikv: error: cannot write /results/cells.jsonl: No space left on device\n"
 
 
 def _flip_tail(data: bytes) -> bytes:  # inside the last tensor: same size, other values

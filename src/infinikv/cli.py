@@ -7,6 +7,7 @@ stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -16,6 +17,9 @@ from .errors import InfinikvError, InputError
 from .models import DEFAULT_MODEL, REGISTRY, is_pulled
 from .policies import POLICIES
 from .policy_flags import add_policy_arguments, parse_number, policy_knobs
+
+# Errors writing an output (reports, results files) that get one line instead of a traceback
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -302,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
     except InfinikvError as exc:
         print(f"infinikv: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # writing a report, a results file or an output folder: a full disk, no permission
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        print(
+            f"infinikv: error: cannot write {exc.filename or 'the output'}: {exc.strerror}", file=sys.stderr
+        )
+        return 1
     except KeyboardInterrupt:
         print("infinikv: interrupted", file=sys.stderr)
         return 130

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .compat import accept_cache_kwarg
 from .dummy import PREFIX as DUMMY_PREFIX
-from .errors import ModelError
+from .errors import CacheError, ModelError
 from .spec import ModelSpec, model_spec
 from .store import (
     atomic_write,
@@ -39,6 +39,7 @@ from .store import (
     locked,
     read_manifest,
     remove_leftovers,
+    require_space,
     sha256_file,
     write_manifest,
 )
@@ -239,8 +240,18 @@ def _convert_gguf(gguf: Path, hf_dir: Path, sha: str) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    with atomic_write(hf_dir, folder=True) as tmp:
-        model.save_pretrained(tmp)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    require_space(hf_dir.parent, weights, f"converting {gguf.name}")
+    # A write that fails (a full disk after all, no permission) leaves nothing: atomic_write removes its
+    # temporary folder, and the next run converts again.
+    with cache_errors(f"cannot write the converted {gguf.name}"), atomic_write(hf_dir, folder=True) as tmp:
+        try:
+            model.save_pretrained(tmp)
+        except SafetensorError as exc:  # safetensors reports a full disk as its own error, not an OSError
+            raise CacheError(
+                f"cannot write the converted {gguf.name} ({tmp}): {str(exc).splitlines()[0]}; it needs about "
+                f"{weights / 2**20:.0f} MiB"
+            ) from None
         tokenizer.save_pretrained(tmp)
         (tmp / "infinikv.json").write_text(json.dumps({"gguf": gguf.name, "gguf_sha256": sha}))
         write_manifest(tmp)

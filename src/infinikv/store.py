@@ -13,7 +13,8 @@ leaves a half-written entry under its final name:
 * :func:`write_manifest` records each file's size, mtime and SHA-256 beside an entry;
   :func:`check_manifest` compares sizes and mtimes on every open, and hashes a file whose mtime moved (or
   every file, when asked).
-* :func:`cache_errors` turns an ``OSError`` into one line naming the file and the fix.
+* :func:`cache_errors` turns an ``OSError`` into one line naming the file and the fix;
+  :func:`require_space` refuses, in one line, work whose output would not fit the disk, before it starts.
 """
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ def _fix(exc: OSError) -> str:
     if exc.errno == errno.ENOSPC:
         return "free some disk space, or set INFINIKV_CACHE to a folder on another disk"
     return "check the folder, or set INFINIKV_CACHE to another one"
+
+
+SPACE_MARGIN = 1.1  # what a write needs beyond its payload (file headers, the rename's temporary)
+
+
+def require_space(folder: Path, needed: int, what: str) -> None:
+    """CacheError, before any work, when ``folder``'s disk has less free space than ``needed`` bytes (with
+    :data:`SPACE_MARGIN`) for ``what``."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed * SPACE_MARGIN:
+        raise CacheError(
+            f"{what} needs about {needed * SPACE_MARGIN / 2**20:.0f} MiB in {folder}, and "
+            f"{free / 2**20:.0f} MiB are free; {_fix(OSError(errno.ENOSPC, 'no space'))}"
+        )
 
 
 @contextlib.contextmanager
