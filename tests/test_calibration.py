@@ -290,6 +290,9 @@ def test_speculation_recall_is_one_when_speculation_sees_the_real_query_at_full_
     q, k = torch.randn(kv_heads * group, 16, d), torch.randn(kv_heads, n, d)
     full = tiny_skew.projection(2, 1.0)[:kv_heads]
     narrow = tiny_skew.projection(2, 0.1)[:kv_heads]
-    recalls = calibration.tuning.prompt_recall(q, k, q, [full, narrow], 0.125, budget=0.25)
+    recalls = calibration.tuning.prompt_recall(q, k, q, [full, narrow], 0.125, budget=0.25, bits=None)
     assert recalls[0] == pytest.approx(1.0) and recalls[1] < 1.0
-    assert calibration.tuning.prompt_recall(q, k, torch.randn_like(q), [full], 0.125, budget=0.25)[0] < 1.0
+    assert (
+        calibration.tuning.prompt_recall(q, k, torch.randn_like(q), [full], 0.125, budget=0.25, bits=None)[0]
+        < 1.0
+    )

@@ -121,6 +121,64 @@ def test_offload_moves_everything_and_matches_dense(tiny):
     assert stats["kv_fetched_fraction"] == pytest.approx(1.0)
 
 
+def test_every_policy_reports_its_three_costs(tiny, monkeypatch):
+    """Bytes moved, bytes resident on the device and the selector's reads, each a fraction of the dense KV:
+    dense holds everything and chooses nothing; offload holds nothing and moves everything; the oracle's
+    selector reads every key (half the KV) on its scored layers, Quest's only page summaries; InfiniGen holds
+    its partial keys within its device budget."""
+    from infinikv.policies.infinigen import calibration, skewfile
+
+    skew = calibration.calibrate(tiny, text="The quick brown fox jumps over the lazy dog. " * 40, save=False)
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
+    windows = torch.randint(3, 259, (1, 120), generator=torch.Generator().manual_seed(1))
+    knobs = {"oracle": dict(dense_layers=0), "quest": dict(dense_layers=0, page_size=4)}
+    cost = {}
+    for name in ("dense", "offload", "oracle", "quest", "streaming", "infinigen"):
+        _, stats = ppl.token_nll(
+            tiny,
+            make_config(name, budget=0.2, **knobs.get(name, {}))
+            if name in ("oracle", "quest", "infinigen")
+            else make_config(name),
+            windows,
+            30,
+        )
+        cost[name] = stats
+    assert cost["dense"]["device_resident_fraction"] == pytest.approx(1.0)
+    assert cost["dense"]["selector_fraction"] == 0 == cost["offload"]["selector_fraction"]
+    assert cost["offload"]["device_resident_fraction"] == 0 < cost["offload"]["fetch_buffer_fraction"]
+    assert cost["streaming"]["selector_fraction"] == 0
+    assert cost["oracle"]["selector_fraction"] == pytest.approx(0.5, rel=0.02)  # every key, every layer
+    assert 0 < cost["quest"]["selector_fraction"] < cost["oracle"]["selector_fraction"]
+    assert 0 < cost["infinigen"]["device_resident_fraction"] <= 0.125
+    assert cost["infinigen"]["selector_fraction"] > 0 and cost["infinigen"]["selector_time_fraction"] > 0
+
+
+def test_the_front_is_drawn_over_accuracy_and_all_three_costs():
+    def record(policy, budget, ppl_value, moved, resident, selector):
+        result = {"ppl": ppl_value, "kv_fraction": moved, "kv_fetched_fraction": moved}
+        result |= {"device_resident_fraction": resident, "selector_fraction": selector}
+        cell = {"model": "m", "context": 4096, "kind": "ppl", "target": "austen", "policy": policy}
+        return {"cell": cell | {"knobs": {"budget": budget} if budget else {}}, "result": result}
+
+    cheap = record("infinigen", 0.1, 20.5, 0.1, 0.1, 0.05)
+    records = [
+        record("dense", None, 20.0, 0.0, 1.0, 0.0),
+        cheap,
+        record("infinigen", 0.2, 20.4, 0.2, 0.1, 0.05),
+        record("oracle", 0.1, 20.2, 0.1, 0.0, 0.5),  # more accurate, holds less, but reads every key
+        record("h2o", 0.1, 20.5, 0.1, 0.0, 0.05),  # as accurate as cheap, holds less, reads as much
+        record("quest", 0.1, 20.6, 0.1, 0.1, None),  # a cost not recorded: left out
+    ]
+    assert report.dominates(
+        report.costs([records[4]["result"]]) | {"accuracy": -20.5},
+        report.costs([cheap["result"]]) | {"accuracy": -20.5},
+    )
+    (line,) = report.front_lines(records)
+    assert line.startswith("m, 4096 tokens, perplexity on austen: front dense, infinigen budget=0.2, oracle")
+    assert "InfiniGen points dominated: infinigen budget=0.1 (by h2o budget=0.1)" in line
+    assert "(1 cells without all three costs left out)" in line
+
+
 @pytest.mark.parametrize("kind", ["tiny", "tiny_gemma"])
 def test_a_replayed_prefill_equals_the_policys_own(kind, request):
     loaded = request.getfixturevalue(kind)
@@ -292,6 +350,7 @@ def test_a_cell_measured_under_other_default_knobs_is_measured_again(tmp_path):
         return sweep.finished(tmp_path)
 
     assert sweep.is_measured(cell, recorded(now))
+    assert not sweep.is_current(cell, recorded(now))  # measured before its costs were recorded
     assert not sweep.is_measured(cell, recorded({**now, "partial_ratio": 0.2}))
     pinned = dataclasses.replace(cell, knobs=(("budget", 0.1), ("partial_ratio", 0.2)))
     assert sweep.is_measured(pinned, recorded({**now, "partial_ratio": 0.2}))

@@ -66,10 +66,10 @@ class _Spy:
     def observe(self, policy: InfiniGenPolicy, record: Rehearsal) -> None:
         # The partial key cache is the policy's live store: keep it as it was at this step, with its strides
         # (the buffer behind the view, copied), so that scores recomputed from it are computed the same way.
-        buffer = policy.layers[record.layer].slots.partial.clone()
-        self.records.append(
-            dataclasses.replace(record, partial_keys=buffer[..., : record.partial_keys.shape[-1]])
-        )
+        slots, n = policy.layers[record.layer].slots, record.partial_keys.shape[-1]
+        buffer = slots.partial.clone()
+        scale = None if slots.scale is None else slots.scale.clone()[..., :n]
+        self.records.append(dataclasses.replace(record, partial_keys=buffer[..., :n], scale=scale))
 
 
 def _tokens(loaded, policy, prompts=PROMPTS, new=24, **knobs):
@@ -127,10 +127,17 @@ def _decode_logits(loaded, policy, steps: int = 12, **knobs) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-@pytest.mark.parametrize(("dense_layers", "first_layers"), [(0, "dense"), (2, "dense"), (2, "own")])
-def test_full_budget_equals_dense(kind, dense_layers, first_layers, tiny, tiny_gemma, calibrated):
+@pytest.mark.parametrize(
+    ("dense_layers", "first_layers", "partial_keys"),
+    [(0, "dense", "int8"), (2, "dense", "model"), (2, "own", "int8"), (2, "own", "int16")],
+)
+def test_full_budget_equals_dense(
+    kind, dense_layers, first_layers, partial_keys, tiny, tiny_gemma, calibrated
+):
     loaded = tiny if kind == "llama" else tiny_gemma
-    knobs = dict(alpha=math.inf, dense_layers=dense_layers, first_layers=first_layers)
+    knobs = dict(
+        alpha=math.inf, dense_layers=dense_layers, first_layers=first_layers, partial_keys=partial_keys
+    )
     dense, _ = _tokens(loaded, "dense")
     full, stats = _tokens(loaded, "infinigen", budget=1.0, **knobs)
     assert full == dense
@@ -176,7 +183,9 @@ def _rehearsed_from(loaded, policy, record, x, position_ids) -> bool:
     grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
     partial_query = record.to_partial(grouped) * spec.scaling(layer)
     row_columns = policy.layers[layer].row_columns
-    scores = rehearsal.speculative_scores(partial_query, record.partial_keys, row_columns, record.real_slots)
+    scores = rehearsal.speculative_scores(
+        partial_query, record.partial_keys, row_columns, record.real_slots, record.scale
+    )
     return torch.equal(scores, record.scores)
 
 
@@ -343,7 +352,8 @@ def test_counter_eviction_keeps_pool_within_capacity(tiny, calibrated, monkeypat
         if policy.managed(layer):  # evicted tokens left the partial key cache with the pool
             keys = policy.host_pool.keys(layer)
             expected = policy.partial_query(layer, keys).transpose(2, 3)  # the keys in the partial columns
-            assert torch.allclose(slots.view("partial"), expected, atol=1e-5)
+            stored = rehearsal.dequantized(slots.view("partial"), slots.view("scale"))
+            assert torch.allclose(stored, expected, atol=expected.abs().max().item() / 100)
 
 
 def test_absolute_capacity(tiny, calibrated, monkeypatch):
@@ -496,7 +506,9 @@ def test_stats(tiny, calibrated):
     assert stats["decode_bytes_h2d"] <= stats["bytes_h2d"]
     per_layer = stats["selected_tokens_per_layer"]
     assert all(layer["max"] >= layer["mean"] > 0 for layer in per_layer)  # the first two with their own query
-    assert stats["rehearsal_s"] > 0 and stats["kv_bytes_device"] > 0 and stats["evicted_tokens"] == 0
+    assert stats["selector_s"] > 0 and stats["kv_bytes_device"] > 0 and stats["evicted_tokens"] == 0
+    # the rehearsal read at least the partial keys it holds, once per decode step after the first
+    assert stats["selector_bytes"] > stats["kv_bytes_device"]
 
 
 @pytest.mark.real_model
@@ -695,32 +707,65 @@ def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, ske
         assert policy.partial_query(2, keys).shape[-1] == width
 
 
-def test_rehearsal_share_counts_the_partial_keys_of_managed_layers_only(tiny, tiny_gemma, calibrated):
-    """What the bench's link model reads on the device per step for the rehearsal: ⌈ratio·d⌉ of d columns
-    on the managed layers (not the dense ones, not Gemma-3's sliding layers), as a share of all the keys."""
+@pytest.mark.parametrize("partial_keys", ["int8", "int16", "model"])
+@pytest.mark.parametrize("device_budget", [0.125, 0.04])
+def test_the_device_budget_bounds_the_partial_keys_held(
+    partial_keys, device_budget, tiny, tiny_gemma, skews, monkeypatch
+):
+    """At calibrated ratios, the partial key cache (with its scales) stays within the device budget's share of
+    the dense KV cache of the same tokens, at several prompt lengths, on both model families."""
     for loaded in (tiny, tiny_gemma):
+        skew = skews[loaded.weights_id]
+        wide = (RatioAtLength(40, 1.0, ()), RatioAtLength(4096, 1.0, ()))  # ask for every column
+        tuned = dataclasses.replace(skew.tuned, partial_ratio=1.0, ratio_by_length=wide)
+        monkeypatch.setattr(
+            skewfile, "cached_skew", lambda spec, s=skew, t=tuned: dataclasses.replace(s, tuned=t)
+        )
         spec = loaded.spec
-        columns = math.ceil(0.3 * spec.head_dim) / spec.head_dim
-        for first_layers in ("dense", "own"):
-            config = InfiniGenConfig(partial_ratio=0.3, dense_layers=1, first_layers=first_layers)
-            managed = [
-                layer
-                for layer in range(spec.num_layers)
-                if (layer >= 1 or first_layers == "own") and not spec.is_sliding(layer)
-            ]
-            assert config.rehearsal_share(spec) == pytest.approx(columns * len(managed) / spec.num_layers)
-    dense_first = InfiniGenConfig(partial_ratio=0.3, first_layers="dense")
-    assert dense_first.rehearsal_share(tiny_gemma.spec) < 0.3 / 2
+        for words in (3, 30, 90):
+            prompt = ["one two three four " * words]
+            _, stats = _tokens(
+                loaded,
+                "infinigen",
+                prompts=prompt,
+                new=6,
+                partial_keys=partial_keys,
+                device_budget=device_budget,
+            )
+            tokens = stats["prompt_tokens"] + 6 - 1  # what the cache holds after the last step
+            element = next(loaded.model.parameters()).element_size()
+            dense = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element * tokens
+            assert 0 < stats["kv_bytes_device"] <= device_budget * dense
+            if loaded is tiny:  # every layer managed: all columns would not fit, so the budget bound them
+                assert stats["partial_columns_cap"] < spec.head_dim
 
 
-def test_rehearsal_share_follows_the_prompt_length(tiny, skews, monkeypatch):
-    """With ratios per prompt length, the bench's link model reads the columns of the cell's prompt length."""
-    ratios = (RatioAtLength(100, 0.25, ()), RatioAtLength(4096, 0.75, ()))
-    skew = skews[tiny.weights_id]
-    tuned = dataclasses.replace(skew.tuned, ratio_by_length=ratios)
-    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: dataclasses.replace(skew, tuned=tuned))
-    spec, config = tiny.spec, InfiniGenConfig(dense_layers=1, first_layers="dense")
-    managed = (spec.num_layers - 1) / spec.num_layers
-    for tokens, ratio in ((50, 0.25), (1000, 0.75)):
-        columns = math.ceil(ratio * spec.head_dim) / spec.head_dim
-        assert config.rehearsal_share(spec, tokens) == pytest.approx(columns * managed)
+def test_partial_keys_quantized_at_16_bits_select_what_unquantized_ones_select(tiny, calibrated, monkeypatch):
+    """int16 partial keys (a scale per token) choose, layer by layer and step by step, the slots that partial
+    keys in the model's dtype choose, until the first pick where two scores tie at the cut within int16's
+    resolution (after it the runs attend differently); int8 ones hold 1/4 of the bytes (float32 model) plus
+    the scales."""
+    spy, runs, held = _Spy(monkeypatch), {}, {}
+    for partial_keys in ("model", "int16", "int8"):
+        first = len(spy.records)
+        _, stats = _tokens(
+            tiny, "infinigen", new=16, partial_keys=partial_keys, budget=0.3, partial_ratio=0.5
+        )
+        runs[partial_keys], held[partial_keys] = spy.records[first:], stats["kv_bytes_device"]
+    same = 0
+    for exact, quantized in zip(runs["model"], runs["int16"], strict=True):
+        if torch.equal(exact.index, quantized.index):
+            same += 1
+            continue
+        scores = exact.scores
+        for row in range(scores.shape[0]):
+            for head in range(scores.shape[1]):
+                picked = set(exact.index[row, head].tolist()), set(quantized.index[row, head].tolist())
+                differ = torch.tensor(sorted(picked[0] ^ picked[1]), dtype=torch.long)
+                if len(differ):
+                    spread = scores[row, head, differ]
+                    assert float(spread.max() - spread.min()) <= 1e-3 * float(scores[row, head].abs().max())
+        break
+    assert same >= len(runs["model"]) // 2 > 0
+    columns = math.ceil(0.5 * tiny.spec.head_dim)
+    assert held["int8"] == held["model"] * (columns + 2) // (4 * columns)

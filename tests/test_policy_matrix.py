@@ -228,7 +228,8 @@ def infinigen_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
     """alpha inf counts every real token, so the budget alone decides: a managed layer copies each row's
     budget (of its real tokens) as wide as the widest row; a layer it does not manage copies all it holds,
     a sliding one its window - 1 slots (its pool keeps the window). The device holds the managed layers'
-    partial keys, ⌈partial_ratio·head_dim⌉ columns per slot. Capacity 1: nothing is evicted."""
+    partial keys, ⌈partial_ratio·head_dim⌉ columns per slot as stored (int8 and a float16 scale by default).
+    Capacity 1: nothing is evicted."""
     assert math.isinf(config.alpha) and config.capacity == 1 and config.partial_ratio
     own = config.first_layers == "own"  # the first dense_layers layers select too, by their own query
     managed = [
@@ -253,7 +254,11 @@ def infinigen_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
         "decode_bytes_h2d": moved,
         "offload_equivalent_bytes_h2d": offload_bytes(run, config)["bytes_h2d"],
         "kv_bytes_host": sum(held(layer) for layer in range(run.layers)) * run.slot_bytes,
-        "kv_bytes_device": sum(managed) * run.batch * run.kv_heads * columns * run.final * run.element,
+        "kv_bytes_device": sum(managed)
+        * run.batch
+        * run.kv_heads
+        * int(config.bytes_per_token(columns, run.element))
+        * run.final,
     }
 
 
@@ -271,21 +276,33 @@ CASES: dict[str, Case] = {
     "offload": Case({}, offload_bytes, selects=False),
     "streaming": Case({"n_sink": 2, "window": 8}, streaming_bytes, selects=True, full={"window": 100_000}),
     "quest": Case(
-        {"budget": 0.25, "page_size": 4, "dense_layers": 1},
+        {"budget": 0.25, "page_size": 4, "dense_layers": 1, "min_tokens": 0},
         quest_bytes,
         selects=True,
         full={"budget": 1.0, "dense_layers": 0, "page_size": 4},
     ),
-    "h2o": Case({"budget": 0.25, "heavy_ratio": 0.25}, h2o_bytes, selects=True, full={"budget": 100_000}),
+    "h2o": Case(
+        {"budget": 0.25, "heavy_ratio": 0.25, "min_tokens": 0},
+        h2o_bytes,
+        selects=True,
+        full={"budget": 100_000},
+    ),
     "quant": Case({"bits": 2, "group_size": 8}, quant_bytes, selects=False, full={"bits": 16}),
     "infinigen": Case(
-        {"budget": 0.25, "alpha": math.inf, "partial_ratio": 0.25, "window": 8, "dense_layers": 1},
+        {
+            "budget": 0.25,
+            "alpha": math.inf,
+            "partial_ratio": 0.25,
+            "window": 8,
+            "dense_layers": 1,
+            "min_tokens": 0,
+        },
         infinigen_bytes,
         selects=True,
         full={"budget": 1.0, "alpha": math.inf, "dense_layers": 0},
     ),
     "oracle": Case(
-        {"budget": 0.25, "n_sink": 1, "window": 8},
+        {"budget": 0.25, "n_sink": 1, "window": 8, "min_tokens": 0},
         oracle_bytes,
         selects=True,
         full={"budget": 1.0, "dense_layers": 0},
@@ -372,6 +389,25 @@ def test_full_setting_is_dense(policy, model, request, dense_runs):
     loaded = request.getfixturevalue(model)
     results, _ = _run(loaded, policy, case(policy).full)
     assert [r.token_ids for r in results] == [r.token_ids for r in _dense(model, loaded, dense_runs)]
+
+
+FLOORED = [
+    name for name, policy in POLICIES.items() if "min_tokens" in policy.config_class.__dataclass_fields__
+]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("policy", FLOORED)
+def test_a_context_within_the_floor_is_dense(policy, model, request, dense_runs):
+    """A row whose context (prompt and new tokens) is within the policy's floor (``min_tokens``) attends to
+    everything, whatever its budget: dense's tokens, where the same tight budget without the floor departs."""
+    loaded = request.getfixturevalue(model)
+    dense = [r.token_ids for r in _dense(model, loaded, dense_runs)]
+    longest = max(len(loaded.tokenizer(p)["input_ids"]) for p in PROMPTS) + NEW_TOKENS
+    floored, _ = _run(loaded, policy, {**case(policy).tight, "min_tokens": longest})
+    assert [r.token_ids for r in floored] == dense
+    unfloored, _ = _run(loaded, policy, case(policy).tight)  # min_tokens 0
+    assert unfloored[0].stats["mean_tokens_attended"] < floored[0].stats["mean_tokens_attended"]
 
 
 # -- batch invariance ----------------------------------------------------------------------------------------

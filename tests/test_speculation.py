@@ -12,6 +12,7 @@ from infinikv.eval import ppl
 from infinikv.eval.speculation import SpeculationConfig, SpeculationProbe, probe, write
 from infinikv.policies import InfiniGenConfig, make_config
 from infinikv.policies.infinigen import calibration, skewfile, tuning
+from infinikv.policies.infinigen.config import PARTIAL_KEYS
 from infinikv.policies.infinigen.skewfile import RatioAtLength
 
 TEXT = "She had a lively, playful disposition, which delighted in anything ridiculous. " * 12
@@ -145,6 +146,7 @@ def test_prompt_coverage_is_the_probe_on_the_dense_trajectory(tiny, tiny_skew, m
                     tiny_skew.projection(layer, knobs.partial_ratio, True),
                     spec.attention[layer].scaling,
                     knobs.budget,
+                    PARTIAL_KEYS[knobs.partial_keys],
                 )
             )
     kept = [curve[0] for curve in curves]

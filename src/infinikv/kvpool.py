@@ -35,6 +35,7 @@ class TransferCounters:
     bytes_d2h: int = 0  # new tokens' KV written into the pool
     wait_s: float = 0.0  # time the compute stream spent blocked on a copy
     copies: int = 0
+    peak_bytes: int = 0  # the largest single fetch (K and V of one layer): the device buffer it lands in
     timings: list[CopyTiming] = field(default_factory=list)  # CUDA: one per fetch, in order
 
 
@@ -263,7 +264,9 @@ class KVPool:
             rows = self._row_numbers(stores[0].shape, index, extra)
             shape = (batch, heads, tokens + extra, dim)
             out_k, out_v = (self._gather_rows(store, rows, shape) for store in stores)
-        self.counters.bytes_h2d += 2 * batch * heads * tokens * dim * stores[0].element_size()
+        copied = 2 * batch * heads * tokens * dim * stores[0].element_size()
+        self.counters.bytes_h2d += copied
+        self.counters.peak_bytes = max(self.counters.peak_bytes, copied)
         self.counters.copies += 1
         return out_k, out_v
 

@@ -2,13 +2,13 @@
 
 This is a model, not a measurement. It exists because the benchmark host may have no GPU: it takes what a
 run measured per decode step (bytes copied host -> device, copy calls, tokens each layer attended, the
-rehearsal's partial-key reads) and turns them into a step time for a PCIe-attached GPU, the setting of
-InfiniGen (Lee et al., OSDI 2024, https://arxiv.org/abs/2406.19707) and FlexGen
-(https://arxiv.org/abs/2303.06865).
+bytes the selector read: InfiniGen's partial keys, Quest's summaries) and turns them into a step time for a
+PCIe-attached GPU, the setting of InfiniGen (Lee et al., OSDI 2024, https://arxiv.org/abs/2406.19707) and
+FlexGen (https://arxiv.org/abs/2303.06865).
 
 * Link time = bytes / link bandwidth + copy calls x per-copy latency.
-* Device time = bytes the step reads from device memory (weights + attended K/V + partial keys) / device
-  memory bandwidth (single-token decode is memory-bound).
+* Device time = bytes the step reads from device memory (weights + attended K/V + the selector's reads) /
+  device memory bandwidth (single-token decode is memory-bound).
 * Policies that prefetch layer i+1 while layer i computes overlap the two, layer by layer: the step takes
   max(link, device) plus one layer's worth of the smaller (the pipeline fill). Others add them. A layer
   whose copy starts only once its own query exists (InfiniGen's first and own-query layers) waits for it:

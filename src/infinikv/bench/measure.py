@@ -88,10 +88,6 @@ class BenchEntry:
     # The policy whose prefill this entry's shared prefill replays (its own, or dense for the peers).
     prefill_policy: PolicyConfig | None = None
 
-    def rehearsal_share(self, loaded: LoadedModel, tokens: int) -> float:
-        """Share of the cached keys the rehearsal reads per step at a prompt of ``tokens`` (InfiniGen)."""
-        return self.prefill_policy.rehearsal_share(loaded.spec, tokens) if self.kind == "policy" else 0.0
-
     def driver(self, loaded: LoadedModel) -> Driver:
         # transformers' caches store what they are handed, so they can replay a dense-family prefill.
         return Driver(loaded, self.make_cache(), family="dense" if self.kind == "peer" else None)

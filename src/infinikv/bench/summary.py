@@ -40,9 +40,12 @@ def summarise_runs(
         copies = 2.0 * loaded.spec.num_layers if entry.prefetches else 0.0
         attended = context + (steps + 1) / 2  # dense: all cached tokens plus the new one
     mean_cached = context + (steps + 1) / 2
-    rehearsal = med([_rehearsal_s(s) for s in runs]) / steps
+    selector_s = med([_delta(s, "selector_s") for s in runs]) / steps
+    selector_bytes = med([_delta(s, "selector_bytes") for s in runs]) / steps
     wait = med([_delta(s, "prefetch_wait_s") for s in runs]) / steps
     step_s = med(per_step)
+    dense_kv = token_bytes * batch * (context + steps)  # the cache after the last step, held densely
+    resident = runs[-1].kv_bytes.get("device")
     row: dict[str, Any] = {
         "name": entry.name,
         "kind": entry.kind,
@@ -61,8 +64,14 @@ def summarise_runs(
         "kv_fraction_moved": moved / offload_bytes if offload_bytes else 0.0,
         "kv_fraction_attended": attended / mean_cached,
         "copies_per_step": copies,
-        "rehearsal_s_per_step": rehearsal,
-        "rehearsal_fraction": rehearsal / step_s if step_s else 0.0,
+        # the three costs: bytes moved (above), bytes resident on the device, and the selector's work
+        "device_resident_fraction": resident / dense_kv if resident is not None else None,
+        "fetch_buffer_fraction": med([float(s.stats_after.get("fetch_peak_bytes", 0)) for s in runs])
+        / dense_kv,
+        "selector_bytes_per_step": selector_bytes,
+        "selector_fraction": selector_bytes * steps / offload_bytes if offload_bytes else 0.0,
+        "selector_s_per_step": selector_s,
+        "selector_time_fraction": selector_s / step_s if step_s else 0.0,
         "prefetch_wait_s_per_step": wait,
         "prefetch_wait_fraction": wait / step_s if step_s else 0.0,
         "peak_host_rss_bytes": max(s.peak_rss for s in runs),
@@ -71,13 +80,10 @@ def summarise_runs(
         "kv_device_bytes": runs[-1].kv_bytes.get("device"),
     }
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    element_row = token_bytes // (2 * loaded.spec.num_layers)  # one layer's K (or V), one token
     traffic = linkmodel.StepTraffic(
         bytes_h2d=row["bytes_h2d_per_step"],
         copies=copies,
-        device_read_bytes=weights
-        + attended * token_bytes * batch
-        + entry.rehearsal_share(loaded, context) * element_row * loaded.spec.num_layers * mean_cached * batch,
+        device_read_bytes=weights + attended * token_bytes * batch + selector_bytes,
         overlapped=entry.prefetches,
         layers=loaded.spec.num_layers,
         # layer 0's copy waits for any prefetching policy (nothing runs before it): the pipeline fill
@@ -143,8 +149,3 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _delta(run: RunMeasurement, key: str) -> float:
     return float(run.stats_after.get(key, 0.0)) - float(run.stats_before.get(key, 0.0))
-
-
-def _rehearsal_s(run: RunMeasurement) -> float:
-    keys = [k for k in run.stats_after if "rehearsal" in k and k.endswith("_s")]
-    return sum(_delta(run, k) for k in keys)

@@ -24,7 +24,7 @@ from ..data import load_corpus
 from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import PolicyConfig, make_config
-from .runner import DecodeRun, PrefillMemo, policy_name
+from .runner import COSTS, DecodeRun, PrefillMemo, policy_name
 
 Tensor = torch.Tensor
 
@@ -131,6 +131,7 @@ def perplexity(
         "kv_fraction": stats["kv_fraction"],
         "kv_fetched_fraction": stats["kv_fetched_fraction"],
         "kv_attended_fraction": stats["kv_attended_fraction"],
+        **{cost: stats[cost] for cost in COSTS},
         "stats": stats,
     }
     if policy_name(policy) == "dense":

@@ -1,9 +1,11 @@
 """Sweep outputs: summary JSON, markdown tables, plots, and the results document.
 
 Tables: retrieval score per task (RULER scoring, 0-100) and perplexity (with the dense reference on the same
-windows), each with the policy's fraction of the KV cache fetched during decode. Plots (matplotlib, Agg):
-mean retrieval score and perplexity against that fraction, one line per policy, one panel per model and
-context.
+windows), each with the policy's three costs as fractions of the dense KV cache: bytes fetched during decode,
+bytes resident on the compute device, and bytes its selector read (``runner.COSTS``). The front
+(:func:`front_lines`) is drawn over all three: a point is dominated only by one at least as accurate and no
+costlier on every axis. Plots (matplotlib, Agg): mean retrieval score and perplexity against the fraction
+fetched, one line per policy, one panel per model and context.
 """
 
 from __future__ import annotations
@@ -27,6 +29,31 @@ def _selected(config: SweepConfig, done: dict[str, dict]) -> tuple[list[dict], l
     return measured, missing
 
 
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of ``values``; None when one is missing (a cell measured before that cost was recorded)."""
+    return sum(values) / len(values) if values and None not in values else None
+
+
+def costs(results: list[dict]) -> dict[str, float | None]:
+    """A point's three costs (fractions of the dense KV cache), averaged over ``results`` (its cells'):
+    ``moved`` (bytes fetched during decode; 0 for a policy that keeps its cache on the device), ``resident``
+    (bytes kept on the compute device) and ``selector`` (bytes its selector read, on the scale of ``moved``).
+    """
+    moved = [r.get("kv_fetched_fraction", r["kv_fraction"]) or 0.0 for r in results]
+    return {
+        "moved": _mean(moved),
+        "resident": _mean([r.get("device_resident_fraction") for r in results]),
+        "selector": _mean([r.get("selector_fraction") for r in results]),
+    }
+
+
+def _cost_cells(point: dict[str, float | None]) -> str:
+    return f"{fmt(point['moved'], 3)} | {fmt(point['resident'], 3)} | {fmt(point['selector'], 3)}"
+
+
+COST_HEADER = "KV fetched | resident | selector reads"
+
+
 def retrieval_table(records: list[dict]) -> str:
     """Rows: model, context, policy; columns: tasks, mean, KV fraction."""
     rows = [r for r in records if r["cell"]["kind"] == "retrieval"]
@@ -39,17 +66,16 @@ def retrieval_table(records: list[dict]) -> str:
         row = (c["model"], c["context"], policy_label(c["policy"], c["knobs"]))
         grouped.setdefault(row, {})[c["target"]] = r
     lines = [
-        "| model | context | policy | " + " | ".join(tasks) + " | mean | KV fetched |",
-        "|---|---:|---|" + "---:|" * (len(tasks) + 2),
+        "| model | context | policy | " + " | ".join(tasks) + f" | mean | {COST_HEADER} |",
+        "|---|---:|---|" + "---:|" * (len(tasks) + 4),
     ]
     for (model, context, label), by_task in grouped.items():
         scores = [by_task[t]["result"]["score"] if t in by_task else None for t in tasks]
         present = [s for s in scores if s is not None]
-        fractions = [f for r in by_task.values() if (f := r["result"]["kv_fraction"]) is not None]
         mean = sum(present) / len(present) if present else None
-        fraction = sum(fractions) / len(fractions) if fractions else None
         cols = " | ".join(fmt(s, 1) for s in scores)
-        lines.append(f"| {model} | {context} | {label} | {cols} | {fmt(mean, 1)} | {fmt(fraction, 3)} |")
+        point = costs([r["result"] for r in by_task.values()])
+        lines.append(f"| {model} | {context} | {label} | {cols} | {fmt(mean, 1)} | {_cost_cells(point)} |")
     return "\n".join(lines)
 
 
@@ -58,8 +84,8 @@ def ppl_table(records: list[dict]) -> str:
     if not rows:
         return ""
     lines = [
-        "| model | text | context | policy | ppl | dense ppl | Δ ppl | last-block ppl | KV fetched |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|",
+        f"| model | text | context | policy | ppl | dense ppl | Δ ppl | last-block ppl | {COST_HEADER} |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         c, res = r["cell"], r["result"]
@@ -68,9 +94,53 @@ def ppl_table(records: list[dict]) -> str:
         last = res["blocks"][-1]["ppl"]
         lines.append(
             f"| {c['model']} | {c['target']} | {c['context']} | {label} | {res['ppl']:.3f} | "
-            f"{res['dense']['ppl']:.3f} | {delta:+.3f} | {last:.3f} | {fmt(res['kv_fraction'], 3)} |"
+            f"{res['dense']['ppl']:.3f} | {delta:+.3f} | {last:.3f} | {_cost_cells(costs([res]))} |"
         )
     return "\n".join(lines)
+
+
+def dominates(a: dict, b: dict) -> bool:
+    """Whether point ``a`` dominates ``b``: at least as accurate and no costlier on every axis, better on one.
+    Points are dicts with ``accuracy`` (higher is better) and the three :func:`costs`."""
+    axes = ("moved", "resident", "selector")
+    no_worse = a["accuracy"] >= b["accuracy"] and all(a[axis] <= b[axis] for axis in axes)
+    better = a["accuracy"] > b["accuracy"] or any(a[axis] < b[axis] for axis in axes)
+    return no_worse and better
+
+
+def front_lines(records: list[dict]) -> list[str]:
+    """Per model, context and measure: the points no other point dominates over accuracy and the three costs
+    (:func:`dominates`), and each InfiniGen point that a point of another policy dominates, with that point.
+    Cells without all three costs recorded are left out, and said to be."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        c, res = r["cell"], r["result"]
+        retrieval = c["kind"] == "retrieval"
+        point = {
+            "label": policy_label(c["policy"], c["knobs"]),
+            "policy": c["policy"],
+            "accuracy": res["score"] if retrieval else -res["ppl"],
+            **costs([res]),
+        }
+        measure = f"{c['target']} score" if retrieval else f"perplexity on {c['target']}"
+        groups.setdefault((c["model"], c["context"], measure), []).append(point)
+    lines = []
+    for (model, context, measure), points in groups.items():
+        placed = [p for p in points if None not in (p["moved"], p["resident"], p["selector"])]
+        if not placed:
+            continue
+        front = [p["label"] for p in placed if not any(dominates(q, p) for q in placed)]
+        beaten = []
+        for p in placed:
+            rivals = [q["label"] for q in placed if q["policy"] != p["policy"] and dominates(q, p)]
+            if p["policy"] == "infinigen" and rivals:
+                beaten.append(f"{p['label']} (by {rivals[0]})")
+        line = f"{model}, {context} tokens, {measure}: front {', '.join(front)}"
+        line += f"; InfiniGen points dominated: {', '.join(beaten) if beaten else 'none'}"
+        if len(placed) < len(points):
+            line += f" ({len(points) - len(placed)} cells without all three costs left out)"
+        lines.append(line + ".")
+    return lines
 
 
 def plot(records: list[dict], kind: str, path: Path) -> bool:
@@ -205,6 +275,9 @@ def write_report(config: SweepConfig, summary: dict[str, Any], command: str, not
             lines += ["", f"### {model}, {context} tokens", "", table(records)]
         if image in summary["plots"]:
             lines += ["", f"![{title.lower()} vs KV fetched]({rel}/{image})"]
+    front = front_lines(summary["cells"])
+    if front:
+        lines += ["", "## The front", "", FRONT.strip(), ""] + [f"- {line}" for line in front]
     if summary["missing"]:
         lines += ["", "## Not measured in this run", ""]
         variants = len(policy_variants(config)[0])
@@ -233,6 +306,13 @@ def _missing_lines(keys: list[str], variants: int) -> list[str]:
         + ("every policy variant" if len(labels) == variants else ", ".join(labels))
         for (m, c, k, t), labels in grouped.items()
     ]
+
+
+FRONT = """
+A point (policy and setting) is dominated when another is at least as accurate (retrieval score, or
+perplexity) and no costlier on each of the three axes (KV fetched, counting 0 for a cache kept on the device;
+resident; selector reads), and better on one. Each measure's front lists the points nothing dominates.
+"""
 
 
 def retrieval_setup(config: SweepConfig) -> str:
@@ -269,6 +349,12 @@ METHOD = """
   (every layer's whole cache, every step) would copy for the same steps; for policies that keep their cache
   on the compute device (dense and any such policy) it is the fraction of cached tokens attended instead
   (dense = 1).
+- **Resident.** Bytes the policy keeps on the compute device at the end of the run (its KV cache, partial
+  keys, page summaries, scores) divided by the dense KV cache of the same tokens (dense = 1). The largest
+  single copy (the fetch buffer) is recorded apart in each cell (`fetch_buffer_fraction`).
+- **Selector reads.** Bytes the policy's selector read to choose what to fetch during decode (InfiniGen: its
+  partial keys and the look-ahead query projection; Quest: page summaries; the oracle: every key; H2O: its
+  accumulated scores), on the scale of KV fetched. Its share of the decode time is `selector_time_fraction`.
 - **Scoring.** RULER's string_match_all (fraction of reference strings found in the answer), exact match of
   the first number for passkey.
 """

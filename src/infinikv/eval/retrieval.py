@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import PolicyConfig, make_config
-from .runner import DecodeRun, PrefillMemo, policy_name
+from .runner import COSTS, DecodeRun, PrefillMemo, policy_name
 from .scoring import score
 from .tasks import DEPTH_TASKS, TASKS, Sample, generate
 
@@ -144,11 +144,14 @@ def evaluate(
     batch = samples_for(prompt, task, context, samples, depths, seed)
     rows = []
     fractions = []
+    costs: dict[str, list[float | None]] = {cost: [] for cost in COSTS}
     for sample in tqdm(
         batch, desc=f"{policy_name(policy)} {task}@{context}", disable=not progress, leave=False
     ):
         text, stats = answer(loaded, policy, prompt, sample, memo)
         fractions.append(stats["kv_fraction"])
+        for cost, values in costs.items():
+            values.append(stats[cost])
         rows.append(
             {
                 "seed": sample.seed,
@@ -175,5 +178,6 @@ def evaluate(
         "score": sum(r["score"] for r in rows) / len(rows),
         "by_depth": {d: sum(s) / len(s) for d, s in by_depth.items()},
         "kv_fraction": sum(fractions) / len(fractions) if None not in fractions else None,
+        **{cost: sum(v) / len(v) if None not in v else None for cost, v in costs.items()},
         "rows": rows,
     }

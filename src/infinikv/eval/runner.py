@@ -5,8 +5,11 @@ known token at every decode step, so the policy's selection decides every scored
 question through the decode path before the answer is generated. :class:`DecodeRun` does exactly that with
 the Generator's own :class:`~infinikv.forward.Driver` over an :class:`~infinikv.cache.InfinikvCache`.
 
-It also measures what the policy moved: the bytes it copied from the host pool during decode, compared with
-what full offload would move for the same steps (every layer's whole cache, every step).
+It also measures the three costs of a policy, each as a fraction of the dense KV cache: the bytes it copied
+from the host pool during decode, against what full offload would move for the same steps (every layer's
+whole cache, every step); the bytes it keeps resident on the compute device (and, apart, its largest copy:
+the fetch buffer); and its selector's work, the bytes it read to choose, on the same scale as the bytes
+moved, and its share of the decode time.
 
 A :class:`~infinikv.forward.PrefillMemo` shared between runs records the first prefill of a prompt in each
 prefill family and replays it into the next runs of that family, so a sweep runs the model over each prompt
@@ -21,11 +24,14 @@ from typing import Any
 import torch
 
 from ..cache import InfinikvCache
+from ..clock import now
 from ..forward import Driver, PrefillMemo
 from ..models import LoadedModel
 from ..policies import POLICIES, Policy, PolicyConfig, prepare
 
 Tensor = torch.Tensor
+# A run's costs beside the bytes it moved (``kv_fetched_fraction``), each a fraction (DecodeRun.stats)
+COSTS = ("device_resident_fraction", "fetch_buffer_fraction", "selector_fraction", "selector_time_fraction")
 
 
 def policy_name(config: PolicyConfig) -> str:
@@ -60,6 +66,7 @@ class DecodeRun:
         self._offload_bytes = 0  # what full offload would copy over the decode steps so far
         self._context_sum = 0.0  # tokens attendable (cached + new; a window at most), summed over steps
         self._steps = 0
+        self._decode_s = 0.0
         spec = loaded.spec
         dtype_bytes = next(loaded.model.parameters()).element_size()
         self._bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * dtype_bytes
@@ -89,9 +96,11 @@ class DecodeRun:
         attendable = [seen if window is None else min(seen, window) for window in self._windows]
         self._context_sum += sum(attendable) / len(attendable)
         self._steps += 1
-        logits = self.driver.step(tokens)
+        start = now(self.loaded.device)
+        logits = self.driver.step(tokens).float()
+        self._decode_s += now(self.loaded.device) - start
         self.length += 1
-        return logits.float()
+        return logits
 
     def stats(self) -> dict[str, Any]:
         """The policy's statistics plus the fractions of the KV cache it moved and attended during decode.
@@ -101,6 +110,10 @@ class DecodeRun:
         nothing). ``kv_attended_fraction``: tokens attended per layer and step / tokens the layer could attend
         (all cached tokens, or its window on a sliding-window layer).
         ``kv_fraction``: the first when defined, else the second (dense: 1.0) — the x axis of the plots.
+        ``device_resident_fraction``: bytes the policy keeps on the compute device at the end (its KV, partial
+        keys, summaries) / the dense KV cache of the tokens seen; ``fetch_buffer_fraction``: its largest copy
+        (one layer's fetch) on the same scale. ``selector_fraction``: bytes its selector read during decode /
+        what full offload would copy; ``selector_time_fraction``: the selector's share of the decode time.
         """
         stats = dict(self.driver.stats())
         moved = stats["bytes_h2d"] - self._h2d_after_prefill
@@ -115,5 +128,12 @@ class DecodeRun:
             kv_fetched_fraction=fetched,
             kv_attended_fraction=attended,
             kv_fraction=fetched if fetched is not None else attended,
+        )
+        dense_kv = self._bytes_per_token * self.batch * self.length
+        stats.update(
+            device_resident_fraction=stats.get("kv_bytes_device", 0) / dense_kv if dense_kv else None,
+            fetch_buffer_fraction=stats.get("fetch_peak_bytes", 0) / dense_kv if dense_kv else None,
+            selector_fraction=stats["selector_bytes"] / self._offload_bytes if self._offload_bytes else None,
+            selector_time_fraction=stats["selector_s"] / self._decode_s if self._decode_s else None,
         )
         return stats

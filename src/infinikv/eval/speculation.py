@@ -46,7 +46,7 @@ from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import InfiniGenConfig, InfiniGenPolicy, prepare, resolve_budget
 from ..policies.base import attention, group_relative_max, pick_top, reserved_first
-from ..policies.infinigen.rehearsal import Rehearsal
+from ..policies.infinigen.rehearsal import Rehearsal, dequantized
 from ..policies.infinigen.tuning import ALPHAS, coverage_by_alpha
 from .ppl import PerplexityConfig, make_windows
 from .runner import DecodeRun
@@ -140,9 +140,9 @@ class SpeculationProbe(InfiniGenPolicy):
         mass = torch.softmax(logits, dim=-1).mean(dim=2)  # [batch, kv_heads, n + 1]
         past_mass, new_mass = mass[..., :n], mass[..., n]
         real_scores = group_relative_max(logits[..., :n].flatten(1, 2), group)
-        partial_keys = rehearsal.partial_keys
+        partial_keys = dequantized(rehearsal.partial_keys, rehearsal.scale)
         realq = rehearsal.to_partial(query) * scaling  # query: float32, as the real logits
-        realq = torch.matmul(realq, partial_keys[..., :n].float())
+        realq = torch.matmul(realq, partial_keys[..., :n])
         realq = group_relative_max(realq.masked_fill(~real[:, :, None, :n], -math.inf).flatten(1, 2), group)
         sums = self.sums[layer]
         for row in range(batch):

@@ -59,7 +59,7 @@ from ..errors import InfinikvError, InputError
 from ..models import LoadedModel, load
 from ..policies import POLICIES, make_config
 from . import ppl, retrieval
-from .runner import PrefillMemo
+from .runner import COSTS, PrefillMemo
 from .tasks import TASKS
 
 
@@ -295,6 +295,12 @@ def is_measured(cell: Cell, done: dict[str, dict[str, Any]]) -> bool:
     return record is not None and (cell.kind != "retrieval" or record["result"]["samples"] == cell.samples)
 
 
+def is_current(cell: Cell, done: dict[str, dict[str, Any]]) -> bool:
+    """Whether ``cell`` is measured (:func:`is_measured`) with every cost recorded (``runner.COSTS``): a cell
+    measured before the costs were is measured again by the next sweep; the report shows it until then."""
+    return is_measured(cell, done) and all(cost in done[cell.identity]["result"] for cost in COSTS)
+
+
 def run_cell(
     cell: Cell, loaded: LoadedModel, config: SweepConfig, done: dict[str, dict], memo: PrefillMemo
 ) -> dict[str, Any]:
@@ -317,14 +323,15 @@ def run_sweep(
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
 ) -> None:
-    """Measure every cell (of ``shard``) not yet in ``cells.jsonl``, appending each as it finishes.
+    """Measure every cell (of ``shard``) not yet in ``cells.jsonl`` with its costs (:func:`is_current`),
+    appending each as it finishes.
     :func:`infinikv.eval.report.write_outputs` turns the finished cells into tables and plots."""
     config.out.mkdir(parents=True, exist_ok=True)
     done = finished(config.out)
     _, unavailable = policy_variants(config)
     for name in unavailable:
         print(f"sweep: policy '{name}' is not in this build; its cells are skipped", file=sys.stderr)
-    todo = [c for c in cells(config, shard) if not is_measured(c, done)]
+    todo = [c for c in cells(config, shard) if not is_current(c, done)]
     loaded: LoadedModel | None = None
     memo, memo_group = PrefillMemo(), None
     path = config.out / "cells.jsonl"

@@ -28,6 +28,9 @@ its valid range, checked once for every policy. A new policy is one file with ``
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -144,14 +147,15 @@ def sinks_and_recent(valid: Tensor, n_sink: int, recent: int) -> Tensor:
     return valid & ((rank <= n_sink) | (slot >= valid.shape[1] - recent))
 
 
-def resolve_budget(budget: float, context: int, capped: bool = True) -> int:
+def resolve_budget(budget: float, context: int, capped: bool = True, floor: int = 0) -> int:
     """Tokens a ``budget`` stands for: <= 1 is a fraction of ``context`` (1 = all of it, at least one token),
-    above 1 a token count. ``capped``: never more than ``context`` (False keeps a token count's meaning while
-    the context grows)."""
+    above 1 a token count; at least ``floor`` (a config's ``min_tokens``). ``capped``: never more than
+    ``context`` (False keeps a token count's meaning, and the floor's, while the context grows)."""
     if not budget > 0:
         raise PolicyError(f"budget must be positive, got {budget}")
     tokens = math.ceil(budget * context) if budget <= 1 else int(budget)
-    return max(1, min(tokens, context) if capped or budget <= 1 else tokens)
+    tokens = max(1, min(tokens, context) if capped or budget <= 1 else tokens)
+    return min(max(tokens, floor), context) if capped else max(tokens, floor)
 
 
 # -- policies ------------------------------------------------------------------------------------------------
@@ -183,6 +187,10 @@ class Policy:
         self.key_valid: Tensor | None = None
         self._attended_tokens = 0.0  # summed over layers and steps, averaged over batch and heads
         self._attended_calls = 0
+        # The selector's work, summed over layers and steps: bytes it read on the compute device (partial
+        # keys, page summaries, scores, and the keys themselves for the oracle) and the time spent choosing.
+        self._selector_bytes = 0
+        self._selector_s = 0.0
 
     # -- the seam ------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -231,9 +239,12 @@ class Policy:
         out["bytes_h2d"] = counters.bytes_h2d if counters else 0
         out["bytes_d2h"] = counters.bytes_d2h if counters else 0
         out["prefetch_wait_s"] = round(counters.wait_s, 6) if counters else 0.0
+        out["fetch_peak_bytes"] = counters.peak_bytes if counters else 0
         out["mean_tokens_attended"] = (
             float(self._attended_tokens) / self._attended_calls if self._attended_calls else 0.0
         )
+        out["selector_bytes"] = self._selector_bytes
+        out["selector_s"] = round(self._selector_s, 6)
         return out
 
     def close(self) -> None:
@@ -252,6 +263,21 @@ class Policy:
             tokens = float(n_tokens if window is None else min(n_tokens, window))
         self._attended_tokens = self._attended_tokens + tokens
         self._attended_calls += 1
+
+    def selector_read(self, *tensors: Tensor) -> None:
+        """Count ``tensors`` as read by this step's selector: a selector's work is reported beside the bytes
+        it saves moving (``stats()["selector_bytes"]``)."""
+        self._selector_bytes += sum(t.numel() * t.element_size() for t in tensors)
+
+    @contextmanager
+    def selecting(self) -> Iterator[None]:
+        """Time the enclosed choosing (``stats()["selector_s"]``). Host time without a device sync: on a GPU
+        it is the time to queue the work, so the bench reads the selector's share from CPU runs."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._selector_s += time.perf_counter() - start
 
     def past_valid(self, n_past: int, batch: int) -> Tensor:
         """bool [batch, n_past]: which past positions hold real tokens (False = left padding)."""
@@ -349,8 +375,10 @@ class ScoredPolicy(HostPoolPolicy):
 
     def takes(self, layer: int, real: list[int]) -> list[int]:
         """Units each row takes this step, from its ``real`` past tokens (left padding excluded): the budget
-        (``config.budget``: <= 1 a fraction of them, else a token count), at most all of them."""
-        return [min(resolve_budget(self.config.budget, max(n, 1)), n) for n in real]
+        (``config.budget``: <= 1 a fraction of them, else a token count; at least ``config.min_tokens`` where
+        the config has one), at most all of them."""
+        floor = getattr(self.config, "min_tokens", 0)
+        return [min(resolve_budget(self.config.budget, max(n, 1), floor=floor), n) for n in real]
 
     def real_past(self, layer: int, n_past: int, batch: int) -> list[int]:
         """Real (not left padding) past tokens per row."""
@@ -398,6 +426,11 @@ class ScoredPolicy(HostPoolPolicy):
         if takes == units:  # every row reads all it has
             self._query.pop(layer, None)
             return everything, None
+        with self.selecting():
+            return self._pick(layer, n_past, batch, takes)
+
+    def _pick(self, layer: int, n_past: int, batch: int, takes: list[int]) -> tuple[Tensor, Tensor | None]:
+        """:meth:`select`'s choice when a row leaves something out: score, then each row's ``takes``."""
         scores = self.score(layer, n_past, batch)
         reserved = self.reserved(layer, n_past, batch)
         if scores is None:  # the reserved slots are the pick: each row's first takes[row], ascending

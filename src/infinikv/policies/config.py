@@ -17,6 +17,9 @@ from ..errors import PolicyError
 # every token-count budget): beyond any model's context, where a count means all of it, and far below where
 # arithmetic on it in int64 tensors would overflow.
 MAX_COUNT = 10**9
+# The default floor under a selective policy's budget (``min_tokens``): docs/reliability.md has the curve it
+# was chosen from (greedy answers to short prompts that equal dense's, per floor).
+MIN_TOKENS = 64
 
 
 def knob(
@@ -36,6 +39,16 @@ def knob(
     ``choices`` lists a string knob's values."""
     meta = {"doc": doc, "low": low, "high": high, "open_low": open_low, "allow_inf": allow_inf}
     return field(default=default, metadata={**meta, "choices": choices})
+
+
+def min_tokens_knob() -> Any:
+    """The ``min_tokens`` knob of every policy whose budget is a fraction of the context."""
+    return knob(
+        MIN_TOKENS,
+        "floor under the budget, in tokens: a row attends at least this many past tokens, and all of them "
+        "while its context is within the floor (a short prompt keeps dense's answer); 0 = no floor",
+        low=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -76,12 +89,6 @@ class PolicyConfig:
         covered: a prompt longer than one prefill chunk, whose chunks are cut on the batch's grid too, with
         a policy whose later chunks attend to a lossy copy of the earlier ones (quant)."""
         return 1
-
-    def rehearsal_share(self, spec: Any, tokens: int | None = None) -> float:
-        """Share of the cached keys (all layers, all columns) the policy reads on the compute device per
-        decode step to choose what to fetch (InfiniGen's partial keys on its managed layers; ``spec``: the
-        ModelSpec; ``tokens``: the prompt length, when the share depends on it); 0: none."""
-        return 0.0
 
 
 def _check_knob(name: str, kind: Any, value: Any, meta: Any) -> None:

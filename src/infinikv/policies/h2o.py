@@ -28,7 +28,7 @@ import torch
 from ..kvpool import Transfer
 from ..spec import ModelSpec
 from .base import HostPoolPolicy, Selection, attention, attention_weights, resolve_budget
-from .config import PolicyConfig, knob
+from .config import PolicyConfig, knob, min_tokens_knob
 from .registry import register
 
 Tensor = torch.Tensor
@@ -44,6 +44,7 @@ class H2OConfig(PolicyConfig):
         low=0,
         open_low=True,
     )
+    min_tokens: int = min_tokens_knob()
     heavy_ratio: float = knob(
         0.5, "share of the budget held by heavy hitters; the rest is the recent window", low=0, high=1
     )
@@ -132,7 +133,8 @@ class H2OPolicy(HostPoolPolicy):
             recent = budget
         else:
             lengths = self.past_valid(n, batch).sum(dim=1).tolist()
-            rows = [resolve_budget(self.config.budget, max(1, real), capped=False) for real in lengths]
+            floor = self.config.min_tokens
+            rows = [resolve_budget(self.config.budget, max(1, real), False, floor) for real in lengths]
             budget = torch.tensor(rows, device=self.device)
             heavy = torch.tensor(
                 [min(round(self.config.heavy_ratio * b), b - 1) for b in rows], device=self.device
@@ -187,8 +189,10 @@ class H2OPolicy(HostPoolPolicy):
         out = torch.matmul(weights.to(v.dtype), v.repeat_interleave(group, dim=1)).transpose(1, 2)
         batch, kv_heads = k.shape[:2]
         received = weights[:, :, 0].view(batch, kv_heads, group, -1).sum(dim=2)
-        score = torch.cat([self.score[layer], received.new_zeros(batch, kv_heads, 1)], dim=2) + received
-        self._store_new(layer, score, k, v)
+        with self.selecting():  # the accumulated scores choose which token is dropped
+            self.selector_read(self.score[layer])
+            score = torch.cat([self.score[layer], received.new_zeros(batch, kv_heads, 1)], dim=2) + received
+            self._store_new(layer, score, k, v)
         return out
 
     def _store_new(self, layer: int, score: Tensor, k: Tensor, v: Tensor) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import ScoredPolicy
-from .config import PolicyConfig, knob
+from .config import PolicyConfig, knob, min_tokens_knob
 from .registry import register
 
 Tensor = torch.Tensor
@@ -45,6 +45,7 @@ class OracleConfig(PolicyConfig):
         low=0,
         open_low=True,
     )
+    min_tokens: int = min_tokens_knob()
     dense_layers: int = knob(
         0, "the first layers, which load their full KV (InfiniGen's select too, with their own query)", low=0
     )
@@ -71,6 +72,7 @@ class OraclePolicy(ScoredPolicy):
         """The layer's real logits of every past slot, per query head: [batch, heads, n_past], read from the
         whole key cache in the host pool."""
         keys = self.host_pool.keys(layer)  # [batch, kv_heads, n_past, d]
+        self.selector_read(keys)  # the whole key cache: the oracle's price
         query = self.query(layer)
         group = self.spec.group_size
         grouped = query.to(keys.device, keys.dtype).reshape(*keys.shape[:2], group, -1)

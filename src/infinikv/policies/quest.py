@@ -25,7 +25,7 @@ import torch
 
 from ..spec import ModelSpec
 from .base import ScoredPolicy, resolve_budget
-from .config import PolicyConfig, knob
+from .config import PolicyConfig, knob, min_tokens_knob
 from .registry import register
 
 Tensor = torch.Tensor
@@ -40,6 +40,7 @@ class QuestConfig(PolicyConfig):
         low=0,
         open_low=True,
     )
+    min_tokens: int = min_tokens_knob()
     page_size: int = knob(
         16,
         "tokens per page, at most 4096 (larger is refused: each row's unfinished page of keys stays on the "
@@ -152,13 +153,15 @@ class QuestPolicy(ScoredPolicy):
         """Full pages per row: its budget (of its context, the new token included) less its unfinished
         page and the new token, in whole pages."""
         size, held = self.config.page_size, self.n_partial[layer].tolist()
-        budgets = [resolve_budget(self.config.budget, n + 1, capped=False) for n in real]
+        floor = self.config.min_tokens
+        budgets = [resolve_budget(self.config.budget, n + 1, capped=False, floor=floor) for n in real]
         return [max(0, (b - h - 1) // size) for b, h in zip(budgets, held, strict=True)]
 
     def score(self, layer: int, n_past: int, batch: int) -> Tensor:
         """Each page's upper bound on the logit of any of its tokens, per KV head: [batch, kv_heads, pages]
         (the max over the group's query heads, as the paper's; -inf on the pages a row does not have)."""
         query, page_max, page_min = self.query(layer), self.page_max[layer], self.page_min[layer]
+        self.selector_read(page_max, page_min)
         batch, kv_heads, n_pages, _ = page_max.shape
         q = query.reshape(batch, kv_heads, query.shape[1] // kv_heads, 1, -1)
         bound = torch.maximum(q * page_max[:, :, None], q * page_min[:, :, None]).sum(dim=-1).amax(dim=2)

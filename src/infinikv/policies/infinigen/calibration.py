@@ -47,7 +47,7 @@ from ...errors import InputError
 from ...spec import ModelSpec
 from ...store import locked
 from . import skewfile, tuning
-from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
+from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, PARTIAL_KEYS, InfiniGenConfig
 from .skewfile import AlphaPoint, OwnQueryPoint, RatioAtLength, RatioPoint, Skew, Tuned, skew_path
 
 if TYPE_CHECKING:
@@ -208,6 +208,7 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
     for every layer (``tuning.RULE``: the mean curve's, a summary beside the per-layer ones); each with its
     rule."""
     defaults = InfiniGenConfig()
+    bits = PARTIAL_KEYS[defaults.partial_keys]  # the rehearsal is measured on keys stored as it stores them
     shortest = min(windows)
     inputs = windows[shortest]
     calibrated = [layer for layer in range(spec.num_layers) if not spec.is_sliding(layer) and layer in inputs]
@@ -217,6 +218,7 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
         none = (None,) * spec.num_layers
         return Tuned(
             partial_ratio=PAPER_PARTIAL_RATIO,
+            partial_keys=defaults.partial_keys,
             ratio_rule=rule,
             ratio_curve=(),
             ratio_by_length=(),
@@ -245,6 +247,7 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
                     [skew.projection(layer, ratio, defaults.skew) for ratio in tuning.RATIOS],
                     spec.scaling(layer),
                     defaults.budget,
+                    bits,
                 )
                 for layer in rehearsed
             ]
@@ -263,7 +266,9 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
         for layer in rehearsed:
             q, k, _ = windows[end][layer]
             projection = skew.projection(layer, ratio_of[end], defaults.skew)
-            own_recall += tuning.prompt_recall(q, k, q, [projection], spec.scaling(layer), defaults.budget)
+            own_recall += tuning.prompt_recall(
+                q, k, q, [projection], spec.scaling(layer), defaults.budget, bits
+            )
         rehearsed_recall = recalls[:, column].tolist()
         shares.append(
             [min(1.0, r / o) if o else 1.0 for r, o in zip(rehearsed_recall, own_recall, strict=True)]
@@ -281,7 +286,7 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
         q, k, q_rehearsed = inputs[layer]
         projection = skew.projection(layer, ratio, defaults.skew)
         coverage = {
-            way: tuning.prompt_coverage(q, k, query, projection, spec.scaling(layer), defaults.budget)
+            way: tuning.prompt_coverage(q, k, query, projection, spec.scaling(layer), defaults.budget, bits)
             for way, query in (("own", q), ("rehearsed", q_rehearsed))
         }
         for way, (share, _) in coverage.items():
@@ -294,6 +299,7 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
     kept_mean, fetched_mean = torch.stack(kept).mean(0).tolist(), torch.stack(fetched).mean(0).tolist()
     return Tuned(
         partial_ratio=ratio,
+        partial_keys=defaults.partial_keys,
         ratio_rule=tuning.RATIO_RULE.format(
             ratios=list(tuning.RATIOS), target=tuning.RATIO_TARGET, **settings
         ),

@@ -16,12 +16,15 @@ from dataclasses import dataclass
 
 from ...errors import PolicyError
 from ...spec import ModelSpec
-from ..config import PolicyConfig, knob
-from . import skewfile
+from ..config import PolicyConfig, knob, min_tokens_knob
 from .skewfile import Skew
 
 EVICTIONS = ("fifo", "lru", "counter")
 FIRST_LAYERS = ("dense", "own")
+# How the partial key cache is stored on the device, and its bits per value: integers with one 16-bit float
+# scale per token and KV head, or the model's own dtype (the paper's; its bits depend on the model).
+PARTIAL_KEYS = {"int8": 8, "int16": 16, "model": None}
+SCALE_BYTES = 2  # the per-token scale of integer partial keys (float16)
 PAPER_ALPHA = 5.0  # the paper's and artifact's threshold for Llama-family models
 PAPER_PARTIAL_RATIO = 0.2  # the paper's share of key columns
 
@@ -48,12 +51,28 @@ class InfiniGenConfig(PolicyConfig):
         low=0,
         high=1,
     )
+    partial_keys: str = knob(
+        "int8",
+        "how the partial key cache is stored on the device: int8 or int16 with one scale per token and KV "
+        "head (symmetric, the scale's max), or model = the model's dtype (the paper)",
+        choices=tuple(PARTIAL_KEYS),
+    )
+    device_budget: float = knob(
+        0.125,
+        "most device memory the partial key cache may hold, as a fraction of the dense KV cache of the same "
+        "tokens in the model's dtype; a calibrated partial_ratio is cut to the widest that fits (a given "
+        "one is kept, and stats report what it holds)",
+        low=0,
+        high=1,
+        open_low=True,
+    )
     budget: float = knob(
         0.2,
         "cap on tokens fetched per layer (<= 1: fraction of the context; a count above it fetches all)",
         low=0,
         open_low=True,
     )
+    min_tokens: int = min_tokens_knob()
     capacity: float = knob(
         1.0,
         "host pool size (<= 1: fraction of the tokens seen, else tokens; 1 = no eviction)",
@@ -134,11 +153,21 @@ class InfiniGenConfig(PolicyConfig):
             return frozenset(), "none (this calibration names none; the paper rehearses every layer)"
         return frozenset(tuned.own_query_layers), f"calibrated: {tuned.own_query_rule}"
 
-    def rehearsal_share(self, spec: ModelSpec, tokens: int | None = None) -> float:
-        # the partial keys of the managed layers: ⌈ratio·d⌉ of d columns each, at a prompt of ``tokens``
-        ratio = self.resolve("partial_ratio", skewfile.cached_skew(spec), tokens=tokens)[0]
-        columns = max(1, math.ceil(ratio * spec.head_dim)) / spec.head_dim
-        return columns * sum(self.selects(spec, i) for i in range(spec.num_layers)) / spec.num_layers
+    def bytes_per_token(self, columns: int, element_size: int) -> float:
+        """Device bytes of one token's partial key, one KV head, at ``columns`` columns (``element_size``:
+        the model dtype's, for ``partial_keys`` model)."""
+        bits = PARTIAL_KEYS[self.partial_keys]
+        return columns * element_size if bits is None else columns * bits / 8 + SCALE_BYTES
+
+    def column_cap(self, spec: ModelSpec, element_size: int) -> int:
+        """The most partial columns whose cache, over the managed layers, fits ``device_budget`` of the dense
+        KV (``2 · head_dim · element_size`` bytes per token and KV head on every layer); at least 1."""
+        managed = sum(self.selects(spec, layer) for layer in range(spec.num_layers))
+        if not managed:
+            return spec.head_dim
+        allowed = self.device_budget * 2 * spec.head_dim * element_size * spec.num_layers / managed
+        fits = [c for c in range(1, spec.head_dim + 1) if self.bytes_per_token(c, element_size) <= allowed]
+        return max(fits, default=1)
 
     def selects(self, spec: ModelSpec, layer: int) -> bool:
         """Whether ``layer`` fetches selected tokens (the others load their full KV or their window)."""
@@ -151,13 +180,14 @@ class InfiniGenConfig(PolicyConfig):
         layer: int | None = None,
         tokens: int | None = None,
         own_query: bool | None = None,
+        cap: tuple[int, int] | None = None,
     ) -> tuple[float, str]:
         """The value of the calibrated knob ``name`` ("alpha" or "partial_ratio") with ``skew``, and where it
         came from: this config's when set, else the model's calibrated one (alpha: ``layer``'s own when it
         was calibrated, scored as the layer chooses, by its own query or rehearsed (``own_query``; None: as
         at the default knobs), else the one for all layers; partial_ratio: the one for a prompt of
-        ``tokens`` when given and calibrated per length, else the calibration text's), else (a calibration
-        without it) the paper's."""
+        ``tokens`` when given and calibrated per length, else the calibration text's, cut to ``cap`` = (most
+        columns, head_dim) when given: the device budget's), else (a calibration without it) the paper's."""
         given = getattr(self, name)
         if given:
             return float(given), "given"
@@ -169,8 +199,15 @@ class InfiniGenConfig(PolicyConfig):
             by_length = tuned.ratio_by_length
             if tokens is not None and by_length:
                 entry = next((e for e in by_length if e.tokens >= tokens), by_length[-1])
-                return entry.partial_ratio, f"calibrated at {entry.tokens} tokens: {tuned.ratio_rule}"
-            return tuned.partial_ratio, f"calibrated: {tuned.ratio_rule}"
+                ratio, source = (
+                    entry.partial_ratio,
+                    f"calibrated at {entry.tokens} tokens: {tuned.ratio_rule}",
+                )
+            else:
+                ratio, source = tuned.partial_ratio, f"calibrated: {tuned.ratio_rule}"
+            if cap is not None and math.ceil(ratio * cap[1]) > cap[0]:
+                return cap[0] / cap[1], f"the device budget's {cap[0]} of {cap[1]} columns ({source})"
+            return ratio, source
         per_layer = {
             None: tuned.alpha_per_layer,
             True: tuned.alpha_per_layer_own,
@@ -182,20 +219,23 @@ class InfiniGenConfig(PolicyConfig):
 
     def alpha_holds(self, skew: Skew | None, ratio: float, head_dim: int) -> tuple[bool, str]:
         """Whether the alpha in use counts a sequence that rehearses with ``ratio`` of the columns, and why:
-        a given alpha, or the paper's, always; calibrated alphas only at as many columns as they were
-        calibrated with."""
+        a given alpha, or the paper's, always; calibrated alphas only at as many columns, stored as they
+        were calibrated with."""
         tuned = skew.tuned if skew is not None else None
         if self.alpha or tuned is None:
             return True, "alpha"
         calibrated_at = tuned.partial_ratio
+        if tuned.partial_keys != self.partial_keys:
+            return False, f"budget (alphas calibrated with {tuned.partial_keys} partial keys)"
         if math.ceil(ratio * head_dim) == math.ceil(calibrated_at * head_dim):
             return True, "alpha"
         return False, f"budget (alphas calibrated at partial ratio {calibrated_at:g}, this one's {ratio:g})"
 
-    def widest_ratio(self, skew: Skew | None) -> float:
-        """The widest partial ratio any prompt length resolves to: the prompt's partial keys are computed
-        with it before its length is known."""
-        ratio = self.resolve("partial_ratio", skew)[0]
+    def widest_ratio(self, skew: Skew | None, cap: tuple[int, int] | None = None) -> float:
+        """The widest partial ratio any prompt length resolves to (``cap`` as in :meth:`resolve`): the
+        prompt's partial keys are computed with it before its length is known."""
+        ratio = self.resolve("partial_ratio", skew, cap=cap)[0]
         tuned = skew.tuned if skew is not None and not self.partial_ratio else None
         by_length = tuned.ratio_by_length if tuned is not None else ()
-        return max([ratio] + [entry.partial_ratio for entry in by_length])
+        calibrated = max([entry.partial_ratio for entry in by_length], default=0.0)
+        return max(ratio, calibrated if cap is None else min(calibrated, cap[0] / cap[1]))

@@ -79,7 +79,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -92,9 +91,9 @@ from ..base import HostPoolPolicy, Selection, pick_top, resolve_budget
 from ..registry import register
 from . import skewfile
 from .calibration import ensure_skew
-from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, InfiniGenConfig
+from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, PARTIAL_KEYS, InfiniGenConfig
 from .layer import LayerState
-from .rehearsal import Rehearsal, count_within, speculative_scores
+from .rehearsal import Rehearsal, count_within, quantize, speculative_scores
 from .skewfile import Skew
 
 Tensor = torch.Tensor
@@ -142,10 +141,12 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
         self._padding: list[int] = []  # left-padding tokens per sequence, kept on the host (no sync per step)
         self._step = 0
+        self._bits = PARTIAL_KEYS[config.partial_keys]
+        # (most partial columns within the device budget, head_dim), set by the first prompt chunk's dtype
+        self._cap: tuple[int, int] | None = None
         # statistics
         self._decode_h2d = 0
         self._offload_h2d = 0  # what full offload would have moved in the same decode steps
-        self._rehearsal_s = 0.0
         self._evicted = 0
 
     # -- which layer does what -------------------------------------------------------------------------------
@@ -184,22 +185,29 @@ class InfiniGenPolicy(HostPoolPolicy):
             self._padding = (~self._real).sum(dim=1).tolist()
         start, count = self.layers[layer].seen, k.shape[2]
         pos = torch.arange(start, start + count, device=k.device).expand(k.shape[0], k.shape[1], -1)
-        self.layers[layer].slots.append(pos, self._partial_keys(layer, k), 0)
+        partial, scale = self._partial_keys(layer, k)
+        self.layers[layer].slots.append(pos, partial, 0, scale)
         self.layers[layer].seen = start + count
         return self.host_pool.extend(layer, k, v)
 
-    def _partial_keys(self, layer: int, k: Tensor) -> Tensor | None:
-        """[batch, kv_heads, tokens, k]: the partial skewed keys of ``k``, in the columns the store keeps."""
+    def _partial_keys(self, layer: int, k: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """The partial skewed keys of ``k`` [batch, kv_heads, tokens, k'] in the columns the store keeps, and
+        their per-token scales [batch, kv_heads, tokens, 1] (None: not quantized). The scale is taken over
+        the widest calibrated columns, whatever the batch keeps, so a row's integers are those it gets
+        alone."""
         state = self.layers[layer]
         if not state.managed:
-            return None
+            return None, None
+        if self._cap is None:
+            self._cap = (self.config.column_cap(self.spec, k.element_size()), self.spec.head_dim)
         if state.projection is None:
             skew = self.skew()
-            projection = skew.projection(layer, self.config.widest_ratio(skew), self.config.skew)
+            projection = skew.projection(layer, self.config.widest_ratio(skew, self._cap), self.config.skew)
             state.projection = projection.to(k.device, k.dtype)
         if self._step:
             self._settle_columns(layer)
-        return state.in_store(torch.matmul(k, state.projection))
+        partial, scale = quantize(torch.matmul(k, state.projection), self._bits)
+        return state.in_store(partial), scale
 
     def _settle_columns(self, layer: int) -> None:
         """At the first decode step: each sequence's ratio by its prompt length, and the store of ``layer``
@@ -210,13 +218,14 @@ class InfiniGenPolicy(HostPoolPolicy):
         skew, flag = self.skew(), self.config.skew
         if self._ratios is None:
             self._ratios = [
-                self.config.resolve("partial_ratio", skew, tokens=n) for n in self._real_tokens(layer)
+                self.config.resolve("partial_ratio", skew, tokens=n, cap=self._cap)
+                for n in self._real_tokens(layer)
             ]
             head_dim = self.spec.head_dim
             self._count_rules = [self.config.alpha_holds(skew, r, head_dim) for r, _ in self._ratios]
         ratios = sorted({ratio for ratio, _ in self._ratios})
         device = state.projection.device
-        widest = skew.columns(layer, self.config.widest_ratio(skew), flag)
+        widest = skew.columns(layer, self.config.widest_ratio(skew, self._cap), flag)
         stored = skew.columns(layer, ratios[-1], flag)
         if stored.shape[1] < widest.shape[1]:
             state.stored = _positions(widest, stored).to(device)
@@ -322,16 +331,16 @@ class InfiniGenPolicy(HostPoolPolicy):
     def _select(self, layer: int, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
         """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, ascending per
         row, and which of them each row attends to (None: all)."""
-        start = time.perf_counter()
-        scores = self.speculate(layer, x, position_ids)  # settles each sequence's columns and count rule
-        real_tokens = self._real_tokens(layer)
-        reserved = self._reserved(layer)
-        budgets = [resolve_budget(self.config.budget, max(n, 1)) for n in real_tokens]
-        counts = count_within(scores, self._row_alphas(layer, scores.dtype), budgets, reserved)
-        index, valid = pick_top(scores, counts.tolist(), reserved)  # the gather's size: one host sync
+        with self.selecting():
+            scores = self.speculate(layer, x, position_ids)  # settles each sequence's columns and count rule
+            real_tokens = self._real_tokens(layer)
+            reserved = self._reserved(layer)
+            floor = self.config.min_tokens
+            budgets = [resolve_budget(self.config.budget, max(n, 1), floor=floor) for n in real_tokens]
+            counts = count_within(scores, self._row_alphas(layer, scores.dtype), budgets, reserved)
+            index, valid = pick_top(scores, counts.tolist(), reserved)  # the gather's size: one host sync
         state = self.layers[layer]
         state.selected.append(counts.float().mean())
-        self._rehearsal_s += time.perf_counter() - start
         if self.observer is not None:
             self.observer(
                 Rehearsal(
@@ -345,6 +354,7 @@ class InfiniGenPolicy(HostPoolPolicy):
                     valid=valid,
                     real_slots=self.real_slots(layer),
                     partial_keys=state.slots.view("partial"),
+                    scale=self._scales(layer),
                     to_partial=functools.partial(self.partial_query, layer),
                 )
             )
@@ -359,7 +369,18 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._settle_columns(layer)
         partial_query = self.partial_query(layer, grouped) * spec.scaling(layer)
         real = self.real_slots(layer) if self._has_padding() else None
-        return speculative_scores(partial_query, state.slots.view("partial"), state.row_columns, real)
+        partial_keys, scale = state.slots.view("partial"), self._scales(layer)
+        # what the rehearsal reads: the partial key cache, and for a look-ahead the query projection's
+        # weights (an own-query layer's query is the layer's own, which it computes anyway)
+        self.selector_read(partial_keys, *([] if scale is None else [scale]))
+        if layer not in self.own_query():
+            self.selector_read(spec.attention[layer].q_proj.weight)
+        return speculative_scores(partial_query, partial_keys, state.row_columns, real, scale)
+
+    def _scales(self, layer: int) -> Tensor | None:
+        """[batch, kv_heads, 1, slots]: per-token scales of ``layer``'s quantized partial keys (or None)."""
+        slots = self.layers[layer].slots
+        return None if slots.scale is None else slots.view("scale")
 
     def partial_query(self, layer: int, query: Tensor) -> Tensor:
         """``query`` [batch, kv_heads, group, d] in ``layer``'s partial columns, as its store keeps them."""
@@ -414,14 +435,15 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def _store(self, layer: int, k: Tensor, v: Tensor, position: int) -> None:
         slots = self.layers[layer].slots
-        partial = self._partial_keys(layer, k)
+        partial, scale = self._partial_keys(layer, k)
         if slots.n < self.limit(layer, position + 1):
             self.host_pool.append(layer, k, v)
-            slots.append(torch.full_like(k[:, :, :, 0], position, dtype=torch.long), partial, self._step)
+            positions = torch.full_like(k[:, :, :, 0], position, dtype=torch.long)
+            slots.append(positions, partial, self._step, scale)
             return
         victims = self._eviction_keys(layer).argmin(dim=-1)  # [batch, kv_heads]
         self.host_pool.write_slots(layer, victims, k, v)
-        slots.write(victims, position, partial, self._step)
+        slots.write(victims, position, partial, self._step, scale)
         self._evicted += victims.numel()
 
     def _eviction_keys(self, layer: int) -> Tensor:
@@ -441,8 +463,7 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     # -- reporting -------------------------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        tables = [state.slots for state in self.layers if state.slots.partial is not None]
-        return sum(table.view("partial").numel() * table.partial.element_size() for table in tables)
+        return sum(state.slots.nbytes() for state in self.layers)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
@@ -458,8 +479,9 @@ class InfiniGenPolicy(HostPoolPolicy):
             decode_bytes_h2d=self._decode_h2d,
             offload_equivalent_bytes_h2d=self._offload_h2d,
             kv_fetch_fraction=self._decode_h2d / self._offload_h2d if self._offload_h2d else 0.0,
-            rehearsal_s=round(self._rehearsal_s, 6),
             evicted_tokens=self._evicted,
+            # the most partial columns the device budget allows (of head_dim), for calibrated ratios
+            partial_columns_cap=None if self._cap is None else self._cap[0],
             skew_source=None if self._skew is None else f"{self._skew.source} ({self._skew.tokens} tokens)",
         )
         alphas = [state.alpha for state in self.layers]

@@ -21,11 +21,31 @@ from ..base import group_relative_max
 Tensor = torch.Tensor
 
 
+def quantize(partial: Tensor, bits: int | None) -> tuple[Tensor, Tensor | None]:
+    """``partial`` [..., k] as symmetric ``bits``-bit integers with one float16 scale per row [..., 1] (the
+    row's largest magnitude maps to the largest integer); ``partial`` itself and None when ``bits`` is
+    None."""
+    if bits is None:
+        return partial, None
+    top = 2 ** (bits - 1) - 1
+    scale = (partial.abs().amax(dim=-1, keepdim=True).float() / top).to(torch.float16)
+    scale = scale.clamp(min=torch.finfo(torch.float16).tiny)  # an all-zero row stays zero, not NaN
+    integers = torch.round(partial.float() / scale.float()).clamp(-top, top)
+    return integers.to(torch.int8 if bits <= 8 else torch.int16), scale
+
+
+def dequantized(partial_keys: Tensor, scale: Tensor | None) -> Tensor:
+    """The values of a partial key cache ``partial_keys`` [..., k, slots] with ``scale`` [..., 1, slots]
+    (None: not quantized), as float32."""
+    return partial_keys.float() if scale is None else partial_keys.float() * scale.float()
+
+
 def speculative_scores(
     partial_query: Tensor,
     partial_keys: Tensor,
     row_columns: tuple[tuple[Tensor, Tensor], ...] = (),
     real_slots: Tensor | None = None,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """Speculated logits [batch, kv_heads, slots]: each query head's relative to its own best (so <= 0), then
     the max over the heads of a KV group (the heads of a group differ in logit scale, one may put everything
@@ -34,13 +54,22 @@ def speculative_scores(
     ``partial_query`` [batch, kv_heads, group, k] (scaled) and ``partial_keys`` [batch, kv_heads, k, slots]
     in the same k columns. ``row_columns``: (rows, columns [kv_heads, k']) for sequences that score with
     fewer of the k columns, as they would alone. ``real_slots`` [batch, kv_heads, slots]: False hides a slot
-    (left padding) at -inf."""
-    scores = torch.matmul(partial_query, partial_keys)  # [batch, kv_heads, group, slots]
+    (left padding) at -inf. ``scale`` [batch, kv_heads, 1, slots]: the per-token scale of integer
+    ``partial_keys`` (:func:`quantize`); 8-bit ones are multiplied in bfloat16, which holds them exactly and
+    reads half the bytes of float32, the scores then rounded to bfloat16's 8 bits (top-k on low-precision
+    scores); wider ones in the query's dtype."""
+    low = scale is not None and partial_keys.dtype == torch.int8
+    compute = torch.bfloat16 if low else partial_query.dtype
+    query = partial_query.to(compute)
+    scores = torch.matmul(query, partial_keys.to(compute))  # [batch, kv_heads, group, slots]
     for rows, own in row_columns:
-        q_rows, k_rows = partial_query[rows], partial_keys[rows]
+        q_rows, k_rows = query[rows], partial_keys[rows]
         q_rows = torch.gather(q_rows, 3, own[None, :, None, :].expand(*q_rows.shape[:3], -1))
         k_rows = torch.gather(k_rows, 2, own[None, :, :, None].expand(len(rows), -1, -1, k_rows.shape[-1]))
-        scores[rows] = torch.matmul(q_rows, k_rows)
+        scores[rows] = torch.matmul(q_rows, k_rows.to(compute))
+    scores = scores.float()
+    if scale is not None:
+        scores = scores * scale.float()
     if real_slots is not None:
         scores = scores.masked_fill(~real_slots[:, :, None], -math.inf)
     return group_relative_max(scores.flatten(1, 2), partial_query.shape[2])
@@ -79,4 +108,5 @@ class Rehearsal:
     valid: Tensor | None  # as index: False on a narrower row's extra entries (None: none)
     real_slots: Tensor  # [batch, kv_heads, slots]: True where a slot holds a real token
     partial_keys: Tensor  # [batch, kv_heads, k, slots]: the partial key cache the scores were read from
+    scale: Tensor | None  # [batch, kv_heads, 1, slots]: its per-token scales (None: not quantized)
     to_partial: Callable[[Tensor], Tensor]  # a query [batch, kv_heads, group, d] -> its k partial columns

@@ -86,7 +86,7 @@ class OwnQueryPoint:
     keeps, averaged over the calibration windows (4 decimals)."""
 
 
-TUNED_VERSION = 1  # the version of the :class:`Tuned` record this code writes and reads
+TUNED_VERSION = 2  # the version of the :class:`Tuned` record this code writes and reads
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,9 @@ class Tuned:
     partial_ratio: float
     """The share of key columns picked on the calibration text (its window is the first of
     :attr:`ratio_by_length`); the alphas are calibrated at it."""
+    partial_keys: str
+    """How the partial keys were stored when the ratios were picked and the alphas calibrated
+    (``InfiniGenConfig.partial_keys``'s default then)."""
     ratio_rule: str
     """How :attr:`partial_ratio` was picked (``tuning.RATIO_RULE``)."""
     ratio_curve: tuple[RatioPoint, ...]
@@ -143,6 +146,7 @@ class Tuned:
                 return None
             return cls(
                 partial_ratio=data["partial_ratio"],
+                partial_keys=data["partial_keys"],
                 ratio_rule=data["ratio_rule"],
                 ratio_curve=tuple(RatioPoint(**point) for point in data["ratio_curve"]),
                 ratio_by_length=tuple(
@@ -180,7 +184,7 @@ class Skew:
     def columns(self, layer: int, ratio: float, skewed: bool = True) -> Tensor:
         """Indices [kv_heads, k] of the partial columns, k = ⌈ratio·d⌉ (paper's rule, top-k of the scores)."""
         scores = (self.scores if skewed else self.identity_scores)[layer]
-        k = max(1, math.ceil(ratio * scores.shape[-1]))
+        k = max(1, math.ceil(round(ratio * scores.shape[-1], 6)))  # a ratio of c/d gives c columns
         return scores.topk(k, dim=-1).indices.sort(dim=-1).values
 
     def projection(self, layer: int, ratio: float, skewed: bool = True) -> Tensor:

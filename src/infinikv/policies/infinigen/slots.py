@@ -24,24 +24,32 @@ class SlotTable:
         # [batch, kv_heads, k, cap] partial skewed keys of managed layers, slots last: the rehearsal's
         # q̂ · K̃ᵀ is then a plain matmul over a strided view, with no copy of the slots in use
         self.partial: Tensor | None = None
+        self.scale: Tensor | None = (
+            None  # [batch, kv_heads, 1, cap] per-token scale of quantized partial keys
+        )
 
     def view(self, name: str) -> Tensor:
         return getattr(self, name)[..., : self.n]
 
-    def append(self, pos: Tensor, partial: Tensor | None, step: int) -> None:
-        """Add tokens at ``pos`` [batch, kv_heads, q] with their partial keys [batch, kv_heads, q, k]."""
+    def append(self, pos: Tensor, partial: Tensor | None, step: int, scale: Tensor | None = None) -> None:
+        """Add tokens at ``pos`` [batch, kv_heads, q] with their partial keys [batch, kv_heads, q, k] (and
+        scales [batch, kv_heads, q, 1] when quantized)."""
         q = pos.shape[2]
         if self.pos is None or self.pos.shape[2] < self.n + q:
-            self._grow(pos, partial, max(self.n + q, 2 * self.n, 256))
+            self._grow(pos, partial, scale, max(self.n + q, 2 * self.n, 256))
         end = self.n + q
         self.pos[:, :, self.n : end] = pos
         self.fetches[:, :, self.n : end] = 0
         self.last[:, :, self.n : end] = step
         if partial is not None:
             self.partial[..., self.n : end] = partial.transpose(2, 3)
+        if scale is not None:
+            self.scale[..., self.n : end] = scale.transpose(2, 3)
         self.n = end
 
-    def write(self, slots: Tensor, pos: int, partial: Tensor | None, step: int) -> None:
+    def write(
+        self, slots: Tensor, pos: int, partial: Tensor | None, step: int, scale: Tensor | None = None
+    ) -> None:
         """Overwrite slot ``slots[b, h]`` of every (sequence, KV head) with a new token."""
         index = slots[..., None]
         self.pos.scatter_(2, index, torch.full_like(index, pos))
@@ -50,16 +58,25 @@ class SlotTable:
         if partial is not None:
             columns = index[:, :, None].expand(-1, -1, partial.shape[-1], 1)
             self.partial.scatter_(3, columns, partial.transpose(2, 3))
+        if scale is not None:
+            self.scale.scatter_(3, index[:, :, None], scale.transpose(2, 3))
 
     def keep(self, index: Tensor) -> None:
         for name in ("pos", "fetches", "last"):
             setattr(self, name, torch.gather(self.view(name), 2, index))
-        if self.partial is not None:
-            columns = index[:, :, None].expand(-1, -1, self.partial.shape[2], -1)
-            self.partial = torch.gather(self.view("partial"), 3, columns)
+        for name in ("partial", "scale"):
+            table = getattr(self, name)
+            if table is not None:
+                columns = index[:, :, None].expand(-1, -1, table.shape[2], -1)
+                setattr(self, name, torch.gather(self.view(name), 3, columns))
         self.n = index.shape[2]
 
-    def _grow(self, pos: Tensor, partial: Tensor | None, cap: int) -> None:
+    def nbytes(self) -> int:
+        """Device bytes of the partial keys (and their scales) in use."""
+        tables = [self.view(name) for name in ("partial", "scale") if getattr(self, name) is not None]
+        return sum(table.numel() * table.element_size() for table in tables)
+
+    def _grow(self, pos: Tensor, partial: Tensor | None, scale: Tensor | None, cap: int) -> None:
         batch, heads = pos.shape[:2]
 
         def grown(old: Tensor | None, like: Tensor, *rows: int) -> Tensor:
@@ -73,3 +90,5 @@ class SlotTable:
         self.last = grown(self.last, pos)
         if partial is not None:
             self.partial = grown(self.partial, partial, partial.shape[-1])
+        if scale is not None:
+            self.scale = grown(self.scale, scale, 1)

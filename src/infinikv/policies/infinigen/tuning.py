@@ -51,6 +51,7 @@ import math
 import torch
 
 from ..base import group_relative_max, resolve_budget
+from .rehearsal import quantize
 
 Tensor = torch.Tensor
 ALPHAS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0)
@@ -132,14 +133,19 @@ def _group_scores(queries: Tensor, keys: Tensor, scaling: float, past: Tensor) -
     return group_relative_max(logits.permute(2, 0, 1, 3).reshape(positions, heads, n), heads // kv_heads)
 
 
-def _speculated(q_speculative: Tensor, k: Tensor, projection: Tensor, scaling: float, past: Tensor) -> Tensor:
+def _speculated(
+    q_speculative: Tensor, k: Tensor, projection: Tensor, scaling: float, past: Tensor, bits: int | None
+) -> Tensor:
     """:func:`_group_scores` of the rehearsed queries against the keys, both in the partial skewed columns
-    ``projection`` [kv_heads, d, c]."""
+    ``projection`` [kv_heads, d, c], the keys stored as the policy stores them (``bits``: integers with a
+    per-token scale, None: as they are)."""
     kv_heads, heads = k.shape[0], q_speculative.shape[0]
     proj = projection.float()
     grouped = q_speculative.float().reshape(kv_heads, heads // kv_heads, q_speculative.shape[1], -1)
     partial_q = torch.matmul(grouped, proj[:, None]).reshape(heads, q_speculative.shape[1], -1)
-    return _group_scores(partial_q, torch.matmul(k.float(), proj), scaling, past)
+    integers, scale = quantize(torch.matmul(k.float(), proj), bits)
+    partial_k = integers.float() if scale is None else integers.float() * scale.float()
+    return _group_scores(partial_q, partial_k, scaling, past)
 
 
 def prompt_coverage(
@@ -149,6 +155,7 @@ def prompt_coverage(
     projection: Tensor,
     scaling: float,
     budget: float,
+    bits: int | None,
     alphas: tuple[float, ...] = ALPHAS,
 ) -> tuple[Tensor, Tensor]:
     """:func:`coverage_by_alpha` of one layer over the last P positions of a prompt of n tokens, each as a
@@ -157,7 +164,8 @@ def prompt_coverage(
 
     ``q`` [heads, P, d]: the layer's real post-RoPE queries at those positions; ``k`` [kv_heads, n, d]: its
     post-RoPE keys; ``q_speculative`` [heads, P, d]: its query projection of the previous layer's input;
-    ``projection`` [kv_heads, d, c]: its partial skewed columns."""
+    ``projection`` [kv_heads, d, c]: its partial skewed columns; ``bits``: how the partial keys are stored
+    (:func:`_speculated`)."""
     kv_heads, n = k.shape[0], k.shape[1]
     group, positions = q.shape[0] // kv_heads, q.shape[1]
     t, past = _decode_steps(k, positions)
@@ -166,7 +174,7 @@ def prompt_coverage(
     logits = torch.matmul(q.float().reshape(kv_heads, group, positions, -1), keys.transpose(-1, -2)) * scaling
     mass = torch.softmax(logits.masked_fill(slot[None, :] > t[:, None], -math.inf), dim=-1).mean(dim=1)
     new_mass = mass.gather(-1, t[None, :, None].expand(kv_heads, -1, 1))[..., 0]  # [kv, P]
-    speculated = _speculated(q_speculative, k, projection, scaling, past)
+    speculated = _speculated(q_speculative, k, projection, scaling, past, bits)
     budgets = torch.tensor([resolve_budget(budget, int(p)) for p in t.tolist()], device=k.device)
     kept, counts = coverage_by_alpha(
         speculated, (mass * past).transpose(0, 1), new_mass.transpose(0, 1), budgets, alphas
@@ -181,13 +189,14 @@ def prompt_recall(
     projections: list[Tensor],
     scaling: float,
     budget: float,
+    bits: int | None,
 ) -> list[float]:
     """Per projection (one per candidate partial ratio), the share of the real top-k tokens that the
     speculated top-k holds, per KV head, averaged over the last P positions of a prompt of n tokens, each
     playing a decode step on the dense trajectory (k = the ``budget`` cap of that step). Real and speculated
     scores are combined over a group's query heads the same way (each relative to its own best, max).
 
-    Shapes as in :func:`prompt_coverage`; ``projections``: [kv_heads, d, c] each."""
+    Shapes and ``bits`` as in :func:`prompt_coverage`; ``projections``: [kv_heads, d, c] each."""
     t, past = _decode_steps(k, q.shape[1])
     counts = torch.tensor([resolve_budget(budget, int(p)) for p in t.tolist()], device=k.device)
     width = int(counts.max())
@@ -201,7 +210,8 @@ def prompt_recall(
     truth = chosen(_group_scores(q.float(), k.float(), scaling, past))
     recalls = []
     for projection in projections:
-        hits = (chosen(_speculated(q_speculative, k, projection, scaling, past)) & truth).sum(-1).float()
+        speculated = _speculated(q_speculative, k, projection, scaling, past, bits)
+        hits = (chosen(speculated) & truth).sum(-1).float()
         recalls.append(float((hits / counts[:, None]).mean()))
     return recalls
 
