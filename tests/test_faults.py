@@ -476,7 +476,7 @@ def test_an_output_that_cannot_be_written_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_policies", full)
     assert main(["policies"]) == 1
     err = capsys.readouterr().err
-    assert err == "infinikv: error: cannot write /results/cells.jsonl: No space left on device\n"
+    assert err == "infinikv: error: /results/cells.jsonl: No space left on device\n"
 
 
 def _flip_tail(data: bytes) -> bytes:  # inside the last tensor: same size, other values

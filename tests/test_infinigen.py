@@ -769,3 +769,16 @@ def test_partial_keys_quantized_at_16_bits_select_what_unquantized_ones_select(t
     assert same >= len(runs["model"]) // 2 > 0
     columns = math.ceil(0.5 * tiny.spec.head_dim)
     assert held["int8"] == held["model"] * (columns + 2) // (4 * columns)
+
+
+def test_a_context_within_the_floor_attends_everything_whatever_alpha_counts(tiny, calibrated):
+    """With a finite alpha the count rule takes fewer tokens than the budget; a sequence whose context is
+    within ``min_tokens`` takes them all, and gets dense's tokens."""
+    prompt = [PROMPTS[0]]
+    longest = len(tiny.tokenizer(prompt[0])["input_ids"]) + 24
+    dense, _ = _tokens(tiny, "dense", prompts=prompt)
+    knobs = dict(alpha=0.5, budget=0.1, partial_ratio=0.25)
+    floored, stats = _tokens(tiny, "infinigen", prompts=prompt, min_tokens=longest, **knobs)
+    assert floored == dense
+    _, unfloored = _tokens(tiny, "infinigen", prompts=prompt, min_tokens=0, **knobs)
+    assert unfloored["mean_tokens_attended"] < stats["mean_tokens_attended"]

@@ -187,7 +187,8 @@ def quest_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
 
 def h2o_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
     """A layer keeps the widest row's budget - 1 slots (its window - 1 on a sliding layer), the prompt cut
-    to that at the first step, and copies all it keeps each step."""
+    to that at the first step, and copies all it keeps each step. The device holds, per kept slot, its
+    accumulated score (float32), position (int64) and whether it is alive (bool)."""
 
     def kept(layer: int) -> int:
         window = run.windows[layer]
@@ -195,10 +196,11 @@ def h2o_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
             return window - 1
         return max(budget_tokens(config.budget, n, capped=False) for n in run.real) - 1
 
+    held = sum(min(kept(layer), run.final) for layer in range(run.layers))
     return {
         "bytes_h2d": run.moved(lambda layer, step: min(kept(layer), run.past(step))),
-        "kv_bytes_host": sum(min(kept(layer), run.final) for layer in range(run.layers)) * run.slot_bytes,
-        "kv_bytes_device": 0,
+        "kv_bytes_host": held * run.slot_bytes,
+        "kv_bytes_device": held * run.batch * run.kv_heads * (4 + 8 + 1),
     }
 
 

@@ -66,5 +66,5 @@ def test_no_private_name_is_used_outside_its_module():
 def test_the_check_finds_a_reach_in(tmp_path):
     """The check itself can fail: a test module reading a policy's private attribute is reported."""
     probe = tmp_path / "test_probe.py"
-    probe.write_text("def test_x(policy):\n    return policy._rehearsal_s\n", encoding="utf-8")
-    assert any("policy._rehearsal_s" in line for line in _crossings(SOURCES, [probe]))
+    probe.write_text("def test_x(policy):\n    return policy._selector_s\n", encoding="utf-8")
+    assert any("policy._selector_s" in line for line in _crossings(SOURCES, [probe]))

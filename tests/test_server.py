@@ -640,9 +640,9 @@ def test_kv_report_writes_non_finite_numbers_as_strings():
         "policy": "infinigen",
         "knobs": {"budget": 0.2, "alpha": math.inf},
         "alpha_used": [None, math.inf, -math.inf],
-        "rehearsal_s": math.nan,
+        "selector_s": math.nan,
     }
     report = kv_report(types.SimpleNamespace(stats=stats))
     assert report["knobs"] == {"budget": 0.2, "alpha": "inf"}
-    assert report["stats"] == {"alpha_used": [None, "inf", "-inf"], "rehearsal_s": "nan"}
+    assert report["stats"] == {"alpha_used": [None, "inf", "-inf"], "selector_s": "nan"}
     json.dumps(report, allow_nan=False)

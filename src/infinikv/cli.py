@@ -18,7 +18,7 @@ from .models import DEFAULT_MODEL, REGISTRY, is_pulled
 from .policies import POLICIES
 from .policy_flags import add_policy_arguments, parse_number, policy_knobs
 
-# Errors writing an output (reports, results files) that get one line instead of a traceback
+# File-system errors (a full disk, no permission) outside the cache, e.g. writing a report: one line
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
@@ -309,9 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # writing a report, a results file or an output folder: a full disk, no permission
         if exc.errno not in WRITE_ERRNOS:
             raise
-        print(
-            f"infinikv: error: cannot write {exc.filename or 'the output'}: {exc.strerror}", file=sys.stderr
-        )
+        print(f"infinikv: error: {exc.filename or 'a file'}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("infinikv: interrupted", file=sys.stderr)

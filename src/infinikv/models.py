@@ -240,7 +240,8 @@ def _convert_gguf(gguf: Path, hf_dir: Path, sha: str) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    unique = {t.data_ptr(): t for t in model.state_dict().values()}  # tied embeddings are written once
+    weights = sum(t.numel() * t.element_size() for t in unique.values())
     require_space(hf_dir.parent, weights, f"converting {gguf.name}")
     # A write that fails (a full disk after all, no permission) leaves nothing: atomic_write removes its
     # temporary folder, and the next run converts again.

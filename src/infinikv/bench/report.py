@@ -308,7 +308,7 @@ def write_bench_report(result: dict[str, Any], path: Path) -> None:
         "",
         "Projected decode-step time in ms from the measured bytes moved, copy calls and tokens attended "
         "(`infinikv.bench.linkmodel`): link time = bytes / bandwidth + copies × 10 µs; device time = "
-        "(weights + attended K/V + partial keys read) / device memory bandwidth; policies that declare "
+        "(weights + attended K/V + the selector's reads) / device memory bandwidth; policies that declare "
         "`prefetches` (their look-ahead starts the next layer's copy) overlap the two layer by layer, the "
         "others wait for the copy. Figures are public theoretical peaks:",
         "",

@@ -144,7 +144,7 @@ def evaluate(
     batch = samples_for(prompt, task, context, samples, depths, seed)
     rows = []
     fractions = []
-    costs: dict[str, list[float | None]] = {cost: [] for cost in COSTS}
+    costs: dict[str, list[float | None]] = {cost: [] for cost in ("kv_fetched_fraction", *COSTS)}
     for sample in tqdm(
         batch, desc=f"{policy_name(policy)} {task}@{context}", disable=not progress, leave=False
     ):
@@ -178,6 +178,7 @@ def evaluate(
         "score": sum(r["score"] for r in rows) / len(rows),
         "by_depth": {d: sum(s) / len(s) for d, s in by_depth.items()},
         "kv_fraction": sum(fractions) / len(fractions) if None not in fractions else None,
+        # None: not recorded (a cache kept on the device moves nothing: kv_fetched_fraction None)
         **{cost: sum(v) / len(v) if None not in v else None for cost, v in costs.items()},
         "rows": rows,
     }

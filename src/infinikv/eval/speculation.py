@@ -147,7 +147,8 @@ class SpeculationProbe(InfiniGenPolicy):
         sums = self.sums[layer]
         for row in range(batch):
             available = int(real[row, 0, :n].sum())
-            budget = min(resolve_budget(self.config.budget, max(real_tokens[row], 1)), available)
+            floor = self.config.min_tokens
+            budget = min(resolve_budget(self.config.budget, max(real_tokens[row], 1), floor=floor), available)
             fetched = int(per_row[row])
             spec_row, real_row, mass_row = ranked[row].float(), real_scores[row], past_mass[row]
             for tag, count in (("budget", budget), ("fetched", fetched)):

@@ -10,7 +10,9 @@ evicts the lowest-scoring token outside the recent window to make room for the n
   ``budget - 1`` between steps); ``budget`` <= 1 is a fraction of the prompt length at the end of prefill
   (each row's own real length, so a row's result does not depend on its batchmates; a narrower row's
   extra slots are dead and hidden with ``Selection.valid``), so the kept set never grows while generating
-  (budget 1 holds the cache at the prompt's size; a token count above the final length is dense).
+  (budget 1 holds the cache at the prompt's size; a token count above the final length is dense). It is
+  at least ``min_tokens`` + 1 (the floor counts past tokens): a prompt and answer within the floor keep
+  everything.
   ``heavy_ratio`` of it goes to heavy hitters, the rest (at least the new token) to the recent window.
 * Prefill scores: prefill attention stays SDPA, and the policy also computes the softmax weights of the
   prompt's queries over its keys, in blocks of query rows, and accumulates them (the sum of attention each
@@ -133,8 +135,11 @@ class H2OPolicy(HostPoolPolicy):
             recent = budget
         else:
             lengths = self.past_valid(n, batch).sum(dim=1).tolist()
-            floor = self.config.min_tokens
-            rows = [resolve_budget(self.config.budget, max(1, real), False, floor) for real in lengths]
+            floor = self.config.min_tokens + 1  # the floor counts past tokens; this budget, the new one too
+            rows = [
+                resolve_budget(self.config.budget, max(1, real), capped=False, floor=floor)
+                for real in lengths
+            ]
             budget = torch.tensor(rows, device=self.device)
             heavy = torch.tensor(
                 [min(round(self.config.heavy_ratio * b), b - 1) for b in rows], device=self.device
@@ -157,6 +162,13 @@ class H2OPolicy(HostPoolPolicy):
         rank = priority.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
         alive = (rank < (budget - 1)[:, None, None]) & (priority > float("-inf"))
         self.slot_pos[layer], self.score[layer], self.alive[layer] = positions, score, alive
+
+    def device_bytes(self) -> int:
+        """The per-slot bookkeeping the selector keeps on the device: accumulated scores, positions, alive."""
+        tables = [
+            t for per_layer in (self.score, self.slot_pos, self.alive) for t in per_layer if t is not None
+        ]
+        return sum(t.numel() * t.element_size() for t in tables)
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if self.slot_pos[layer] is not None:  # from the second step on: the prompt is cut at the first

@@ -16,7 +16,8 @@ is the traffic a perfect predictor would cause.
 Same rules as ``infinigen`` so the two compare at matched bytes, all of them the shared ones of
 ``base.ScoredPolicy``: per KV head, each query head's real logits are taken relative to that head's best
 and the group's heads are combined by max (a token counts if any head of the group wants it); k =
-``resolve_budget(budget, real past tokens)`` per sequence; every layer selects, as InfiniGen's do by default
+``resolve_budget(budget, real past tokens)`` per sequence, at least ``min_tokens`` (all of them within it);
+every layer selects, as InfiniGen's do by default
 (its first layers with their own query; ``dense_layers`` loads the first layers whole, as InfiniGen's
 ``--first-layers dense``); sliding-window layers attend to their window.
 ``n_sink``/``window`` reserve part of the budget for the first and the most recent tokens (StreamingLLM's

@@ -153,7 +153,7 @@ class QuestPolicy(ScoredPolicy):
         """Full pages per row: its budget (of its context, the new token included) less its unfinished
         page and the new token, in whole pages."""
         size, held = self.config.page_size, self.n_partial[layer].tolist()
-        floor = self.config.min_tokens
+        floor = self.config.min_tokens + 1  # the floor counts past tokens; this budget, the new one too
         budgets = [resolve_budget(self.config.budget, n + 1, capped=False, floor=floor) for n in real]
         return [max(0, (b - h - 1) // size) for b, h in zip(budgets, held, strict=True)]
 

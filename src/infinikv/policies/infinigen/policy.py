@@ -6,16 +6,27 @@ to a few columns. In a decode step, from layer i's pre-attention hook (the cache
 policy rehearses layer i+1:
 
 1. speculative query q̂ = (RoPE(x W_q,i+1) A)[cols] from layer i's normalised input x;
-2. scores s = q̂ · K̃_i+1[:, cols]ᵀ · scale per query head, taken relative to that head's best score, then
-   combined over the heads of a KV group by max (a token counts if any head of the group wants it)
-   (``rehearsal.speculative_scores``);
+2. scores s = q̂ · K̃_i+1[:, cols]ᵀ times the attention scale, per query head, relative to that head's
+   best, then combined over the heads of a KV group by max (a token counts if any head of the group
+   wants it) (``rehearsal.speculative_scores``);
 3. per KV head the count of tokens with s > max(s) − alpha, averaged over KV heads: n' (per sequence,
-   capped by ``budget``; ``rehearsal.count_within``); the rows fetched are each head's top-n' scores, in
-   ascending slot order (the shared ``base.pick_top``). The last ``window`` past tokens
+   capped by ``budget``, which is at least ``min_tokens``; a sequence whose context is within
+   ``min_tokens`` takes everything; ``rehearsal.count_within``); the rows fetched are each head's top-n'
+   scores, in ascending slot order (the shared ``base.pick_top``). The last ``window`` past tokens
    (default 32) and the first ``n_sink`` real tokens (attention sinks, default none) are always among them
    and counted in n' (later selectors keep both; the paper keeps neither: ``--window 0``);
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
    overlaps the rest of layer i; layer i+1 attends with its real query over [selected; newest token].
+
+The partial key cache is what InfiniGen keeps on the device, and ``device_budget`` (0.125) bounds it as a
+share of the dense KV of the same tokens: by default it is stored as int8 with one float16 scale per token
+and KV head (``partial_keys``; ``rehearsal.quantize``, the scale over the widest calibrated columns, so a
+row's integers do not depend on its batch), a quarter of float32's bytes, and a calibrated ratio is cut to
+the columns that fit (``InfiniGenConfig.column_cap``, from the model's dtype: the same budget allows
+fewer columns for a 16-bit model). int8 keys are scored in bfloat16, which holds them exactly; the paper
+stores them in the model's dtype (``--partial-keys model``). Calibration measures its ratios and alphas on
+int8-quantised keys (scales over each candidate's columns, float32 scores), and on SmolLM2-135M picks the
+ratios and own-query layers it picked on unquantised keys.
 
 ``alpha`` 0 and ``partial_ratio`` 0 (the defaults) use the model's calibrated values, stored with its skew
 (``tuning.py``: the smallest share of columns whose speculated top-k holds 90 % of what full-width
@@ -337,7 +348,8 @@ class InfiniGenPolicy(HostPoolPolicy):
             reserved = self._reserved(layer)
             floor = self.config.min_tokens
             budgets = [resolve_budget(self.config.budget, max(n, 1), floor=floor) for n in real_tokens]
-            counts = count_within(scores, self._row_alphas(layer, scores.dtype), budgets, reserved)
+            whole = [n <= floor for n in real_tokens]  # within the floor: everything, whatever alpha counts
+            counts = count_within(scores, self._row_alphas(layer, scores.dtype), budgets, reserved, whole)
             index, valid = pick_top(scores, counts.tolist(), reserved)  # the gather's size: one host sync
         state = self.layers[layer]
         state.selected.append(counts.float().mean())

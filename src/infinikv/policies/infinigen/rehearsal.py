@@ -1,5 +1,8 @@
 """InfiniGen's rehearsal as pure functions: partial query and partial keys in, scores and counts out.
 
+:func:`quantize` and :func:`dequantized` are how the partial key cache is stored on the device (integers
+with a per-token scale) and read back for diagnostics.
+
 :func:`speculative_scores` is step 2 of the policy's decode step (``policy.py``): the speculated logits of a
 layer, from its partial (skewed, few-column) query against its partial key cache. :func:`count_within` is
 step 3, the count rule: per sequence, how many tokens come within ``alpha`` of each KV head's best score,
@@ -57,9 +60,11 @@ def speculative_scores(
     (left padding) at -inf. ``scale`` [batch, kv_heads, 1, slots]: the per-token scale of integer
     ``partial_keys`` (:func:`quantize`); 8-bit ones are multiplied in bfloat16, which holds them exactly and
     reads half the bytes of float32, the scores then rounded to bfloat16's 8 bits (top-k on low-precision
-    scores); wider ones in the query's dtype."""
-    low = scale is not None and partial_keys.dtype == torch.int8
-    compute = torch.bfloat16 if low else partial_query.dtype
+    scores); int16 ones in float32 (which holds them exactly); unquantized ones in the query's dtype."""
+    if scale is None:
+        compute = partial_query.dtype
+    else:
+        compute = torch.bfloat16 if partial_keys.dtype == torch.int8 else torch.float32
     query = partial_query.to(compute)
     scores = torch.matmul(query, partial_keys.to(compute))  # [batch, kv_heads, group, slots]
     for rows, own in row_columns:
@@ -76,18 +81,24 @@ def speculative_scores(
 
 
 def count_within(
-    scores: Tensor, alpha: float | Tensor, budgets: list[int], reserved: Tensor | None = None
+    scores: Tensor,
+    alpha: float | Tensor,
+    budgets: list[int],
+    reserved: Tensor | None = None,
+    whole: list[bool] | None = None,
 ) -> Tensor:
     """n' per sequence [batch]: the mean over KV heads of the count of ``scores`` [batch, kv_heads, slots]
     within ``alpha`` (one, or [batch, 1, 1]) of the head's best, rounded up, ``reserved`` slots (sinks and
     recent window) counted whatever their score; capped by the row's budget (``budgets``, tokens) and by its
-    real (finite) slots."""
+    real (finite) slots. A row marked in ``whole`` (its context within the floor) takes all its slots."""
     best = scores.amax(dim=-1, keepdim=True)
     wanted = scores > best - alpha
     if reserved is not None:
         wanted = wanted | reserved
     within = wanted.sum(dim=-1).float().mean(dim=-1).ceil().long()
     available = (scores > -math.inf).sum(dim=-1).amin(dim=-1)
+    if whole is not None and any(whole):
+        within = torch.where(torch.tensor(whole, device=within.device), available, within)
     budget = torch.tensor(budgets, device=within.device)
     return torch.minimum(torch.minimum(within, available), budget).clamp(min=0)
 

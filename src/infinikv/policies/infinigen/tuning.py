@@ -51,7 +51,7 @@ import math
 import torch
 
 from ..base import group_relative_max, resolve_budget
-from .rehearsal import quantize
+from .rehearsal import dequantized, quantize
 
 Tensor = torch.Tensor
 ALPHAS = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 24.0)
@@ -143,8 +143,7 @@ def _speculated(
     proj = projection.float()
     grouped = q_speculative.float().reshape(kv_heads, heads // kv_heads, q_speculative.shape[1], -1)
     partial_q = torch.matmul(grouped, proj[:, None]).reshape(heads, q_speculative.shape[1], -1)
-    integers, scale = quantize(torch.matmul(k.float(), proj), bits)
-    partial_k = integers.float() if scale is None else integers.float() * scale.float()
+    partial_k = dequantized(*quantize(torch.matmul(k.float(), proj), bits))
     return _group_scores(partial_q, partial_k, scaling, past)
 
 
