@@ -131,7 +131,11 @@ def test_every_policy_reports_its_three_costs(tiny, monkeypatch):
     skew = calibration.calibrate(tiny, text="The quick brown fox jumps over the lazy dog. " * 40, save=False)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
     windows = torch.randint(3, 259, (1, 120), generator=torch.Generator().manual_seed(1))
-    knobs = {"oracle": dict(dense_layers=0), "quest": dict(dense_layers=0, page_size=4)}
+    knobs = {  # no floor: the 120-token window would be within most of it
+        "oracle": dict(dense_layers=0, min_tokens=0),
+        "quest": dict(dense_layers=0, page_size=4, min_tokens=0),
+        "infinigen": dict(min_tokens=0),
+    }
     cost = {}
     for name in ("dense", "offload", "oracle", "quest", "streaming", "infinigen"):
         _, stats = ppl.token_nll(

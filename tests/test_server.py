@@ -588,7 +588,7 @@ def test_smollm2_end_to_end(smollm2):
             messages=messages,
             max_tokens=6,
             temperature=0,
-            extra_body={"kv_policy": "infinigen", "kv_budget": 0.5},
+            extra_body={"kv_policy": "infinigen", "kv_budget": 0.5, "kv_min_tokens": 0},  # a short chat
         ).model_extra["kv"]
         assert infinigen["knobs"]["budget"] == 0.5
         assert 0 < infinigen["stats"]["kv_fetch_fraction"] < 1

@@ -18,15 +18,58 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..reporting import fmt, write_keeping_notes
-from .sweep import Cell, SweepConfig, cells, finished, is_measured, policy_label, policy_variants
+from ..policies import make_config
+from ..reporting import MISSING, fmt, write_keeping_notes
+from .sweep import (
+    Cell,
+    SweepConfig,
+    cells,
+    finished,
+    is_measured,
+    policy_label,
+    policy_variants,
+)
+
+STALE = " †"  # marks a cell shown from a measurement under other knobs (or samples) than the plan's
 
 
 def _selected(config: SweepConfig, done: dict[str, dict]) -> tuple[list[dict], list[Cell]]:
-    planned = list(cells(config))
-    measured = [done[c.identity] for c in planned if is_measured(c, done)]
-    missing = [c for c in planned if not is_measured(c, done)]
+    """The planned cells' records and the cells with none. A cell measured only under other knobs than its
+    policy's current ones (a default changed, a knob added since) or other samples is shown from its latest
+    such record, with ``stale`` naming what differs, until a sweep measures it again."""
+    latest = {record["key"]: record for record in done.values()}  # file order: the last one wins
+    measured, missing = [], []
+    for cell in cells(config):
+        if is_measured(cell, done):
+            measured.append(done[cell.identity])
+        elif cell.key in latest:
+            record = latest[cell.key]
+            measured.append({**record, "stale": _differences(cell, record)})
+        else:
+            missing.append(cell)
     return measured, missing
+
+
+def _differences(cell: Cell, record: dict) -> str:
+    """What a record of ``cell`` ran with that differs from the plan: knobs (``name: then → now``, "–" where a
+    knob did not exist) and retrieval samples."""
+    now = make_config(cell.policy, **dict(cell.knobs)).knobs()
+    then = record["result"]["knobs"]
+    changed = [
+        f"{name}: {then.get(name, MISSING)} → {value}"
+        for name, value in now.items()
+        if then.get(name) != value
+    ]
+    changed += [f"{name}: {value} → {MISSING}" for name, value in then.items() if name not in now]
+    samples = record["result"].get("samples")
+    if cell.kind == "retrieval" and samples != cell.samples:
+        changed.append(f"samples: {samples} → {cell.samples}")
+    return "; ".join(changed)
+
+
+def _label(record: dict) -> str:
+    cell = record["cell"]
+    return policy_label(cell["policy"], cell["knobs"]) + (STALE if record.get("stale") else "")
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -37,10 +80,11 @@ def _mean(values: list[float | None]) -> float | None:
 def costs(results: list[dict]) -> dict[str, float | None]:
     """A point's three costs (fractions of the dense KV cache), averaged over ``results`` (its cells'):
     ``moved`` (bytes fetched during decode; 0 for a policy that keeps its cache on the device), ``resident``
-    (bytes kept on the compute device) and ``selector`` (bytes its selector read, on the scale of ``moved``).
-    """
-    moved = [r.get("kv_fetched_fraction", r["kv_fraction"]) or 0.0 for r in results]
+    (bytes kept on the compute device) and ``selector`` (bytes its selector read, on the scale of ``moved``);
+    None where a cell did not record it. ``shown`` is the tables' "KV fetched" column (``kv_fraction``)."""
+    moved = [(r["kv_fetched_fraction"] or 0.0) if "kv_fetched_fraction" in r else None for r in results]
     return {
+        "shown": _mean([r["kv_fraction"] for r in results]),
         "moved": _mean(moved),
         "resident": _mean([r.get("device_resident_fraction") for r in results]),
         "selector": _mean([r.get("selector_fraction") for r in results]),
@@ -48,7 +92,7 @@ def costs(results: list[dict]) -> dict[str, float | None]:
 
 
 def _cost_cells(point: dict[str, float | None]) -> str:
-    return f"{fmt(point['moved'], 3)} | {fmt(point['resident'], 3)} | {fmt(point['selector'], 3)}"
+    return f"{fmt(point['shown'], 3)} | {fmt(point['resident'], 3)} | {fmt(point['selector'], 3)}"
 
 
 COST_HEADER = "KV fetched | resident | selector reads"
@@ -63,7 +107,7 @@ def retrieval_table(records: list[dict]) -> str:
     grouped: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         c = r["cell"]
-        row = (c["model"], c["context"], policy_label(c["policy"], c["knobs"]))
+        row = (c["model"], c["context"], _label(r))
         grouped.setdefault(row, {})[c["target"]] = r
     lines = [
         "| model | context | policy | " + " | ".join(tasks) + f" | mean | {COST_HEADER} |",
@@ -89,7 +133,7 @@ def ppl_table(records: list[dict]) -> str:
     ]
     for r in rows:
         c, res = r["cell"], r["result"]
-        label = policy_label(c["policy"], c["knobs"])
+        label = _label(r)
         delta = res["ppl"] - res["dense"]["ppl"]
         last = res["blocks"][-1]["ppl"]
         lines.append(
@@ -117,7 +161,7 @@ def front_lines(records: list[dict]) -> list[str]:
         c, res = r["cell"], r["result"]
         retrieval = c["kind"] == "retrieval"
         point = {
-            "label": policy_label(c["policy"], c["knobs"]),
+            "label": _label(r),
             "policy": c["policy"],
             "accuracy": res["score"] if retrieval else -res["ppl"],
             **costs([res]),
@@ -241,6 +285,7 @@ def write_report(config: SweepConfig, summary: dict[str, Any], command: str, not
     rel = os.path.relpath(config.out, config.report.parent)
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items())
     planned = summary["measured"] + len(summary["missing"])
+    stale = [r for r in summary["cells"] if r.get("stale")]
     lines = [
         "# Results",
         "",
@@ -252,7 +297,13 @@ def write_report(config: SweepConfig, summary: dict[str, Any], command: str, not
         f"- Versions: Python {env['python']}, {versions}.",
         f"- Sweep config: `{config.source}`; raw cells: `{config.out}/cells.jsonl`, summary: "
         f"`{config.out}/summary.json`.",
-        f"- Cells measured: {summary['measured']} of {planned} planned in this config.",
+        f"- Cells measured: {summary['measured']} of {planned} planned in this config"
+        + (
+            f", {len(stale)} of them shown from a measurement under other knobs (marked{STALE}, listed at "
+            "the end)."
+            if stale
+            else "."
+        ),
     ]
     if summary["unavailable_policies"]:
         lines.append(
@@ -278,6 +329,9 @@ def write_report(config: SweepConfig, summary: dict[str, Any], command: str, not
     front = front_lines(summary["cells"])
     if front:
         lines += ["", "## The front", "", FRONT.strip(), ""] + [f"- {line}" for line in front]
+    if stale:
+        lines += ["", "## Shown from an earlier measurement", "", STALE_TEXT.strip(), ""]
+        lines += [f"- {line}" for line in _stale_lines(stale)]
     if summary["missing"]:
         lines += ["", "## Not measured in this run", ""]
         variants = len(policy_variants(config)[0])
@@ -291,6 +345,24 @@ def _by_model_and_context(records: list[dict]) -> dict[tuple[str, int], list[dic
     for record in records:
         groups.setdefault((record["cell"]["model"], record["cell"]["context"]), []).append(record)
     return groups
+
+
+STALE_TEXT = f"""
+Cells marked{STALE} were measured under other knobs than their policy's current ones (a default changed, or
+a knob was added since) and have not been measured again yet; the next sweep re-measures them. What each
+ran with differs from the plan as follows (then → now; – where a knob did not exist):
+"""
+
+
+def _stale_lines(stale: list[dict]) -> list[str]:
+    """One line per difference: how many cells, of which policies, and what differed."""
+    grouped: dict[str, list[str]] = {}
+    for record in stale:
+        grouped.setdefault(record["stale"], []).append(record["cell"]["policy"])
+    return [
+        f"{len(policies)} cells ({', '.join(dict.fromkeys(policies))}): {difference}"
+        for difference, policies in grouped.items()
+    ]
 
 
 def _missing_lines(keys: list[str], variants: int) -> list[str]:

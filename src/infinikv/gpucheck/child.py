@@ -109,7 +109,13 @@ def run_context(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     loaded = load(plan.model, device=device)
     log(f"context {context}: {plan.model} built on {device} in {time.perf_counter() - started:.1f} s")
-    knobs = (("budget", plan.budget), ("alpha", math.inf), ("partial_ratio", PAPER_PARTIAL_RATIO))
+    # the budget's selection without a floor (at the tiny check's 96 tokens a floor would be most of it)
+    knobs = (
+        ("budget", plan.budget),
+        ("min_tokens", 0),
+        ("alpha", math.inf),
+        ("partial_ratio", PAPER_PARTIAL_RATIO),
+    )
     config = BenchConfig(
         policies=plan.policies,
         batches=plan.batches,
