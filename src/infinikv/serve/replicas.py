@@ -86,7 +86,8 @@ def routing_key(body: bytes, defaults: PolicyDefaults) -> str:
         request = json.loads(body)
         if not isinstance(request, dict):
             return ""
-        name, config = requested_config(request.get("kv_policy"), request, defaults)
+        extra = {k: v for k, v in request.items() if k != "kv_policy"}  # the knobs, as the schema leaves them
+        name, config = requested_config(request.get("kv_policy"), extra, defaults)
     except (ValueError, RecursionError, TypeError, PolicyError):
         return ""
     return f"{name} {json.dumps(config.knobs(), sort_keys=True, default=str)}"
