@@ -4,6 +4,7 @@ replicas answer the openai client as a single server does; and the mistakes are 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -18,6 +19,8 @@ from ray import serve
 from infinikv.cli import main
 from infinikv.cluster import Spread, connect, disconnect
 from infinikv.eval import sweep
+from infinikv.gpucheck.cli import run_check
+from infinikv.gpucheck.plan import TINY
 from infinikv.models import load
 from infinikv.serve.kv_policy import PolicyDefaults
 from infinikv.serve.replicas import ReplicaOptions, application, routing_key
@@ -202,6 +205,47 @@ def test_a_worker_that_dies_beyond_its_retries_fails_its_cells_and_the_sweep_goe
     assert len(lost) == 3 and len(landed) == 3 and not lost & landed.keys()
     error = json.loads((config.out / "failed.jsonl").read_text().splitlines()[0])["error"]
     assert error.startswith("task failed:")
+
+
+# -- bench and GPU check -------------------------------------------------------------------------------------
+def test_bench_cells_as_ray_tasks_measure_what_a_serial_bench_does(cluster, tmp_path, capsys):
+    argv = [
+        "bench",
+        "--model",
+        MODEL,
+        "--device",
+        "cpu",
+        "--policies",
+        "dense,offload,quest",
+        "--peers",
+        "none",
+    ]
+    argv += ["--batch", "1,2", "--context", "48", "--gen", "4", "--repeats", "1", "--warmup", "0"]
+    argv += ["--corpus", "none", "--quiet", "--json"]
+    assert main(argv) == 0
+    serial = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--ray", "--report", str(tmp_path / "bench.md")]) == 0
+    spread = json.loads(capsys.readouterr().out)
+    assert [(c["batch"], c["context"]) for c in spread["cells"]] == [(1, 48), (2, 48)]
+    counted = ("name", "bytes_h2d_per_token", "kv_fraction_moved", "kv_fraction_attended")
+    for mine, theirs in zip(serial["cells"], spread["cells"], strict=True):
+        assert [[r[k] for k in counted] for r in theirs["rows"]] == [
+            [r[k] for k in counted] for r in mine["rows"]
+        ]
+        assert theirs["ran_on"]["host"] == socket.gethostname() and theirs["ran_on"]["device"] == "cpu"
+    assert "Ray: each cell ran as its own task" in (tmp_path / "bench.md").read_text()
+
+
+def test_gpu_check_contexts_as_ray_tasks(cluster, tmp_path):
+    plan = dataclasses.replace(TINY, contexts=(64, 96), batches=(1,), policies=("dense", "offload"))
+    assert run_check(tmp_path, plan, tiny=True, run_cuda_tests=False, spread=Spread()) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert sorted(c["context"] for c in report["contexts"]) == [64, 96]
+    assert all(c["status"] == "ok" and c["ran_on"]["host"] for c in report["contexts"])
+    assert sorted((r["context"], r["name"]) for r in report["rows"]) == [
+        (64, "dense"), (64, "offload"), (96, "dense"), (96, "offload"),
+    ]  # fmt: skip
+    assert (tmp_path / "gpu_check.md").read_text().count("(Ray task on") == 2
 
 
 # -- serving -------------------------------------------------------------------------------------------------
