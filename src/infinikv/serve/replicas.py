@@ -232,9 +232,11 @@ def serve_forever(options: ReplicaOptions, address: str | None, host: str, port:
         while True:
             time.sleep(3600)
     finally:
-        serve.shutdown()
-        if owned:
+        if owned:  # the cluster is this command's: Serve and Ray go with it
+            serve.shutdown()
             disconnect()
+        else:  # a cluster others may use: remove only this application
+            serve.delete("infinikv")
 
 
 def _last_line(exc: BaseException) -> str:
