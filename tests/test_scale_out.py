@@ -186,7 +186,7 @@ def dies_once(marker: Path):
 def one_context(tmp_path: Path, out: str) -> sweep.SweepConfig:
     """Two groups (the text and the task) of three cells."""
     config = sweep_config(tmp_path, out)
-    return sweep.SweepConfig(**{**config.__dict__, "models": (sweep.SweepModel(MODEL, (300,)),)})
+    return dataclasses.replace(config, models=(sweep.SweepModel(MODEL, (300,)),))
 
 
 def test_a_killed_worker_group_is_retried_and_lands_once(cluster, tmp_path):

@@ -17,7 +17,9 @@ import argparse
 import logging
 import os
 import re
+import signal
 import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +64,6 @@ def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: P
             runtime_env={"py_modules": [str(Path(__file__).resolve().parent)]},  # this infinikv
             include_dashboard=False,
             logging_level=logging.WARNING,
-            log_to_driver=True,
             **{k: v for k, v in local.items() if v is not None},
         )
     except Exception as exc:  # ray says why in many types (ConnectionError, ValueError, RuntimeError)
@@ -70,7 +71,14 @@ def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: P
         raise InputError(
             f"cannot reach a Ray cluster at {address or 'a new local cluster'}: {first}"
         ) from None
+    if threading.current_thread() is threading.main_thread():
+        # terminated like interrupted, so the caller's cleanup runs: a local cluster's processes end with it
+        signal.signal(signal.SIGTERM, _interrupt)
     return True
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def disconnect() -> None:
@@ -158,8 +166,8 @@ def _located(work: Callable[[Any], Any], item: Any, threads: int) -> tuple[Any, 
     return work(item), where
 
 
-def add_arguments(parser: argparse.ArgumentParser, what: str) -> argparse._ArgumentGroup:
-    """``--ray`` (help: ``what``) and its placement options, in a group the caller may add to."""
+def add_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--ray`` (help: ``what``) and its placement options."""
     group = parser.add_argument_group("Ray (pip install 'infinikv[ray]'; docs/scale-out.md)")
     group.add_argument("--ray", action="store_true", help=what)
     group.add_argument(
@@ -167,7 +175,6 @@ def add_arguments(parser: argparse.ArgumentParser, what: str) -> argparse._Argum
     )
     group.add_argument("--cpus-per-task", type=float, default=None, help="CPUs each task holds (default 1)")
     group.add_argument("--gpus-per-task", type=float, default=None, help="GPUs each task holds (default 0)")
-    return group
 
 
 def spread_from_args(args: argparse.Namespace) -> Spread | None:

@@ -114,8 +114,10 @@ def register_cli(subparsers) -> None:
     add_policy_arguments(serve)
     from ..cluster import add_arguments as add_ray_arguments
 
-    ray = add_ray_arguments(serve, "serve on Ray Serve: --replicas copies of the app, each with its model")
-    ray.add_argument("--replicas", type=_positive, default=None, help="Ray Serve replicas (default 1)")
+    add_ray_arguments(serve, "serve on Ray Serve: --replicas copies of the app, each with its model")
+    serve.add_argument(
+        "--replicas", type=_positive, default=None, help="with --ray: Serve replicas (default 1)"
+    )
     serve.set_defaults(func=cmd_serve)
 
     from .loadgen import add_arguments
