@@ -59,7 +59,8 @@ def sweep_config(tmp_path: Path, out: str) -> sweep.SweepConfig:
 
 
 def measured(out: Path) -> dict[str, dict]:
-    """cells.jsonl by key, each key once, without the figures that are times (they differ run to run)."""
+    """cells.jsonl by key, each key once, without the figures that are times or shares of time (they differ
+    run to run)."""
     records = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
     keys = [r["key"] for r in records]
     assert len(keys) == len(set(keys)), "a cell landed twice"
@@ -68,7 +69,7 @@ def measured(out: Path) -> dict[str, dict]:
 
 def untimed(value):
     if isinstance(value, dict):
-        return {k: untimed(v) for k, v in value.items() if not k.endswith("_s")}
+        return {k: untimed(v) for k, v in value.items() if not k.endswith("_s") and "time" not in k}
     if isinstance(value, list):
         return [untimed(v) for v in value]
     return value
