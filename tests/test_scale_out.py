@@ -93,6 +93,8 @@ def failed_keys(out: Path) -> set[str]:
             "--address: expected",
         ),
         (["eval", "sweep", "--config", "c.toml", "--address", "auto"], "--address needs --ray"),
+        (["eval", "sweep", "--config", "c.toml", "--ray", "--address", "127.0.0.1:1"], "cannot reach a Ray"),
+        (["serve", "--ray", "--address", "ray://127.0.0.1:1"], "cannot reach a Ray cluster at ray://"),
         (["serve", "--replicas", "2"], "--replicas needs --ray"),
         (["serve", "--ray", "--gpus-per-task", "-1"], "--gpus-per-task >= 0"),
     ],

@@ -55,6 +55,8 @@ def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: P
     ray = import_ray()
     if ray.is_initialized():
         return False
+    if address not in (None, "auto"):
+        _check_reachable(address)
     local = (
         {"num_cpus": num_cpus, "_temp_dir": str(temp_dir) if temp_dir else None} if address is None else {}
     )
@@ -75,6 +77,15 @@ def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: P
         # terminated like interrupted, so the caller's cleanup runs: a local cluster's processes end with it
         signal.signal(signal.SIGTERM, _interrupt)
     return True
+
+
+def _check_reachable(address: str) -> None:
+    """One line at once when nothing answers at ``address`` (Ray itself keeps retrying for minutes)."""
+    host, port = address.removeprefix("ray://").rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as exc:
+        raise InputError(f"cannot reach a Ray cluster at {address}: {exc.strerror or exc}") from None
 
 
 def _interrupt(_signum: int, _frame: Any) -> None:
@@ -178,8 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def spread_from_args(args: argparse.Namespace) -> Spread | None:
-    """The Spread ``--ray`` asks for (ray checked importable now, before any work), or None without
-    ``--ray``, where a placement option alone is a mistake."""
+    """The Spread ``--ray`` asks for (ray importable and the cluster answering, checked now, before any
+    work), or None without ``--ray``, where a placement option alone is a mistake."""
     placement = {"address": args.address, "cpus": args.cpus_per_task, "gpus": args.gpus_per_task}
     given = {name: value for name, value in placement.items() if value is not None}
     if not args.ray:
@@ -189,4 +200,6 @@ def spread_from_args(args: argparse.Namespace) -> Spread | None:
         return None
     spread = Spread(**given)
     import_ray()
+    if spread.address not in (None, "auto"):
+        _check_reachable(spread.address)
     return spread

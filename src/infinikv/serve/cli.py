@@ -39,9 +39,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .replicas import ReplicaOptions, serve_forever
 
         options = ReplicaOptions(
-            args.model, args.device, args.policy, knobs, args.max_batch, args.max_queue,
-            args.default_max_tokens, args.served_model_name, args.replicas or 1, spread.cpus, spread.gpus,
-        )  # fmt: skip
+            model=args.model,
+            device=args.device,
+            policy=args.policy,
+            knobs=knobs,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            default_max_tokens=args.default_max_tokens,
+            served_name=args.served_model_name,
+            replicas=args.replicas or 1,
+            cpus=spread.cpus,
+            gpus=spread.gpus,
+        )
         serve_forever(options, spread.address, args.host, args.port)
         return 0
     settings = ServerSettings(
