@@ -25,6 +25,7 @@ def _names(text: str, allowed: tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from ..cluster import spread_from_args
     from ..models import load
     from ..policies import POLICIES
     from ..policy_flags import policy_knobs
@@ -48,10 +49,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise InputError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    loaded = load(args.model, device=args.device)
     command = "infinikv " + shlex.join(sys.argv[1:])
-    result = run_bench(loaded, config, progress=not args.quiet)
-    result["environment"] = bench_environment(loaded, command)
+    spread = spread_from_args(args)
+    if spread is not None:  # the workers load the model, each cell on its own task (threads: its CPUs)
+        from .spread import run_bench_spread
+
+        result = run_bench_spread(args.model, args.device, config, spread, command, progress=not args.quiet)
+    else:
+        loaded = load(args.model, device=args.device)
+        result = run_bench(loaded, config, progress=not args.quiet)
+        result["environment"] = bench_environment(loaded, command)
     if args.plot:
         result["plots"] = write_plots(result, args.plot)
     if args.report:
@@ -66,6 +73,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def register_cli(subparsers) -> None:
+    from ..cluster import add_arguments as add_ray_arguments
     from ..policy_flags import add_policy_arguments
 
     bench = subparsers.add_parser(
@@ -94,4 +102,5 @@ def register_cli(subparsers) -> None:
     bench.add_argument("--report", default=None, help="Markdown report to write (e.g. docs/benchmarks.md)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(bench, multiple=True)
+    add_ray_arguments(bench, "one Ray task per (batch, context) cell, side by side (see --gpus-per-task)")
     bench.set_defaults(func=cmd_bench, policies="all")

@@ -136,10 +136,10 @@ def run_bench(loaded: LoadedModel, config: BenchConfig, progress: bool = True) -
     if memo is not None:
         memo.clear()
     bar.close()
-    return {"config": _config_dict(config), "cells": cells}
+    return {"config": config_dict(config), "cells": cells}
 
 
-def _config_dict(config: BenchConfig) -> dict[str, Any]:
+def config_dict(config: BenchConfig) -> dict[str, Any]:
     out = {k: getattr(config, k) for k in config.__dataclass_fields__}
     out["knobs"] = dict(config.knobs)
     return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}

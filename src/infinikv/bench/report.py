@@ -246,6 +246,19 @@ def _crossover_plot(result: dict[str, Any], directory: Path, plt, finish) -> str
 
 
 # -- Markdown ------------------------------------------------------------------------------------------------
+def ran_where(result: dict[str, Any]) -> list[str]:
+    """A line saying where each cell ran, when the cells ran as Ray tasks (``--ray``); else none."""
+    spots = [
+        f"batch {c['batch']} × {c['context']} on {c['ran_on']['host']} (Ray node {c['ran_on']['node']}, "
+        f"{c['ran_on']['device']}{', GPU ' + '/'.join(c['ran_on']['gpus']) if c['ran_on']['gpus'] else ''})"
+        for c in result["cells"]
+        if "ran_on" in c
+    ]
+    if not spots:
+        return []
+    return ["- Ray: each cell ran as its own task, side by side: " + "; ".join(spots) + "."]
+
+
 def write_bench_report(result: dict[str, Any], path: Path) -> None:
     """docs/benchmarks.md: setup, measured table, plots, GPU projection and crossover (notes kept)."""
     env = result["environment"]
@@ -279,6 +292,7 @@ def write_bench_report(result: dict[str, Any], path: Path) -> None:
             else ": every run prefills its own batch through the model; TTFT is measured."
         ),
         f"- Prompts: real tokens cut from `{result['cells'][0]['prompt_source']}`.",
+        *ran_where(result),
         "- Ratios (× dense, × offload, KV moved vs offload) are computed within this one run, cell by cell, "
         "from runs interleaved in time, so machine load affects both sides alike; absolute numbers on a "
         "shared machine are noisy.",

@@ -99,11 +99,13 @@ def _infinigen_knob_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from ..cluster import spread_from_args
     from .report import write_outputs
     from .sweep import parse_shard, read_config, run_sweep
 
     config = read_config(args.config)
-    run_sweep(config, shard=parse_shard(args.shard))
+    shard = parse_shard(args.shard)
+    run_sweep(config, shard=shard, spread=spread_from_args(args))
     summary = write_outputs(config)
     print(
         f"{summary['measured']} cells measured, {len(summary['missing'])} missing; outputs in {config.out}",
@@ -137,6 +139,7 @@ def _pct(value: float | None) -> str:
 
 
 def register_cli(subparsers) -> None:
+    from ..cluster import add_arguments as add_ray_arguments
     from ..models import DEFAULT_MODEL
     from ..policy_flags import add_policy_arguments
     from .retrieval import DEFAULT_DEPTHS
@@ -198,6 +201,7 @@ def register_cli(subparsers) -> None:
     sweep.add_argument("--config", required=True)
     sweep.add_argument("--shard", default="0/1", help="I/N: measure every N-th cell group from the I-th")
     sweep.add_argument("--json", action="store_true")
+    add_ray_arguments(sweep, "one Ray task per group of cells that share prompts")
     sweep.set_defaults(func=cmd_sweep)
 
     report = sub.add_parser("report", help="run a sweep config (resuming) and write its results document")

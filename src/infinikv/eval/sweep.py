@@ -37,6 +37,10 @@ context (same windows) as their reference.
 
 ``--shard I/N`` measures only every N-th group of cells (a group = one model, context and target, all its
 policies), starting at the I-th, so N processes can share one sweep; they append to the same ``cells.jsonl``.
+With a :class:`~infinikv.cluster.Spread` (``--ray``) the driver sends one Ray task per group instead, and
+appends each group's cells when its task ends (a group whose worker died is retried by Ray first). A cell
+that fails, alone or with its group's task, is appended to ``failed.jsonl`` with its error and measured
+again by the next run; the sweep goes on.
 
 This module plans and measures; :mod:`infinikv.eval.report` reads the finished cells and writes the summary,
 tables, plots and results document (it imports this module, never the reverse).
@@ -50,11 +54,13 @@ import sys
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from ..cluster import Spread
 from ..errors import InfinikvError, InputError
 from ..models import LoadedModel, load
 from ..policies import POLICIES, make_config
@@ -302,19 +308,91 @@ def is_current(cell: Cell, done: dict[str, dict[str, Any]]) -> bool:
 
 
 def run_cell(
-    cell: Cell, loaded: LoadedModel, config: SweepConfig, done: dict[str, dict], memo: PrefillMemo
+    cell: Cell,
+    loaded: LoadedModel,
+    config: SweepConfig,
+    done: dict[str, dict],
+    memo: PrefillMemo,
+    progress: bool = True,
 ) -> dict[str, Any]:
     policy = make_config(cell.policy, **dict(cell.knobs))
     if cell.kind == "ppl":
         prefill = ppl_prefill(config, cell.context)
         ppl_config = ppl.PerplexityConfig(cell.target, cell.context, prefill, config.windows)
-        dense = Cell(cell.model, cell.context, "ppl", cell.target, "dense").identity
-        reference = done.get(dense, {}).get("result")
-        return ppl.perplexity(loaded, policy, ppl_config, reference=reference, progress=True, memo=memo)
+        reference = done.get(_dense_identity(cell), {}).get("result")
+        return ppl.perplexity(loaded, policy, ppl_config, reference=reference, progress=progress, memo=memo)
     return retrieval.evaluate(
         loaded, policy, cell.target, cell.context, cell.samples, config.depths, config.seed, config.chat,
-        progress=True, memo=memo,
+        progress=progress, memo=memo,
     )  # fmt: skip
+
+
+def _dense_identity(cell: Cell) -> str:
+    """The dense cell of ``cell``'s group: a perplexity cell's reference."""
+    return Cell(cell.model, cell.context, "ppl", cell.target, "dense").identity
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A cell measured (``record``, the line ``cells.jsonl`` gets) or failed (``error``, one line)."""
+
+    cell: Cell
+    record: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def measure_group(
+    config: SweepConfig, group: list[Cell], loaded: LoadedModel, done: dict[str, dict], progress: bool = True
+) -> Iterator[Outcome]:
+    """Measure the cells of one group in order (dense first), sharing one prefill memo; adds each record
+    to ``done`` (the group's perplexity cells find their dense reference there)."""
+    memo = PrefillMemo()
+    try:
+        for cell in group:
+            try:
+                result = run_cell(cell, loaded, config, done, memo, progress)
+            except InfinikvError as exc:
+                yield Outcome(cell, error=str(exc))
+                continue
+            record = {"key": cell.key, "cell": cell.__dict__ | {"knobs": dict(cell.knobs)}, "result": result}
+            done[cell.identity] = record
+            yield Outcome(cell, record)
+    finally:
+        memo.clear()  # the next group's prompts differ: free this group's K/V
+
+
+def groups_of(todo: list[Cell]) -> list[list[Cell]]:
+    """``todo`` cut into runs of cells of one group (as :func:`cells` orders them)."""
+    return [list(run) for _, run in itertools.groupby(todo, key=lambda cell: cell.group)]
+
+
+class Ledger:
+    """Where outcomes land: a measured cell in ``cells.jsonl``, a failed one in ``failed.jsonl`` (with its
+    error; a later run measures it again) and one line on stderr."""
+
+    def __init__(self, out: Path):
+        path = out / "cells.jsonl"
+        torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+        self._cells = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the sweep; __exit__ closes)
+        if torn:
+            self._cells.write("\n")  # close an interrupted line so the next record starts on its own
+        self._failed_path = out / "failed.jsonl"
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cells.close()
+
+    def write(self, outcome: Outcome) -> None:
+        if outcome.record is not None:
+            self._cells.write(json.dumps(outcome.record) + "\n")
+            self._cells.flush()
+            return
+        cell = outcome.cell
+        print(f"sweep: {cell.label} on {cell.target}@{cell.context} failed: {outcome.error}", file=sys.stderr)
+        with open(self._failed_path, "a", encoding="utf-8") as failed:
+            failed.write(json.dumps({"key": cell.key, "error": outcome.error}) + "\n")
 
 
 def run_sweep(
@@ -322,38 +400,57 @@ def run_sweep(
     loader: Callable[[str], LoadedModel] = load,
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
+    spread: Spread | None = None,
 ) -> None:
     """Measure every cell (of ``shard``) not yet in ``cells.jsonl`` with its costs (:func:`is_current`),
-    appending each as it finishes.
-    :func:`infinikv.eval.report.write_outputs` turns the finished cells into tables and plots."""
+    appending each as it finishes; with ``spread``, one Ray task per group (:mod:`infinikv.cluster`), each
+    group's cells appended when its task ends. :func:`infinikv.eval.report.write_outputs` turns the finished
+    cells into tables and plots."""
     config.out.mkdir(parents=True, exist_ok=True)
     done = finished(config.out)
     _, unavailable = policy_variants(config)
     for name in unavailable:
         print(f"sweep: policy '{name}' is not in this build; its cells are skipped", file=sys.stderr)
     todo = [c for c in cells(config, shard) if not is_current(c, done)]
-    loaded: LoadedModel | None = None
-    memo, memo_group = PrefillMemo(), None
-    path = config.out / "cells.jsonl"
-    torn = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-    with open(path, "a", encoding="utf-8") as log:
-        if torn:
-            log.write("\n")  # close an interrupted line so the next record starts on its own
-        for cell in tqdm(todo, desc=f"sweep {config.name}", unit="cell", disable=not progress):
-            if loaded is None or loaded.name != cell.model:
-                loaded = loader(cell.model)
-            if memo_group != cell.group:
-                memo.clear()  # the next group's prompts differ: free this group's K/V
-                memo_group = cell.group
-            try:
-                result = run_cell(cell, loaded, config, done, memo)
-            except InfinikvError as exc:
-                print(f"sweep: {cell.label} on {cell.target}@{cell.context} failed: {exc}", file=sys.stderr)
-                continue
-            record = {"key": cell.key, "cell": cell.__dict__ | {"knobs": dict(cell.knobs)}, "result": result}
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            done[cell.identity] = record
+    bar = tqdm(total=len(todo), desc=f"sweep {config.name}", unit="cell", disable=not progress)
+    with Ledger(config.out) as ledger, bar:
+        if spread is None:
+            loaded: LoadedModel | None = None
+            for group in groups_of(todo):
+                if loaded is None or loaded.name != group[0].model:
+                    loaded = loader(group[0].model)
+                for outcome in measure_group(config, group, loaded, done):
+                    ledger.write(outcome)
+                    bar.update()
+            return
+        # a task gets only the dense references its perplexity cells need, not every finished record
+        wanted = {_dense_identity(cell) for cell in todo if cell.kind == "ppl"}
+        references = {identity: done[identity] for identity in wanted & done.keys()}
+        work = partial(_measure_remotely, config, loader, references)
+        for ended in spread.run(work, groups_of(todo)):
+            outcomes = ended.value or [
+                Outcome(cell, error=f"task failed: {ended.error}") for cell in ended.item
+            ]
+            for outcome in outcomes:
+                ledger.write(outcome)
+            bar.update(len(outcomes))
+            bar.set_postfix_str(f"last group on {ended.where.get('host', '?')}")
+
+
+def _measure_remotely(
+    config: SweepConfig, loader: Callable[[str], LoadedModel], done: dict[str, dict], group: list[Cell]
+) -> list[Outcome]:
+    """A Ray task: one group's outcomes. The worker keeps its last model for the next group."""
+    loaded = _WORKER_MODEL.get((loader, group[0].model))
+    if loaded is None:
+        _WORKER_MODEL.clear()
+        loaded = _WORKER_MODEL[(loader, group[0].model)] = loader(group[0].model)
+    return list(measure_group(config, group, loaded, dict(done), progress=False))
+
+
+# In a Ray worker: the model the last group loaded, by (loader, name), so the next group of the same model
+# on this worker does not load it again.
+_WORKER_MODEL: dict[tuple[Callable[[str], LoadedModel], str], LoadedModel] = {}
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -46,6 +46,8 @@ def preflight(need_cuda: bool) -> dict[str, Any]:
             continue
         if module.name.startswith("infinikv.serve") and importlib.util.find_spec("fastapi") is None:
             continue  # the server's extras are not needed to measure, and a GPU box may lack them
+        if module.name == "infinikv.serve.replicas" and importlib.util.find_spec("ray") is None:
+            continue  # serving on Ray needs the [ray] extra
         try:
             importlib.import_module(module.name)
         except Exception as exc:  # any import error is a finding; report them all at once

@@ -44,7 +44,10 @@ def render(report: dict[str, Any]) -> str:
         lines += [f"Tests marked `cuda`: **{tests.get('status')}** ({_counts(tests)}).", ""]
         lines += [f"- failed: {name}" for name in tests.get("failed", [])]
     for entry in report.get("contexts", []):
-        lines.append(f"- context {entry['context']}: {entry['status']}")
+        where = entry.get("ran_on")  # a Ray task's (--ray)
+        gpus = f", GPU {'/'.join(where['gpus'])}" if where and where["gpus"] else ""
+        spot = f" (Ray task on {where['host']}, node {where['node']}{gpus})" if where else ""
+        lines.append(f"- context {entry['context']}: {entry['status']}{spot}")
     lines += [
         "",
         "| batch | context | policy | tok/s (batch / TPOT) | TPOT p50 ms | GB H2D/step | copy ms/step "

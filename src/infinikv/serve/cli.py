@@ -22,6 +22,7 @@ def _positive(text: str) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..cluster import spread_from_args
     from ..models import load
     from ..policies import make_config
     from ..policy_flags import policy_knobs
@@ -31,6 +32,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     make_config(args.policy, **knobs)  # a bad policy or knob fails before the model loads
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be in 1..65535, got {args.port}")
+    spread = spread_from_args(args)
+    if spread is None and args.replicas is not None:
+        raise InputError("--replicas needs --ray")
+    if spread is not None:
+        from .replicas import ReplicaOptions, serve_forever
+
+        options = ReplicaOptions(
+            model=args.model,
+            device=args.device,
+            policy=args.policy,
+            knobs=knobs,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            default_max_tokens=args.default_max_tokens,
+            served_name=args.served_model_name,
+            replicas=args.replicas or 1,
+            cpus=spread.cpus,
+            gpus=spread.gpus,
+        )
+        serve_forever(options, spread.address, args.host, args.port)
+        return 0
     settings = ServerSettings(
         max_batch=args.max_batch,
         max_queue=args.max_queue,
@@ -99,6 +121,12 @@ def register_cli(subparsers) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     add_policy_arguments(serve)
+    from ..cluster import add_arguments as add_ray_arguments
+
+    add_ray_arguments(serve, "serve on Ray Serve: --replicas copies of the app, each with its model")
+    serve.add_argument(
+        "--replicas", type=_positive, default=None, help="with --ray: Serve replicas (default 1)"
+    )
     serve.set_defaults(func=cmd_serve)
 
     from .loadgen import add_arguments

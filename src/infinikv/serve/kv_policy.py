@@ -27,16 +27,24 @@ class PolicyDefaults:
     knobs: tuple[tuple[str, Any], ...] = ()
 
 
+def requested_config(
+    requested: str | None, extra: dict[str, Any], defaults: PolicyDefaults
+) -> tuple[str, PolicyConfig]:
+    """The policy name and config that a request with ``kv_policy`` = ``requested`` and the extra fields
+    ``extra`` (its ``kv_<knob>`` fields are the knobs) asks for, whatever the model; PolicyError on a
+    mistake."""
+    name = defaults.name if requested is None else requested
+    knobs = {key.removeprefix("kv_"): value for key, value in extra.items() if key.startswith("kv_")}
+    return name, make_config(name, **(dict(defaults.knobs) | knobs if name == defaults.name else knobs))
+
+
 def resolve_policy(
     requested: str | None, extra: dict[str, Any], defaults: PolicyDefaults, spec: ModelSpec
 ) -> tuple[str, PolicyConfig]:
-    """The policy name and config of a request with ``kv_policy`` = ``requested`` and the extra fields
-    ``extra`` (its ``kv_<knob>`` fields are the knobs) on the model of ``spec``; 400 on any mistake, so that
-    none reaches the worker, where it would fail the whole batch."""
-    name = defaults.name if requested is None else requested
-    knobs = {key.removeprefix("kv_"): value for key, value in extra.items() if key.startswith("kv_")}
+    """:func:`requested_config`, checked against the model of ``spec``; 400 on any mistake, so that none
+    reaches the worker, where it would fail the whole batch."""
     try:
-        config = make_config(name, **(dict(defaults.knobs) | knobs if name == defaults.name else knobs))
+        name, config = requested_config(requested, extra, defaults)
         config.check_spec(spec)  # knobs the served model cannot take: refused on arrival
         return name, config
     except PolicyError as exc:
