@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import lm_eval
 import pytest
@@ -27,6 +31,7 @@ DOCS = [
     {"question": "One two three four five six", "choices": [" seven", " 8"], "label": 1, "answer": "y"},
     {"question": "The quick brown fox", "choices": [" jumps", " sleeps all day"], "label": 0, "answer": "z"},
 ]
+SRC = Path(__file__).resolve().parents[1] / "src"
 SELECTIVE = [name for name in POLICIES if CASES[name].selects]
 
 
@@ -85,7 +90,7 @@ def greedy_text(loaded, prompt: str, new_tokens: int, stop: str) -> str:
 
 
 def test_simple_evaluate_scores_local_tasks_as_full_forward_passes(tiny, task_folder):
-    lm = InfinikvLM(tiny, "dense", batch_size=2)
+    lm = InfinikvLM(tiny, policy="dense", batch_size=2)
     result = lm_eval.simple_evaluate(
         model=lm,
         tasks=["tiny_mc", "tiny_gen", "tiny_ppl"],
@@ -119,7 +124,7 @@ def loglikelihoods(loaded, policy: str, knobs: dict, batch_size: int = 2) -> lis
         ("A short context", " and its end"),
         ("Tokens " * 10, "more tokens"),
     ]
-    lm = InfinikvLM(loaded, policy, batch_size=batch_size, **knobs)
+    lm = InfinikvLM(loaded, policy=policy, batch_size=batch_size, **knobs)
     return lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
 
 
@@ -189,7 +194,16 @@ def tiny_dir(tmp_path_factory, tiny):
     return folder
 
 
-def test_launcher_hands_options_to_lm_eval(tiny_dir, task_folder, tmp_path, capsys):
+def test_launcher_refuses_bad_model_args_in_one_line_before_lm_eval_starts(tiny_dir, capsys):
+    code = launch(
+        ["--model", "infinikv", "--model_args", f"pretrained={tiny_dir},policy=h2o,budgett=0.1"]
+        + ["--tasks", "tiny_gen"]
+    )
+    assert code == 2
+    assert capsys.readouterr().err.startswith("infinikv lm-eval: error: unknown model_args budgett:")
+
+
+def test_launcher_hands_options_to_lm_eval(tiny_dir, task_folder, tmp_path):
     code = launch(
         ["--model", "infinikv", "--model_args", f"pretrained={tiny_dir},policy=oracle,budget=0.5"]
         + ["--tasks", "tiny_gen", "--include_path", str(task_folder), "--limit", "2"]
@@ -198,28 +212,26 @@ def test_launcher_hands_options_to_lm_eval(tiny_dir, task_folder, tmp_path, caps
     assert code == 0
     [results] = tmp_path.rglob("results_*.json")
     saved = json.loads(results.read_text())
-    assert (
-        saved["config"]["infinikv_policy"] == "oracle" and saved["config"]["infinikv_knobs"]["budget"] == 0.5
-    )
+    assert saved["config"]["infinikv_policy"] == "oracle"
+    assert saved["config"]["infinikv_knobs"]["budget"] == 0.5
     assert saved["n-samples"]["tiny_gen"]["effective"] == 2
     [samples] = tmp_path.rglob("samples_tiny_gen_*.jsonl")
     assert len(samples.read_text().splitlines()) == 2
 
 
-@pytest.mark.parametrize(
-    ("model_args", "task_yaml", "message"),
-    [
-        ("policy=h2o,budgett=0.1", None, "infinikv lm-eval: error: unknown model_args budgett"),
-        ("policy=dense", "missing.jsonl", "infinikv lm-eval: error: a task's data is missing"),
-    ],
-)
-def test_launcher_errors_are_one_line(tiny_dir, tmp_path, capsys, model_args, task_yaml, message):
-    write_tasks(tmp_path, tmp_path / (task_yaml or "data.jsonl"))
-    (tmp_path / "data.jsonl").write_text(json.dumps(DOCS[0]) + "\n")
-    code = launch(
-        ["--model", "infinikv", "--model_args", f"pretrained={tiny_dir},{model_args}"]
-        + ["--tasks", "tiny_gen", "--include_path", str(tmp_path)]
+def test_a_task_without_its_data_fails_in_one_line(tiny_dir, tmp_path):
+    """As a user runs it: its own process, so lm-eval's logging is set up as it is for them."""
+    write_tasks(tmp_path, tmp_path / "missing.jsonl")
+    env = {**os.environ, "PYTHONPATH": str(SRC), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "infinikv", "lm-eval", "--model", "infinikv"]
+        + ["--model_args", f"pretrained={tiny_dir}", "--tasks", "tiny_gen", "--include_path", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
-    err = capsys.readouterr().err
-    assert code == 2
-    assert message in err and "Traceback" not in err
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("infinikv lm-eval: error: a task's data is missing") and "missing.jsonl" in last

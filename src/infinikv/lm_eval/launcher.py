@@ -14,9 +14,12 @@ import json
 import sys
 
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+from lm_eval.__main__ import cli_evaluate
+from lm_eval.utils import simple_parse_args_string
 
 from ..errors import InfinikvError
 from ..models import DEFAULT_MODEL, default_device, tokenizer_dir
+from .model import Options
 
 # What a task raises when its data or files cannot be had: a Hub look-up offline (ConnectionError), a dataset
 # or file not there (FileNotFoundError, datasets' DatasetNotFoundError), a repository the Hub refuses, a
@@ -40,15 +43,14 @@ def _option(argv: list[str], name: str) -> list[str]:
 
 def _arguments(values: list[str]) -> dict:
     """``key=value`` pairs (comma- or space-separated) or one JSON object, as lm-eval reads them."""
-    from lm_eval.utils import simple_parse_args_string
-
     if values and values[0].lstrip().startswith("{"):
         return json.loads(values[0])
     return simple_parse_args_string(",".join(values))
 
 
 def with_defaults(argv: list[str]) -> list[str]:
-    """``argv`` for the infinikv model with two defaults put first, so that what the user gives wins:
+    """``argv`` for the infinikv model, its ``model_args`` checked (a mistake is reported before lm-eval
+    spends its seconds reading every task), with two defaults put first, so that what the user gives wins:
     ``--metadata tokenizer=DIR``, the model's tokenizer directory (left out when the model has none of its
     own, a GGUF file: pass ``--metadata tokenizer=DIR``), and ``--device``, infinikv's default device
     (lm-eval's own default is cuda:0, also where there is none) unless model_args name one. Other models'
@@ -56,6 +58,7 @@ def with_defaults(argv: list[str]) -> list[str]:
     if _option(argv, "--model") != ["infinikv"]:
         return argv
     model_args = _arguments(_option(argv, "--model_args"))
+    Options.parse(**{k: v for k, v in model_args.items() if k not in ("pretrained", "device")})
     added = []
     directory = tokenizer_dir(str(model_args.get("pretrained", DEFAULT_MODEL)))
     if directory is not None:
@@ -67,12 +70,9 @@ def with_defaults(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from lm_eval.__main__ import cli_evaluate
-
-    from . import InfinikvLM  # noqa: F401  (registers the model)
-
+    saved = sys.argv
     try:
-        sys.argv = ["lm-eval", *with_defaults(argv)]
+        sys.argv = ["lm-eval", *with_defaults(argv)]  # lm-eval's command line reads sys.argv
         cli_evaluate()
     except InfinikvError as exc:
         print(f"infinikv lm-eval: error: {exc}", file=sys.stderr)
@@ -81,4 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"infinikv lm-eval: error: a task's data is missing (no Hub access?): {first}", file=sys.stderr)
         return 2
+    finally:
+        sys.argv = saved
     return 0

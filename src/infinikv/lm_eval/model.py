@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
 from ..errors import InputError
 from ..forward import PrefillMemo
 from ..generate import GenerationConfig, Generator
 from ..models import DEFAULT_MODEL, LoadedModel, load
-from ..policies import make_config
+from ..policies import PolicyConfig, make_config
 from ..policy_flags import knob_table
 from .loglik import Pair, prefill_length, score
 
@@ -38,6 +39,43 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 GENERATION_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p")
 
 
+@dataclass(frozen=True)
+class Options:
+    """The ``model_args`` besides the model and its device, checked: all that can be refused before
+    anything loads (the launcher checks them before lm-eval reads its tasks)."""
+
+    policy: str
+    config: PolicyConfig
+    dtype: str
+    batch_size: int
+    decode_context: int
+    prefill_chunk: int
+    max_gen_toks: int
+
+    @classmethod
+    def parse(
+        cls,
+        policy: str = "dense",
+        dtype: str = "float32",
+        batch_size: int | str = 1,
+        decode_context: int = 1,
+        prefill_chunk: int = 2048,
+        max_gen_toks: int = 256,
+        **knobs: Any,
+    ) -> Options:
+        if dtype not in DTYPES:
+            raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return cls(
+            policy=str(policy),
+            config=make_config(str(policy), **_typed_knobs(knobs)),
+            dtype=dtype,
+            batch_size=_whole("batch_size", batch_size, low=1),
+            decode_context=_whole("decode_context", decode_context, low=1),
+            prefill_chunk=_whole("prefill_chunk", prefill_chunk, low=2),
+            max_gen_toks=_whole("max_gen_toks", max_gen_toks, low=1),
+        )
+
+
 @register_model("infinikv")
 class InfinikvLM(LM):
     """An infinikv model and policy as an lm-eval ``LM``."""
@@ -45,39 +83,40 @@ class InfinikvLM(LM):
     def __init__(
         self,
         pretrained: str | LoadedModel = DEFAULT_MODEL,
-        policy: str = "dense",
         device: str | None = None,
-        dtype: str = "float32",
-        batch_size: int | str = 1,
-        decode_context: int = 1,
-        prefill_chunk: int = 2048,
-        max_gen_toks: int = 256,
         memo: PrefillMemo | None = None,
-        **knobs: Any,
+        **model_args: Any,
     ):
-        """``memo`` (Python only): prefills shared with other models built on the same loaded model, so
-        policies evaluated one after another on the same task prefill each prompt once per prefill family
-        (``forward.PrefillMemo``: the replayed cache holds what the policy's own prefill builds)."""
+        """``model_args``: see :meth:`Options.parse` and the module's docstring. ``memo`` (Python only):
+        prefills shared with other models built on the same loaded model, so policies evaluated one after
+        another on the same task prefill each prompt once per prefill family (``forward.PrefillMemo``: the
+        replayed cache holds what the policy's own prefill builds)."""
         super().__init__()
-        self.batch_size = _whole("batch_size", batch_size, low=1)
-        self.decode_context = _whole("decode_context", decode_context, low=1)
-        self.prefill_chunk = _whole("prefill_chunk", prefill_chunk, low=2)
-        self.max_gen_toks = _whole("max_gen_toks", max_gen_toks, low=1)
-        config = make_config(str(policy), **_typed_knobs(knobs))  # checked before the slow model load
+        self.options = Options.parse(**model_args)  # before the slow model load
         if isinstance(pretrained, LoadedModel):
-            if device is not None or dtype != "float32":
+            if device is not None or "dtype" in model_args:
                 raise InputError("device and dtype apply to a model loaded by name, not to a loaded one")
             loaded = pretrained
         else:
-            if dtype not in DTYPES:
-                raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-            loaded = load(str(pretrained), device=device, dtype=DTYPES[dtype])
-        self.generator = Generator(loaded, config, memo=memo)
+            loaded = load(str(pretrained), device=device, dtype=DTYPES[self.options.dtype])
+        self.generator = Generator(loaded, self.options.config, memo=memo)
         self.loaded = loaded
-        self.policy = str(policy)
         self._device = loaded.device
 
     # -- what lm-eval asks of a model ---------------------------------------------------------------------
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict | None = None
+    ) -> InfinikvLM:
+        """lm-eval passes its ``--batch_size`` and ``--device`` (default cuda:0) beside ``model_args``;
+        a value given in both is taken from ``model_args`` rather than refused as a duplicate argument."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**{**extra, **arg_dict})
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> InfinikvLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     @property
     def max_length(self) -> int:
         return self.loaded.max_context
@@ -104,9 +143,9 @@ class InfinikvLM(LM):
         """Recorded in lm-eval's results: which policy, knobs and decode-path share produced them."""
         return {
             "infinikv_model": self.loaded.name,
-            "infinikv_policy": self.policy,
-            "infinikv_knobs": self.generator.policy_config.knobs(),
-            "decode_context": self.decode_context,
+            "infinikv_policy": self.options.policy,
+            "infinikv_knobs": self.options.config.knobs(),
+            "decode_context": self.options.decode_context,
         }
 
     # -- requests ------------------------------------------------------------------------------------------
@@ -121,7 +160,7 @@ class InfinikvLM(LM):
         bar = tqdm(total=len(requests), desc="generate_until", disable=disable_tqdm)
         for config, rows in jobs.items():
             rows = sorted(rows, key=lambda row: -len(prompts[row]))  # similar lengths share a batch
-            for batch in _batches(rows, self.batch_size):
+            for batch in _batches(rows, self.options.batch_size):
                 results = self.generator.generate([prompts[row] for row in batch], self._seeded(config))
                 for row, result in zip(batch, results, strict=True):
                     texts[row] = result.text
@@ -163,13 +202,16 @@ class InfinikvLM(LM):
         grid = self.generator.policy_config.padding_grid()
         groups: dict[int, list[int]] = {}
         for i in sorted(range(len(pairs)), key=lambda i: -len(pairs[i].context) - len(pairs[i].continuation)):
-            groups.setdefault(prefill_length(pairs[i], self.decode_context) % grid, []).append(i)
+            groups.setdefault(prefill_length(pairs[i], self.options.decode_context) % grid, []).append(i)
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
         bar = tqdm(total=len(pairs), desc=desc, disable=disable_tqdm)
         for rows in groups.values():
-            for batch in _batches(rows, self.batch_size):
+            for batch in _batches(rows, self.options.batch_size):
                 scored = score(
-                    self.generator, [pairs[i] for i in batch], self.decode_context, self.prefill_chunk
+                    self.generator,
+                    [pairs[i] for i in batch],
+                    self.options.decode_context,
+                    self.options.prefill_chunk,
                 )
                 for i, result in zip(batch, scored, strict=True):
                     results[i] = result
@@ -222,7 +264,7 @@ class InfinikvLM(LM):
         until = kwargs.get("until") or []
         temperature = kwargs.get("temperature", 0.0)
         sampled = kwargs.get("do_sample", temperature > 0)
-        max_new = _whole("max_gen_toks", kwargs.get("max_gen_toks", self.max_gen_toks), low=1)
+        max_new = _whole("max_gen_toks", kwargs.get("max_gen_toks", self.options.max_gen_toks), low=1)
         if max_new >= self.max_length:
             raise InputError(
                 f"max_gen_toks {max_new} leaves no room in the model's {self.max_length}-token context"
@@ -232,7 +274,7 @@ class InfinikvLM(LM):
             temperature=(temperature or 1.0) if sampled else 0.0,  # do_sample without a temperature: 1
             top_p=kwargs.get("top_p", 1.0) if sampled else 1.0,
             stop=(until,) if isinstance(until, str) else tuple(until),
-            prefill_chunk=self.prefill_chunk,
+            prefill_chunk=self.options.prefill_chunk,
         )
 
     @staticmethod
