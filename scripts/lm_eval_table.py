@@ -5,9 +5,11 @@ retrieval eval (``infinikv eval retrieval``'s ``evaluate``), side by side.
 Everything runs in one process so that each prompt is prefilled once per prefill family and replayed into the
 other policies' caches (``forward.PrefillMemo``: the replayed cache holds what the policy's own prefill
 builds). Samples can be split over processes: ``--first`` picks lm-eval's documents first..first+count-1 and
-the own eval's seeds first..first+count-1 (sample i of a run of ``count`` is sample first+i of one long run).
+the own eval's seeds first..first+count-1 (sample i of a run of ``count`` is sample first+i of one long run);
+so can cells (``--cells``).
 
     python scripts/lm_eval_table.py --first 0 --count 3 --out runs/lm-eval-table   # then --first 3 ...
+    python scripts/lm_eval_table.py --cells "oracle budget=0.2,h2o budget=0.2" --out runs/lm-eval-table
     python scripts/lm_eval_table.py --table runs/lm-eval-table                     # the Markdown table
 """
 
@@ -35,7 +37,7 @@ def cells() -> list[tuple[str, str, dict]]:
     return rows
 
 
-def measure(first: int, count: int, out: Path) -> None:
+def measure(first: int, count: int, out: Path, only: list[str] | None) -> None:
     import lm_eval
 
     from infinikv.eval.retrieval import evaluate
@@ -48,7 +50,9 @@ def measure(first: int, count: int, out: Path) -> None:
     metadata = {"tokenizer": str(tokenizer_dir(loaded.name))}
     lm_memo, own_memo = PrefillMemo(), PrefillMemo()
     out.mkdir(parents=True, exist_ok=True)
-    for label, policy, knobs in cells():
+    chosen = [cell for cell in cells() if only is None or cell[0] in only]
+    chosen.sort(key=lambda cell: only.index(cell[0]) if only else 0)
+    for label, policy, knobs in chosen:
         start = time.perf_counter()
         lm = InfinikvLM(loaded, policy=policy, memo=lm_memo, **knobs)
         result = lm_eval.simple_evaluate(
@@ -100,12 +104,13 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--count", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("runs/lm-eval-table"))
+    parser.add_argument("--cells", help="comma-separated cell labels to run, in this order (default: all)")
     parser.add_argument("--table", type=Path, help="print the table of the runs in this folder and stop")
     args = parser.parse_args()
     if args.table:
         print(table(args.table))
     else:
-        measure(args.first, args.count, args.out)
+        measure(args.first, args.count, args.out, args.cells.split(",") if args.cells else None)
 
 
 if __name__ == "__main__":
