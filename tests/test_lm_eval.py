@@ -22,6 +22,8 @@ from lm_eval.tasks import TaskManager
 from infinikv.errors import InfinikvError
 from infinikv.lm_eval import InfinikvLM
 from infinikv.lm_eval.launcher import main as launch
+from infinikv.lm_eval.launcher import with_defaults
+from infinikv.models import default_device
 from infinikv.policies import POLICIES
 
 from .test_policy_matrix import CASES
@@ -192,6 +194,16 @@ def tiny_dir(tmp_path_factory, tiny):
     tiny.model.save_pretrained(folder)
     tiny.tokenizer.save_pretrained(folder)
     return folder
+
+
+def test_launcher_adds_the_tokenizer_folder_and_device_before_the_users_options(tiny_dir):
+    args = ["--model", "infinikv", "--model_args", f"pretrained={tiny_dir}", "--tasks", "niah_single_1"]
+    defaults = ["--metadata", json.dumps({"tokenizer": str(tiny_dir)}), "--device", str(default_device())]
+    assert with_defaults(args) == defaults + args  # first, so that a --metadata or --device given wins
+    assert with_defaults(["run", *args]) == ["run", *defaults, *args]
+    named = ["--model", "infinikv", "--model_args", f'{{"pretrained": "{tiny_dir}", "device": "cpu"}}']
+    assert with_defaults(named) == defaults[:2] + named
+    assert with_defaults(["--model", "hf", "--model_args", "pretrained=gpt2"])[0] == "--model"
 
 
 def test_launcher_refuses_bad_model_args_in_one_line_before_lm_eval_starts(tiny_dir, capsys):

@@ -65,7 +65,8 @@ def with_defaults(argv: list[str]) -> list[str]:
         added += ["--metadata", json.dumps({"tokenizer": str(directory)})]
     if "device" not in model_args and not _option(argv, "--device"):
         added += ["--device", str(default_device())]
-    return [*added, *argv]
+    head = argv[:1] if argv[:1] == ["run"] else []  # lm-eval's subcommand, when given, stays first
+    return [*head, *added, *argv[len(head) :]]
 
 
 def main(argv: list[str] | None = None) -> int:
