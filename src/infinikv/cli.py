@@ -245,6 +245,26 @@ def register_calibrate(subparsers) -> None:
     parser.set_defaults(func=cmd_calibrate)
 
 
+# -- lm-eval ------------------------------------------------------------------------------------------------
+def register_lm_eval(subparsers) -> None:
+    # Everything after the subcommand goes to lm-eval's own command line as given, --help included: with a
+    # prefix character no argument starts with, argparse takes every option as a plain value.
+    parser = subparsers.add_parser(
+        "lm-eval",
+        help="run lm-evaluation-harness with the infinikv model (the lm-eval extra; docs/lm-eval.md)",
+        add_help=False,
+        prefix_chars="\0",
+    )
+    parser.add_argument("lm_eval_args", nargs="*")
+    parser.set_defaults(func=cmd_lm_eval)
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> int:
+    from .lm_eval.launcher import main as lm_eval_main  # lazily: lm-eval is an optional extra
+
+    return lm_eval_main(args.lm_eval_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="infinikv", description="KV-cache policies for Hugging Face causal LMs")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -285,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Subcommands that live beside their feature (data, eval, bench, serve), and calibrate."""
+    """Subcommands that live beside their feature (data, eval, bench, serve), calibrate and lm-eval."""
     from . import bench, data
     from .eval import cli as eval_cli
     from .serve import cli as serve_cli
@@ -296,6 +316,7 @@ def _extra_commands():
         bench.register_cli,
         eval_cli.register_cli,
         serve_cli.register_cli,
+        register_lm_eval,
     ]
 
 

@@ -5,7 +5,7 @@ benchmark's peers), the attention mask and the next positions. ``prefill`` feeds
 (:func:`chunk_bounds`) with positions taken from its padding mask, as transformers' own generate does;
 ``step`` feeds one token per row, growing the mask by one column. Both return the last position's logits.
 Everything around it stays with its user: sampling, stop strings and streaming in ``generate.Generator``,
-teacher forcing in ``eval.runner.DecodeRun``, timing in the benchmark.
+teacher forcing in ``eval.runner.DecodeRun`` and ``lm_eval.loglik``, timing in the benchmark.
 
 A long prompt's prefill costs as much as hundreds of decode steps, and most policies build the same state
 from a prompt (``Policy.prefill_family``: plain dense attention for most; H2O's prompt scores do not depend

@@ -23,7 +23,7 @@ import torch
 from .cache import InfinikvCache
 from .clock import now
 from .errors import InputError
-from .forward import Driver
+from .forward import Driver, PrefillMemo
 from .models import LoadedModel
 from .policies import PolicyConfig, make_config, prepare
 
@@ -125,10 +125,21 @@ class RequestResult:
 
 
 class Generator:
-    """Runs a loaded model with its KV cache owned by an infinikv policy."""
+    """Runs a loaded model with its KV cache owned by an infinikv policy.
 
-    def __init__(self, loaded: LoadedModel, policy: PolicyConfig | str = "dense", **knobs: Any):
+    ``memo``: prefills shared with the other generators (and drivers) given the same memo, replayed where a
+    batch of prompts was already prefilled in this policy's prefill family (``forward.PrefillMemo``).
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        policy: PolicyConfig | str = "dense",
+        memo: PrefillMemo | None = None,
+        **knobs: Any,
+    ):
         self.loaded = loaded
+        self.memo = memo
         self.policy_config = make_config(policy, **knobs) if isinstance(policy, str) else policy
         prepare(self.policy_config, loaded)  # e.g. InfiniGen calibrates once per model
         eos = loaded.model.generation_config.eos_token_id
@@ -203,7 +214,9 @@ class Generator:
 
         try:
             start = now(self.loaded.device)
-            logits = driver.prefill(input_ids, attention_mask, config.prefill_chunk, progress=progress)
+            logits = driver.prefill(
+                input_ids, attention_mask, config.prefill_chunk, memo=self.memo, progress=progress
+            )
             prefill_s = now(self.loaded.device) - start
 
             generated: list[list[int]] = [[] for _ in range(batch)]

@@ -120,6 +120,15 @@ def is_pulled(name: str) -> bool:
         return _problem(_hf_dir(name), full=True) is None
 
 
+def tokenizer_dir(name: str) -> Path | None:
+    """The folder holding ``name``'s tokenizer files: a registered model's converted folder in the cache
+    (pulled if need be), or an HF model directory itself; None for a GGUF file, a hub id or a dummy model."""
+    if name in REGISTRY:
+        return pull(name, full=False)
+    path = Path(name).expanduser()
+    return path if path.is_dir() else None
+
+
 def _problem(hf_dir: Path, full: bool) -> str | None:
     """Why the converted entry ``hf_dir`` cannot be used as is, or None. ``full``: hash every file."""
     if not hf_dir.is_dir():
