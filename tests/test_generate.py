@@ -7,6 +7,7 @@ import torch
 
 from infinikv import GenerationConfig, Generator, InfinikvCache
 from infinikv.errors import InputError, PolicyError
+from infinikv.forward import chunk_bounds
 from infinikv.kvpool import KVPool
 from infinikv.testing import tiny_model
 
@@ -258,3 +259,16 @@ def test_a_bad_prompt_fails_before_any_split_off_batch_runs(tiny, monkeypatch):
     with pytest.raises(InputError, match="exceeds the model's context"):
         generator.generate(prompts, GenerationConfig(max_new_tokens=4))
     assert started == []
+
+
+def test_prefill_chunks_are_cut_back_from_the_end():
+    """Every chunk but the first is whole, so a left-padded row's tokens fall in the chunks they fall in
+    alone; the chunks cover the prompt once, in order."""
+    for total, chunk in ((1, 4), (4, 4), (5, 4), (9, 4), (2060, 2048), (3584, 2048)):
+        bounds = chunk_bounds(total, chunk)
+        assert bounds[0][0] == 0 and bounds[-1][1] == total
+        assert all(end == begin for (_, end), (begin, _) in zip(bounds[:-1], bounds[1:], strict=True))
+        assert all(end - begin == chunk for begin, end in bounds[1:]) and 0 < bounds[0][1] <= chunk
+    row = chunk_bounds(2040, 2048)  # alone: one chunk; beside a 2060-token row its padding is 20
+    padded = [(max(0, b - 20), e - 20) for b, e in chunk_bounds(2060, 2048) if e > 20]
+    assert padded == row

@@ -445,3 +445,15 @@ def test_batch_invariance(variant, policy, extra, padding, model, request):
     for prompt, together in zip(prompts, batched, strict=True):
         alone = generator.generate([prompt], config)[0]
         assert together.token_ids == alone.token_ids, f"{prompt[:20]!r} changed by its batchmate"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_batch_invariance_across_prefill_chunks(model, request):
+    """Prompts longer than a prefill chunk with 2-bit KV, whose later chunks attend to the quantized earlier
+    ones: each row's chunks are cut where they are cut alone, so its greedy tokens are its own."""
+    loaded = request.getfixturevalue(model)
+    generator = Generator(loaded, "quant", **case("quant").tight)
+    config = GenerationConfig(max_new_tokens=16, prefill_chunk=32)
+    batched = generator.generate(MISALIGNED, config)
+    for prompt, together in zip(MISALIGNED, batched, strict=True):
+        assert together.token_ids == generator.generate([prompt], config)[0].token_ids

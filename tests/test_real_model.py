@@ -66,3 +66,22 @@ def test_a_row_gets_its_own_tokens_alone_and_batched_on_smollm2(smollm2, policy,
     batched = generator.generate([SHORT, AUSTEN], config)
     alone = [generator.generate([prompt], config)[0].token_ids for prompt in (SHORT, AUSTEN)]
     assert [result.token_ids for result in batched] == alone
+
+
+@pytest.mark.parametrize(
+    "policy, knobs",
+    [("infinigen", {}), ("infinigen", {"budget": 0.05, "min_tokens": 0}), ("quant", {"bits": 2})],
+)
+def test_rows_on_both_sides_of_a_calibrated_length_boundary_get_their_own_tokens(smollm2, policy, knobs):
+    """InfiniGen takes its partial ratio by each row's prompt length (SmolLM2: 0.3 up to 2,048 tokens, 0.75
+    beyond): a 6-token prompt, one of 2,040 tokens and one of 2,060 in one batch each get the greedy tokens
+    they get alone, at the defaults and at a tight budget; 2-bit KV too."""
+    ids = smollm2.tokenizer(AUSTEN * 3)["input_ids"]
+    prompts = [smollm2.tokenizer(SHORT)["input_ids"], ids[:2040], ids[100:2160]]
+    generator = Generator(smollm2, policy, **knobs)
+    config = GenerationConfig(max_new_tokens=8)
+    batched = generator.generate(prompts, config)
+    if policy == "infinigen":
+        assert batched[0].stats["partial_ratio_used"][1:] == [0.3, 0.75]  # the boundary is crossed
+    alone = [generator.generate([prompt], config)[0].token_ids for prompt in prompts]
+    assert [result.token_ids for result in batched] == alone

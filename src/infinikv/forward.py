@@ -34,11 +34,12 @@ Tensor = torch.Tensor
 
 
 def chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
-    """(begin, end) of each prefill chunk of at most ``chunk`` tokens, never a one-token last chunk: it
-    would look like a decode step."""
-    bounds = list(range(0, total, chunk)) + [total]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] < 2:
-        bounds.pop(-2)
+    """(begin, end) of each prefill chunk of at most ``chunk`` tokens, cut back from the end: the first one
+    takes the remainder. A left-padded row's tokens then fall in the chunks they fall in alone (its padding
+    only lengthens the first), so a policy whose later chunks attend to a lossy copy of the earlier ones
+    (quant) gives a row what it gives it alone. A short first chunk is still a prefill (the cache is empty);
+    every later one is whole, so none looks like a decode step."""
+    bounds = [0] + list(range(total % chunk or chunk, total + 1, chunk))
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 

@@ -85,9 +85,8 @@ class PolicyConfig:
     def padding_grid(self) -> int:
         """A row of a left-padded batch gets what it gets alone only when its padding is a multiple of this
         (1: any padding). A policy that groups token slots on the batch's shared grid (KIVI's key groups)
-        says how wide; ``Generator.generate`` then batches only rows whose lengths agree modulo it. Not
-        covered: a prompt longer than one prefill chunk, whose chunks are cut on the batch's grid too, with
-        a policy whose later chunks attend to a lossy copy of the earlier ones (quant)."""
+        says how wide; ``Generator.generate`` then batches only rows whose lengths agree modulo it. (Prefill
+        chunks are cut back from the end of the batch, ``forward.chunk_bounds``, so they need no grid.)"""
         return 1
 
 
