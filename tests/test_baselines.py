@@ -94,7 +94,7 @@ def test_streaming_rerotation_equals_cache_positions(tiny):
 
 def test_h2o_keeps_heavy_hitter(tiny):
     spec = tiny.spec
-    policy = _policy(tiny, "h2o", budget=8, heavy_ratio=0.5)
+    policy = _policy(tiny, "h2o", budget=8, heavy_ratio=0.5, min_tokens=0)
     k, v = _kv(41, spec)
     k = k * 0.1
     direction = torch.randn(spec.head_dim)
@@ -114,7 +114,7 @@ def test_h2o_keeps_heavy_hitter(tiny):
 
 def test_h2o_prompt_scores_sum_the_attention_each_key_receives(tiny):
     spec = tiny.spec
-    policy = _policy(tiny, "h2o", budget=8)
+    policy = _policy(tiny, "h2o", budget=8, min_tokens=0)
     k, v = _kv(600, spec, seed=4)
     q = torch.randn(1, spec.num_heads, 600, spec.head_dim, generator=torch.Generator().manual_seed(5))
     # Two prompt chunks of 300 rows (more than one block of scored rows each); the second with a mask that
@@ -133,7 +133,7 @@ def test_h2o_prompt_scores_sum_the_attention_each_key_receives(tiny):
 
 def test_quest_picks_page_of_max_logit(tiny):
     spec = tiny.spec
-    policy = _policy(tiny, "quest", budget=16, page_size=4, dense_layers=0)
+    policy = _policy(tiny, "quest", budget=16, page_size=4, dense_layers=0, min_tokens=0)
     k, v = _kv(64, spec, seed=3)
     query = torch.randn(1, spec.num_heads, spec.head_dim)
     k[:, :, 42] = 3 * query[:, :: spec.group_size]  # one token per KV head aligned with its first query head
@@ -186,7 +186,7 @@ def test_oracle_takes_the_top_k_of_the_real_scores(tiny, monkeypatch):
     """At a small budget the oracle picks, per KV head, exactly the k best tokens by the real logits, each
     query head measured against its own best, then the max over the group."""
     spec, layer, n = tiny.spec, 1, 40
-    policy = _policy(tiny, "oracle", budget=5, dense_layers=1)
+    policy = _policy(tiny, "oracle", budget=5, dense_layers=1, min_tokens=0)
     k, v = _kv(n, spec, seed=4)
     policy.prefill(layer, k, v)
     gen = torch.Generator().manual_seed(5)
@@ -211,7 +211,7 @@ def test_oracle_takes_the_top_k_of_the_real_scores(tiny, monkeypatch):
 
 def test_oracle_reserves_sinks_and_window_within_its_budget(tiny, monkeypatch):
     spec, layer, n = tiny.spec, 1, 40
-    policy = _policy(tiny, "oracle", budget=8, dense_layers=1, n_sink=2, window=3)
+    policy = _policy(tiny, "oracle", budget=8, dense_layers=1, n_sink=2, window=3, min_tokens=0)
     k, v = _kv(n, spec, seed=6)
     policy.key_valid = torch.tensor([[False] * 5 + [True] * (n - 5)])  # five slots of left padding
     policy.prefill(layer, k, v)
