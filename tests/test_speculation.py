@@ -28,7 +28,9 @@ def _constructed(tiny, tiny_skew, monkeypatch, attend_query_noise: float) -> Spe
     """A probe whose layer 2 holds 40 random keys and is rehearsed with query Q; layer 2 then attends with
     Q plus ``attend_query_noise`` times another random query."""
     spec = tiny.spec
-    config = InfiniGenConfig(alpha=5.0, budget=8, partial_ratio=1.0, skew=False, n_sink=0, window=0)
+    config = InfiniGenConfig(
+        alpha=5.0, budget=8, partial_ratio=1.0, skew=False, n_sink=0, window=0, min_tokens=0
+    )
     policy = SpeculationProbe(config, spec, torch.device("cpu"), skew=tiny_skew)
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, spec.num_kv_heads, 40, spec.head_dim, generator=gen)
@@ -83,7 +85,7 @@ def _probe_and_infinigen(tiny, skew, monkeypatch, tmp_path, knobs: InfiniGenConf
 
 def test_probe_run_is_an_infinigen_run(tiny, tiny_skew, monkeypatch, tmp_path):
     """Attending to InfiniGen's selection, the probe's perplexity is InfiniGen's, and it writes its files."""
-    knobs = InfiniGenConfig(alpha=3.0, budget=0.3)
+    knobs = InfiniGenConfig(alpha=3.0, budget=0.3, min_tokens=0)
     result, reference = _probe_and_infinigen(tiny, tiny_skew, monkeypatch, tmp_path, knobs)
     text = tmp_path / "t.txt"
     assert result["ppl"] == pytest.approx(reference["ppl"], rel=1e-5)
@@ -104,7 +106,7 @@ def test_probe_reads_a_store_cut_to_the_prompt_lengths_ratio(tiny, tiny_skew, mo
     with those columns, and the probe's run is still InfiniGen's."""
     ratios = (RatioAtLength(200, 0.25, ()), RatioAtLength(4096, 0.75, ()))
     skew = dataclasses.replace(tiny_skew, tuned=dataclasses.replace(tiny_skew.tuned, ratio_by_length=ratios))
-    knobs = InfiniGenConfig(alpha=3.0, budget=0.3)
+    knobs = InfiniGenConfig(alpha=3.0, budget=0.3, min_tokens=0)
     result, reference = _probe_and_infinigen(tiny, skew, monkeypatch, tmp_path, knobs)
     assert result["partial_ratio_used"] == 0.25 and reference["stats"]["partial_ratio_used"] == [0.25]
     assert result["ppl"] == pytest.approx(reference["ppl"], rel=1e-5)
@@ -117,7 +119,7 @@ def test_prompt_coverage_is_the_probe_on_the_dense_trajectory(tiny, tiny_skew, m
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: tiny_skew)
     text = tmp_path / "t.txt"
     text.write_text(TEXT, encoding="utf-8")
-    knobs = InfiniGenConfig(budget=0.3, partial_ratio=0.25, first_layers="dense")
+    knobs = InfiniGenConfig(budget=0.3, partial_ratio=0.25, first_layers="dense", min_tokens=0)
     result = probe(tiny, knobs, SpeculationConfig(str(text), context=160, scored=41, attend="dense"))
     ids = ppl.make_windows(tiny, ppl.PerplexityConfig(str(text), 160, 119))[:, :159]  # 40 decode steps
 
