@@ -296,3 +296,32 @@ def test_speculation_recall_is_one_when_speculation_sees_the_real_query_at_full_
         calibration.tuning.prompt_recall(q, k, torch.randn_like(q), [full], 0.125, budget=0.25, bits=None)[0]
         < 1.0
     )
+
+
+def test_one_progress_line_counts_the_whole_calibration(tiny, monkeypatch):
+    """Calibration shows one progress line, whose total is the work it then reports (both dense passes and
+    the tuning, at the calibration text's length and a longer window), so its time left holds to the end."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.done, self.updates = total, 0.0, 0
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, units):
+            self.done += units
+            self.updates += 1
+
+    monkeypatch.setattr(calibration, "tqdm", Bar)
+    monkeypatch.setattr(calibration.tuning, "LENGTHS", (256,))
+    skew = calibration.calibrate(tiny, text=TEXT * 3, tokens=128, save=False)
+    assert [entry.tokens for entry in skew.tuned.ratio_by_length] == [128, 256]  # a longer window was tuned
+    (bar,) = bars
+    assert bar.done == pytest.approx(bar.total, abs=0.5)  # the total is rounded to whole units
+    assert bar.updates > 2 * tiny.spec.num_layers  # the tuning reports too, not only the passes

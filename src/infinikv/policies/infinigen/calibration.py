@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,10 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 DEFAULT_CORPUS = "austen"
 DEFAULT_TOKENS = 2048
+# The progress bar counts work in units of one scoring of the tuning steps against 1,024 tokens
+# (``tuning.prompt_recall`` per candidate); a layer of the dense pass over 1,024 tokens costs about as much
+# as PASS_COST of them (measured on a 2-core CPU), so one bar's ETA holds through the passes and the tuning.
+PASS_COST = 6
 
 
 def ensure_skew(loaded: LoadedModel) -> Skew:
@@ -79,9 +84,12 @@ def ensure_skew(loaded: LoadedModel) -> Skew:
 class _Capture:
     """Turns each layer's post-RoPE queries and keys into its skewing matrices and column scores."""
 
-    def __init__(self, spec: ModelSpec, bar: tqdm, ends: tuple[int, ...], fit: bool = True):
-        """``ends``: the window ends (in tokens) whose last positions play decode steps for ``tune``;
-        ``fit``: whether to compute the skewing matrices (the longer pass only needs the windows)."""
+    def __init__(
+        self, spec: ModelSpec, progress: Callable[[], None], ends: tuple[int, ...], fit: bool = True
+    ):
+        """``progress``: called once per layer captured; ``ends``: the window ends (in tokens) whose last
+        positions play decode steps for ``tune``; ``fit``: whether to compute the skewing matrices (the
+        longer pass only needs the windows)."""
         self.spec = spec
         self.ends, self.fit = ends, fit
         d = spec.head_dim
@@ -89,7 +97,7 @@ class _Capture:
         self.matrices = torch.zeros(*shape, d, d)
         self.scores = torch.zeros(*shape, d)
         self.identity_scores = torch.zeros(*shape, d)
-        self.bar = bar
+        self.progress = progress
         # for the calibrated knobs (``tune``), per window end and layer: real queries of the window's last
         # positions, the keys up to its end, and the queries rehearsed from the previous layer's input
         self.tuning_inputs: dict[int, dict[int, tuple[Tensor, Tensor, Tensor]]] = {end: {} for end in ends}
@@ -104,8 +112,7 @@ class _Capture:
             q, k = self.spec.query(layer, x, positions), self.spec.key(layer, x, positions)
             if self.fit:
                 self.add(layer, q, k)
-            else:
-                self.bar.update(1)
+            self.progress()
             previous = x if self._previous is None else self._previous
             for end in self.ends:
                 window = slice(end - min(tuning.POSITIONS, end - 1), end)
@@ -129,7 +136,6 @@ class _Capture:
                 ((queries @ basis).abs().sum(0) + (keys @ basis).abs().sum(0)).float().cpu()
             )
             self.identity_scores[layer, head] = (queries.abs().sum(0) + keys.abs().sum(0)).float().cpu()
-        self.bar.update(1)
 
 
 def calibration_ids(loaded: LoadedModel, text: str | None, tokens: int) -> tuple[Tensor, str]:
@@ -159,60 +165,89 @@ def calibrate(
     ids, source = calibration_ids(loaded, text, tokens)
     spec = loaded.spec
     n = int(ids.shape[1])
-    capture = _captured(loaded, ids, (n,), fit=True)
     longer = tuple(end for end in tuning.LENGTHS if n < end <= loaded.max_context)
-    windows = {n: capture.tuning_inputs[n]}
-    if longer:
-        long_ids = calibration_ids(loaded, text, max(longer))[0]
-        ends = tuple(end for end in longer if end <= long_ids.shape[1])  # a short text stops early
+    long_ids = calibration_ids(loaded, text, max(longer))[0] if longer else ids
+    ends = tuple(end for end in longer if end <= long_ids.shape[1])  # a short text stops early
+    passes = (n, *ends[-1:])
+    total = sum(PASS_COST * spec.num_layers * count / 1024 for count in passes) + tune_cost(spec, (n, *ends))
+    shape = "{desc}: {percentage:3.0f}% | {elapsed} so far, about {remaining} left"
+    with tqdm(
+        total=round(total), desc=f"calibrating InfiniGen for {loaded.name}", bar_format=shape, leave=False
+    ) as bar:
+        capture = _captured(loaded, ids, (n,), True, bar.update)
+        windows = {n: capture.tuning_inputs[n]}
         if ends:
-            windows.update(_captured(loaded, long_ids[:, : max(ends)], ends, fit=False).tuning_inputs)
-    skew = Skew(
-        weights_id=loaded.weights_id,
-        model=loaded.name,
-        source=source,
-        tokens=int(ids.shape[1]),
-        matrices=capture.matrices,
-        scores=capture.scores,
-        identity_scores=capture.identity_scores,
-    )
-    skew = replace(skew, tuned=tune(spec, skew, windows))
+            windows.update(_captured(loaded, long_ids[:, : max(ends)], ends, False, bar.update).tuning_inputs)
+        skew = Skew(
+            weights_id=loaded.weights_id,
+            model=loaded.name,
+            source=source,
+            tokens=n,
+            matrices=capture.matrices,
+            scores=capture.scores,
+            identity_scores=capture.identity_scores,
+        )
+        skew = replace(skew, tuned=tune(spec, skew, windows, bar.update))
     if save:
         skew.save(skew_path(loaded.weights_id, source, skew.tokens))
     return skew
 
 
-def _captured(loaded: LoadedModel, ids: Tensor, ends: tuple[int, ...], fit: bool) -> _Capture:
-    """One dense pass over ``ids`` [1, n] with every attention module's input captured (``_Capture``)."""
-    spec = loaded.spec
-    with tqdm(total=spec.num_layers, desc="calibrate", unit="layer", leave=False) as bar:
-        capture = _Capture(spec, bar, ends, fit)
-        hooks = [
-            attention.register_forward_pre_hook(capture.hook(layer), with_kwargs=True)
-            for layer, attention in enumerate(spec.attention)
-        ]
-        try:
-            loaded.model(input_ids=ids.to(loaded.device), use_cache=False, logits_to_keep=1)
-        finally:
-            for hook in hooks:
-                hook.remove()
+def _captured(
+    loaded: LoadedModel, ids: Tensor, ends: tuple[int, ...], fit: bool, progress: Callable[[float], object]
+) -> _Capture:
+    """One dense pass over ``ids`` [1, n] with every attention module's input captured (``_Capture``);
+    ``progress`` is told each layer's share of the work (units of ``PASS_COST``)."""
+    layer_cost = PASS_COST * ids.shape[1] / 1024
+    capture = _Capture(loaded.spec, lambda: progress(layer_cost), ends, fit)
+    hooks = [
+        attention.register_forward_pre_hook(capture.hook(layer), with_kwargs=True)
+        for layer, attention in enumerate(loaded.spec.attention)
+    ]
+    try:
+        loaded.model(input_ids=ids.to(loaded.device), use_cache=False, logits_to_keep=1)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return capture
 
 
-def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor, Tensor, Tensor]]]) -> Tuned:
+def _tuned_layers(spec: ModelSpec, present: Callable[[int], bool]) -> tuple[list[int], list[int]]:
+    """The layers :func:`tune` calibrates (global ones with tuning inputs: ``present``) and, of those, the
+    ones InfiniGen rehearses at its default ``dense_layers``."""
+    calibrated = [layer for layer in range(spec.num_layers) if not spec.is_sliding(layer) and present(layer)]
+    return calibrated, [layer for layer in calibrated if layer >= InfiniGenConfig().dense_layers]
+
+
+def tune_cost(spec: ModelSpec, ends: tuple[int, ...]) -> float:
+    """:func:`tune`'s work for windows ending at ``ends`` (the shortest first), in the progress bar's units:
+    per rehearsed layer and window, the real top-k, one scoring per candidate ratio and one by its own query;
+    per calibrated layer, its coverage at each alpha by both queries on the shortest window."""
+    calibrated, rehearsed = _tuned_layers(spec, lambda layer: True)
+    if not rehearsed:
+        return 0.0
+    per_window = len(rehearsed) * (len(tuning.RATIOS) + 2)
+    return sum(per_window * end / 1024 for end in ends) + len(calibrated) * 2 * 2 * ends[0] / 1024
+
+
+def tune(
+    spec: ModelSpec,
+    skew: Skew,
+    windows: dict[int, dict[int, tuple[Tensor, Tensor, Tensor]]],
+    progress: Callable[[float], object] = lambda units: None,
+) -> Tuned:
     """InfiniGen's calibrated knobs at its default budget and dense layers, from ``windows`` (per window end,
     the shortest first: per layer, its tuning inputs): first the partial ratio (``tuning.RATIO_RULE``), on
     the shortest window and again at the end of each longer one (``ratio_by_length``); then the layers that
     choose with their own query (``tuning.OWN_QUERY_RULE``); then, at the shortest window's ratio, the
     threshold of each managed layer (``tuning.LAYER_RULE``), scored with its own query and rehearsed, and one
     for every layer (``tuning.RULE``: the mean curve's, a summary beside the per-layer ones); each with its
-    rule."""
+    rule. ``progress`` is told each step's share of the work (the units of :func:`tune_cost`)."""
     defaults = InfiniGenConfig()
     bits = PARTIAL_KEYS[defaults.partial_keys]  # the rehearsal is measured on keys stored as it stores them
     shortest = min(windows)
     inputs = windows[shortest]
-    calibrated = [layer for layer in range(spec.num_layers) if not spec.is_sliding(layer) and layer in inputs]
-    rehearsed = [layer for layer in calibrated if layer >= defaults.dense_layers]
+    calibrated, rehearsed = _tuned_layers(spec, lambda layer: layer in inputs)
     if not rehearsed:  # nothing to rehearse at the defaults: the paper's constants
         rule = "paper (no managed layer to calibrate on)"
         none = (None,) * spec.num_layers
@@ -239,18 +274,24 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
         "positions": inputs[rehearsed[0]][0].shape[1],
     }
 
+    # per window and layer: the real top-k, which the rehearsal and the layer's own query both chase
+    truths: dict[tuple[int, int], Tensor] = {}
+
+    def recall(end: int, layer: int, query: Tensor, ratios: tuple[float, ...]) -> list[float]:
+        q, k, _ = windows[end][layer]
+        if (end, layer) not in truths:
+            truths[end, layer] = tuning.real_top_k(q, k, spec.scaling(layer), defaults.budget)
+            progress(end / 1024)
+        projections = [skew.projection(layer, ratio, defaults.skew) for ratio in ratios]
+        found = tuning.prompt_recall(
+            q, k, query, projections, spec.scaling(layer), defaults.budget, bits, truth=truths[end, layer]
+        )
+        progress(len(ratios) * end / 1024)
+        return found
+
     def recalls_at(end: int) -> Tensor:  # [rehearsed layers, tuning.RATIOS]
         return torch.tensor(
-            [
-                tuning.prompt_recall(
-                    *windows[end][layer],
-                    [skew.projection(layer, ratio, defaults.skew) for ratio in tuning.RATIOS],
-                    spec.scaling(layer),
-                    defaults.budget,
-                    bits,
-                )
-                for layer in rehearsed
-            ]
+            [recall(end, layer, windows[end][layer][2], tuning.RATIOS) for layer in rehearsed]
         )
 
     # The ratio is picked on every rehearsed layer's recall, own-query ones included: which layers choose by
@@ -262,13 +303,7 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
     shares = []
     for end, recalls in by_length.items():
         column = tuning.RATIOS.index(ratio_of[end])
-        own_recall = []
-        for layer in rehearsed:
-            q, k, _ = windows[end][layer]
-            projection = skew.projection(layer, ratio_of[end], defaults.skew)
-            own_recall += tuning.prompt_recall(
-                q, k, q, [projection], spec.scaling(layer), defaults.budget, bits
-            )
+        own_recall = [recall(end, layer, windows[end][layer][0], (ratio_of[end],))[0] for layer in rehearsed]
         rehearsed_recall = recalls[:, column].tolist()
         shares.append(
             [min(1.0, r / o) if o else 1.0 for r, o in zip(rehearsed_recall, own_recall, strict=True)]
@@ -289,6 +324,7 @@ def tune(spec: ModelSpec, skew: Skew, windows: dict[int, dict[int, tuple[Tensor,
             way: tuning.prompt_coverage(q, k, query, projection, spec.scaling(layer), defaults.budget, bits)
             for way, query in (("own", q), ("rehearsed", q_rehearsed))
         }
+        progress(2 * 2 * shortest / 1024)
         for way, (share, _) in coverage.items():
             by_query[way][layer] = tuning.pick_alpha(share.tolist())
         chosen = "own" if layer < defaults.dense_layers or layer in own_query else "rehearsed"

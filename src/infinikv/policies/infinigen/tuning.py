@@ -47,10 +47,11 @@ fetched tokens plus the new one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from ..base import group_relative_max, resolve_budget
+from ..base import resolve_budget
 from .rehearsal import dequantized, quantize
 
 Tensor = torch.Tensor
@@ -124,13 +125,15 @@ def _decode_steps(k: Tensor, positions: int) -> tuple[Tensor, Tensor]:
 
 def _group_scores(queries: Tensor, keys: Tensor, scaling: float, past: Tensor) -> Tensor:
     """[P, kv_heads, n]: logits of ``queries`` [heads, P, c] against ``keys`` [kv_heads, n, c], each query
-    head relative to its own best, then the max over the heads of a KV group (InfiniGen's combination);
-    -inf outside each step's ``past``."""
-    kv_heads, n = keys.shape[0], keys.shape[1]
+    head relative to its own best, then the max over the heads of a KV group (InfiniGen's combination, as
+    ``base.group_relative_max``, here in place on the one logits tensor: calibration makes hundreds of
+    these at 8k tokens); -inf outside each step's ``past``."""
+    kv_heads = keys.shape[0]
     heads, positions = queries.shape[0], queries.shape[1]
     grouped = queries.reshape(kv_heads, heads // kv_heads, positions, -1) * scaling
-    logits = torch.matmul(grouped, keys[:, None].transpose(-1, -2)).masked_fill(~past, -math.inf)
-    return group_relative_max(logits.permute(2, 0, 1, 3).reshape(positions, heads, n), heads // kv_heads)
+    logits = torch.matmul(grouped, keys[:, None].transpose(-1, -2)).masked_fill_(~past, -math.inf)
+    best = logits.amax(dim=-1, keepdim=True)
+    return logits.sub_(best.masked_fill_(best == -math.inf, 0)).amax(dim=1).transpose(0, 1)
 
 
 def _speculated(
@@ -181,6 +184,31 @@ def prompt_coverage(
     return kept.mean(0), (counts.float() / t[:, None].float()).mean(0)
 
 
+def _top_k_steps(
+    k: Tensor, positions: int, budget: float
+) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """For the last ``positions`` steps of a prompt whose keys are ``k``: their past [P, n], the budget cap k
+    of each [P], and a function from scores [P, kv_heads, n] to each step's top-k (bool, same shape)."""
+    t, past = _decode_steps(k, positions)
+    counts = torch.tensor([resolve_budget(budget, int(p)) for p in t.tolist()], device=k.device)
+    width = int(counts.max())
+    within = torch.arange(width, device=k.device)[None, :] < counts[:, None]
+
+    def chosen(scores: Tensor) -> Tensor:
+        index = scores.topk(width, dim=-1).indices
+        mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        return mask.scatter_(-1, index, within[:, None, :].expand_as(index))
+
+    return past, counts, chosen
+
+
+def real_top_k(q: Tensor, k: Tensor, scaling: float, budget: float) -> Tensor:
+    """bool [P, kv_heads, n]: the real top-k tokens of each of the last P steps (shapes and k as in
+    :func:`prompt_recall`), to pass to it as ``truth`` when several calls share them."""
+    past, _, chosen = _top_k_steps(k, q.shape[1], budget)
+    return chosen(_group_scores(q.float(), k.float(), scaling, past))
+
+
 def prompt_recall(
     q: Tensor,
     k: Tensor,
@@ -189,24 +217,18 @@ def prompt_recall(
     scaling: float,
     budget: float,
     bits: int | None,
+    truth: Tensor | None = None,
 ) -> list[float]:
     """Per projection (one per candidate partial ratio), the share of the real top-k tokens that the
     speculated top-k holds, per KV head, averaged over the last P positions of a prompt of n tokens, each
     playing a decode step on the dense trajectory (k = the ``budget`` cap of that step). Real and speculated
     scores are combined over a group's query heads the same way (each relative to its own best, max).
 
-    Shapes and ``bits`` as in :func:`prompt_coverage`; ``projections``: [kv_heads, d, c] each."""
-    t, past = _decode_steps(k, q.shape[1])
-    counts = torch.tensor([resolve_budget(budget, int(p)) for p in t.tolist()], device=k.device)
-    width = int(counts.max())
-    within = torch.arange(width, device=k.device)[None, :] < counts[:, None]
-
-    def chosen(scores: Tensor) -> Tensor:  # bool [P, kv_heads, n]: each step's top-k
-        index = scores.topk(width, dim=-1).indices
-        mask = torch.zeros_like(scores, dtype=torch.bool)
-        return mask.scatter_(-1, index, within[:, None, :].expand_as(index))
-
-    truth = chosen(_group_scores(q.float(), k.float(), scaling, past))
+    Shapes and ``bits`` as in :func:`prompt_coverage`; ``projections``: [kv_heads, d, c] each; ``truth``:
+    :func:`real_top_k` of the same ``q``, ``k`` and ``budget`` (None: computed here)."""
+    past, counts, chosen = _top_k_steps(k, q.shape[1], budget)
+    if truth is None:
+        truth = real_top_k(q, k, scaling, budget)
     recalls = []
     for projection in projections:
         speculated = _speculated(q_speculative, k, projection, scaling, past, bits)
