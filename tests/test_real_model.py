@@ -1,13 +1,17 @@
-"""SmolLM2-135M: infinikv's dense and offload policies against transformers' own generate."""
+"""SmolLM2-135M: infinikv's dense and offload policies against transformers' own generate, and every
+registered policy's tokens for a row alone and batched."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
 from infinikv import GenerationConfig, Generator
 from infinikv.cli import main
+from infinikv.forward import PrefillMemo
+from infinikv.policies import POLICIES, make_config
 
 from .test_generate import reference_tokens
 
@@ -46,42 +50,90 @@ def test_cli_offload_json_reports_the_arithmetic(smollm2, long_prompt, expected,
     assert runs["dense"]["stats"]["bytes_h2d"] == 0
 
 
-SHORT = "The capital of France is"
+SHORT = "The capital of France is"  # 5 tokens
 AUSTEN = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
     "want of a wife. "
 ) * 40
 
 
-@pytest.mark.parametrize(
-    "policy, knobs",
-    [("quest", {}), ("oracle", {}), ("streaming", {"window": 64}), ("h2o", {}), ("infinigen", {})],
+# -- batch invariance, every registered policy ---------------------------------------------------------------
+# Beside its defaults, each registered policy runs at the knobs at which it keeps least (None: it has no knob
+# that keeps less; offload's overlap only says when the copy runs). The floor under a fractional budget
+# (min_tokens, 64) would keep the 5-token row, and the 1,029-token one at 5 %, dense: the tight settings lift
+# it so that every row selects.
+TIGHT: dict[str, dict | None] = {
+    "dense": None,
+    "offload": None,
+    "streaming": {"window": 16},
+    "quest": {"budget": 0.05, "page_size": 8, "min_tokens": 0},
+    "h2o": {"budget": 0.05, "min_tokens": 0},
+    "quant": {"bits": 2},
+    "infinigen": {"budget": 0.05, "min_tokens": 0},
+    "oracle": {"budget": 0.05, "min_tokens": 0},
+}
+KIVI = {"scheme": "kivi"}  # KIVI's keys are grouped over token slots: batched only at lengths equal mod 64
+BATCH_CASES = sorted(
+    [
+        *(pytest.param(policy, {}, id=f"{policy}-defaults") for policy in POLICIES),
+        *(pytest.param(name, TIGHT[name], id=f"{name}-tight") for name in POLICIES if TIGHT.get(name)),
+        pytest.param("quant", KIVI, id="quant-kivi"),
+    ],
+    key=lambda case: str(POLICIES[case.values[0]].prefill_family),  # a family's cases in a row (prefills)
 )
-def test_a_row_gets_its_own_tokens_alone_and_batched_on_smollm2(smollm2, policy, knobs):
-    """A 6-token prompt beside a ~1k-token one, each policy at its defaults: every row's greedy tokens are
-    those it gets alone (InfiniGen and the oracle used to differ here: a top-k kept a different one of the
-    tokens tied at the cut, depending on the batch)."""
-    generator = Generator(smollm2, policy, **knobs)
-    config = GenerationConfig(max_new_tokens=8)
-    batched = generator.generate([SHORT, AUSTEN], config)
-    alone = [generator.generate([prompt], config)[0].token_ids for prompt in (SHORT, AUSTEN)]
-    assert [result.token_ids for result in batched] == alone
 
 
-@pytest.mark.parametrize(
-    "policy, knobs",
-    [("infinigen", {}), ("infinigen", {"budget": 0.05, "min_tokens": 0}), ("quant", {"bits": 2})],
-)
-def test_rows_on_both_sides_of_a_calibrated_length_boundary_get_their_own_tokens(smollm2, policy, knobs):
-    """InfiniGen takes its partial ratio by each row's prompt length (SmolLM2: 0.3 up to 2,048 tokens, 0.75
-    beyond): a 6-token prompt, one of 2,040 tokens and one of 2,060 in one batch each get the greedy tokens
-    they get alone, at the defaults and at a tight budget; 2-bit KV too."""
-    ids = smollm2.tokenizer(AUSTEN * 3)["input_ids"]
-    prompts = [smollm2.tokenizer(SHORT)["input_ids"], ids[:2040], ids[100:2160]]
-    generator = Generator(smollm2, policy, **knobs)
+@pytest.fixture(scope="module")
+def rows(smollm2, long_prompt) -> list[list[int]]:
+    """Token ids of 5, 1,029, 2,048 and 3,077 tokens. InfiniGen's calibrated partial ratio on SmolLM2 is 0.3
+    up to 2,048 tokens and 0.75 beyond (its 4k and 8k windows agree, so 2,048 is the one boundary): the last
+    two rows lie on either side of it. Batched, the 2,048-token row's padding is the first prefill chunk and
+    its tokens exactly the second (quant's later chunks attend to the quantized earlier ones). 5, 1,029 and
+    3,077 agree modulo KIVI's 64-token key groups, so those three rows share KIVI's batch."""
+    austen = smollm2.tokenizer(AUSTEN * 3)["input_ids"]
+    varied = smollm2.tokenizer(long_prompt)["input_ids"]
+    rows = [smollm2.tokenizer(SHORT)["input_ids"], varied[:1029], austen[100:2148], (varied + austen)[:3077]]
+    assert [len(row) for row in rows] == [5, 1029, 2048, 3077]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def prefills() -> Callable[[str], PrefillMemo | None]:
+    """The memo a policy's generator shares the rows' prefills through (``forward.PrefillMemo``; None for
+    a policy of no prefill family, which runs its own). The cases run family by family, and the memo holds
+    one family's K/V at a time."""
+    memo, held = PrefillMemo(), []
+
+    def memo_for(policy: str) -> PrefillMemo | None:
+        family = POLICIES[policy].prefill_family
+        if family is None:
+            return None
+        if held != [family]:
+            memo.clear()
+            held[:] = [family]
+        return memo
+
+    return memo_for
+
+
+def test_every_policy_has_a_tight_setting():
+    """A registered policy must say here at which knobs it keeps least (None: at none but its defaults)."""
+    assert set(TIGHT) == set(POLICIES)
+    for policy, knobs in TIGHT.items():
+        make_config(policy, **(knobs or {}))  # every knob is the policy's, in range
+
+
+@pytest.mark.parametrize("policy, knobs", BATCH_CASES)
+def test_a_row_gets_its_own_tokens_alone_and_batched_on_smollm2(smollm2, rows, prefills, policy, knobs):
+    """Rows of 5, 1,029, 2,048 and 3,077 tokens in one batch (see ``rows``), every registered policy at its
+    defaults and at its tight setting, and KIVI: every row's 8 greedy tokens are those it gets alone.
+    (InfiniGen and the oracle used to differ here: a top-k kept a different one of the tokens tied at the cut,
+    depending on the batch.)"""
+    generator = Generator(smollm2, policy, memo=prefills(policy), **knobs)
     config = GenerationConfig(max_new_tokens=8)
-    batched = generator.generate(prompts, config)
+    batched = generator.generate(rows, config)
+    assert batched[0].stats["batch_size"] == (3 if knobs == KIVI else 4)
     if policy == "infinigen":
-        assert batched[0].stats["partial_ratio_used"][1:] == [0.3, 0.75]  # the boundary is crossed
-    alone = [generator.generate([prompt], config)[0].token_ids for prompt in prompts]
+        assert batched[0].stats["partial_ratio_used"][2:] == [0.3, 0.75]  # the boundary is crossed
+    alone = [generator.generate([row], config)[0].token_ids for row in rows]
     assert [result.token_ids for result in batched] == alone
