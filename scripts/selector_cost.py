@@ -1,0 +1,74 @@
+"""Where InfiniGen's selector spends one layer's time on a CPU (docs/results-infinigen.md, "Speed").
+
+    OMP_NUM_THREADS=1 python scripts/selector_cost.py [batch] [tokens] [columns]
+
+Times one layer's selection at the bench's target cell (default: batch 8, 8,064 tokens, SmolLM2-135M's 3 KV
+heads of 3 query heads, 48 int8 columns: the ratio calibrated for 4k and 8k tokens) on random partial keys:
+the speculated scores (int8 keys converted to bfloat16, the product, the per-token scales, the group's
+relative max), the count rule, and the pick of each head's top tokens. Each step is timed alone and the
+whole selection once more, median of 30 runs after 2 warm-ups. Random scores, not a model's: how many
+tokens come within alpha changes the count, not the cost, which is set by the shapes.
+"""
+
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from infinikv.policies.base import group_relative_max, pick_top, reserved_first
+from infinikv.policies.infinigen.rehearsal import count_within, quantize, speculative_scores
+
+KV_HEADS, GROUP, WINDOW, BUDGET, ALPHA = 3, 3, 32, 0.2, 4.0
+
+
+def timed(step: Callable[[], object], runs: int = 30) -> float:
+    """Median milliseconds of ``step``."""
+    step(), step()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main(batch: int, tokens: int, columns: int) -> None:
+    torch.manual_seed(0)
+    query = torch.randn(batch, KV_HEADS, GROUP, columns) * 0.1
+    keys, scale = quantize(torch.randn(batch, KV_HEADS, tokens, columns), 8)
+    keys, scale = keys.transpose(2, 3).contiguous(), scale.transpose(2, 3).contiguous()  # slots last
+    reserved = torch.arange(tokens).expand(batch, KV_HEADS, tokens) >= tokens - WINDOW
+    budgets = [math.ceil(BUDGET * tokens)] * batch
+    scores = speculative_scores(query, keys, (), None, scale)
+    counts = count_within(scores, ALPHA, budgets, reserved).tolist()
+    lifted = reserved_first(scores, reserved)
+    converted = keys.to(torch.bfloat16)
+    product = torch.matmul(query.bfloat16(), converted)
+    scaled = product.float() * scale.float()
+    steps = {
+        "int8 keys to bfloat16": lambda: keys.to(torch.bfloat16),
+        "product (bfloat16)": lambda: torch.matmul(query.bfloat16(), converted),
+        "scales": lambda: product.float() * scale.float(),
+        "group's relative max": lambda: group_relative_max(scaled.flatten(1, 2), GROUP),
+        "count rule": lambda: count_within(scores, ALPHA, budgets, reserved),
+        "reserved first": lambda: reserved_first(scores, reserved),
+        "top-k": lambda: lifted.topk(max(counts), dim=-1, sorted=False),
+        "pick (reserved, top-k, ties, order)": lambda: pick_top(scores, counts, reserved),
+    }
+
+    def select() -> None:
+        found = speculative_scores(query, keys, (), None, scale)
+        pick_top(found, count_within(found, ALPHA, budgets, reserved).tolist(), reserved)
+
+    print(f"batch {batch}, {tokens} tokens, {columns} int8 columns, {torch.get_num_threads()} thread(s)")
+    for name, step in steps.items():
+        print(f"  {name:<38} {timed(step):7.2f} ms")
+    print(f"  {'whole selection':<38} {timed(select):7.2f} ms")
+
+
+if __name__ == "__main__":
+    arguments = [int(value) for value in sys.argv[1:4]]
+    main(*arguments, *(8, 8064, 48)[len(arguments) :])
