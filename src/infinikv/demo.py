@@ -1,12 +1,15 @@
 """``make demo``: SmolLM2-135M reads about 2,000 tokens of Pride and Prejudice and answers a question about
 it, once per policy; the text streams for the first policy, then each policy's KV statistics are printed
-side by side."""
+side by side. The policies that prefill densely (dense, offload, InfiniGen, Quest) share one prefill of the
+prompt through a ``PrefillMemo``, as the benchmark and the evaluation do; H2O runs its own (it also
+accumulates attention scores)."""
 
 from __future__ import annotations
 
 import sys
 
 from .data import load_corpus
+from .forward import PrefillMemo
 from .generate import GenerationConfig, Generator
 from .models import load
 from .policies import POLICIES
@@ -32,13 +35,15 @@ def main() -> int:
     policies = [p for p in ("dense", "offload", "infinigen", "h2o", "quest") if p in POLICIES]
     rows = []
     reference = None
+    memo = PrefillMemo()
     for i, policy in enumerate(policies):
         print(f"\n== {policy} ==", flush=True)
 
         def stream(_row: int, piece: str) -> None:
             print(piece, end="", flush=True)
 
-        result = Generator(loaded, policy).generate(prompt, config, on_text=stream, progress=True)[0]
+        generator = Generator(loaded, policy, memo=memo)
+        result = generator.generate(prompt, config, on_text=stream, progress=True)[0]
         print()
         reference = reference if i else result.token_ids
         rows.append((policy, result))
