@@ -14,7 +14,7 @@ from infinikv.errors import PolicyError
 from infinikv.generate import GenerationConfig, Generator
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, resolve_budget
 from infinikv.policies.base import pick_top
-from infinikv.policies.infinigen import calibration, rehearsal, skewfile
+from infinikv.policies.infinigen import blocks, calibration, rehearsal, skewfile
 from infinikv.policies.infinigen.rehearsal import Rehearsal
 from infinikv.policies.infinigen.skewfile import RatioAtLength
 from infinikv.testing import tiny_model
@@ -66,15 +66,17 @@ class _Spy:
     def observe(self, policy: InfiniGenPolicy, record: Rehearsal) -> None:
         # The partial key cache is the policy's live store: keep it as it was at this step, with its strides
         # (the buffer behind the view, copied), so that scores recomputed from it are computed the same way.
-        slots, n = policy.layers[record.layer].slots, record.partial_keys.shape[-1]
+        slots, n = policy.layers[record.layer].slots, record.partial_keys.shape[2]
         buffer = slots.partial.clone()
-        scale = None if slots.scale is None else slots.scale.clone()[..., :n]
-        self.records.append(dataclasses.replace(record, partial_keys=buffer[..., :n], scale=scale))
+        scale = None if slots.scale is None else slots.scale.clone()[:, :, :n]
+        self.records.append(dataclasses.replace(record, partial_keys=buffer[:, :, :n], scale=scale))
 
 
 def _tokens(loaded, policy, prompts=PROMPTS, new=24, **knobs):
     if policy == "infinigen":  # these prompts are within the default floor; the tests check the budget's rule
         knobs.setdefault("min_tokens", 0)
+        # the rules of token speculation, whose records hold every token's score; blocks are tested below
+        knobs.setdefault("block_size", 0)
     results = Generator(loaded, policy, **knobs).generate(prompts, GenerationConfig(max_new_tokens=new))
     return [r.token_ids for r in results], results[0].stats
 
@@ -133,12 +135,17 @@ def _decode_logits(loaded, policy, steps: int = 12, **knobs) -> torch.Tensor:
     ("dense_layers", "first_layers", "partial_keys"),
     [(0, "dense", "int8"), (2, "dense", "model"), (2, "own", "int8"), (2, "own", "int16")],
 )
+@pytest.mark.parametrize("block_size", [0, 1, 16])
 def test_full_budget_equals_dense(
-    kind, dense_layers, first_layers, partial_keys, tiny, tiny_gemma, calibrated
+    kind, dense_layers, first_layers, partial_keys, block_size, tiny, tiny_gemma, calibrated
 ):
     loaded = tiny if kind == "llama" else tiny_gemma
     knobs = dict(
-        alpha=math.inf, dense_layers=dense_layers, first_layers=first_layers, partial_keys=partial_keys
+        alpha=math.inf,
+        dense_layers=dense_layers,
+        first_layers=first_layers,
+        partial_keys=partial_keys,
+        block_size=block_size,
     )
     dense, _ = _tokens(loaded, "dense")
     full, stats = _tokens(loaded, "infinigen", budget=1.0, **knobs)
@@ -153,8 +160,10 @@ def test_full_budget_equals_dense(
 
 
 def _speculation_inputs(loaded, monkeypatch, **knobs):
-    """Run InfiniGen with ``knobs``: (the policy, its rehearsal records in order, each layer's attention
-    inputs (x, position_ids) in order (the prefill's first), the run's stats)."""
+    """Run InfiniGen with ``knobs`` (token speculation unless they say otherwise): (the policy, its rehearsal
+    records in order, each layer's attention inputs (x, position_ids) in order (the prefill's first), the
+    run's stats)."""
+    knobs.setdefault("block_size", 0)
     seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def keep(i, kwargs):
@@ -353,7 +362,7 @@ def test_counter_eviction_keeps_pool_within_capacity(tiny, calibrated, monkeypat
         assert pos[0, 0].unique().numel() == slots.n
         if policy.managed(layer):  # evicted tokens left the partial key cache with the pool
             keys = policy.host_pool.keys(layer)
-            expected = policy.partial_query(layer, keys).transpose(2, 3)  # the keys in the partial columns
+            expected = policy.partial_query(layer, keys)  # the keys in the partial columns
             stored = rehearsal.dequantized(slots.view("partial"), slots.view("scale"))
             assert torch.allclose(stored, expected, atol=expected.abs().max().item() / 100)
 
@@ -412,7 +421,7 @@ def test_heads_of_a_group_are_compared_on_their_own_scale(tiny):
     head's strong attention sink must not hide the tokens another head of the group needs."""
     spec = tiny.spec
     d, kv, group = spec.head_dim, spec.num_kv_heads, spec.group_size
-    partial_keys = torch.eye(d)[:, :8].expand(1, kv, d, 8)  # key t = e_t: q·k_t = q[t]
+    partial_keys = torch.eye(d)[:8].expand(1, kv, 8, d)  # key t = e_t: q·k_t = q[t]
     sink = [20.0, 0, 0, 0, 0, 0, 0, 0]  # head 0 of each group: everything on slot 0
     spread = [0.0, 3, 3, 3, -10, -10, -10, -10]  # head 1: slots 1..3, logits far below the other head's
     partial_query = torch.zeros(1, kv, group, d)
@@ -434,14 +443,14 @@ def test_rehearsal_functions_alone():
     query, keys = torch.randn(batch, kv, group, d), torch.randn(batch, kv, n, d)
     logits = torch.matmul(query, keys.transpose(2, 3))  # [batch, kv_heads, group, slots]
     expected = (logits - logits.amax(dim=-1, keepdim=True)).amax(dim=2)
-    scores = rehearsal.speculative_scores(query, keys.transpose(2, 3))
+    scores = rehearsal.speculative_scores(query, keys)
     assert scores.shape == (batch, kv, n) and torch.allclose(scores, expected, atol=1e-6)
     assert bool((scores.amax(dim=-1) == 0).all())
 
     # left padding: hidden at -inf, the rest as before
     real = torch.ones(batch, kv, n, dtype=torch.bool)
     real[1, :, :3] = False
-    masked = rehearsal.speculative_scores(query, keys.transpose(2, 3), real_slots=real)
+    masked = rehearsal.speculative_scores(query, keys, real_slots=real)
     assert bool((masked[1, :, :3] == -math.inf).all()) and torch.equal(masked[0], scores[0])
     logits_1 = logits[1, :, :, 3:]
     assert torch.allclose(
@@ -450,10 +459,10 @@ def test_rehearsal_functions_alone():
 
     # row 1 scores with columns 1, 4, 6 of each head: as it would alone with only those columns
     own = torch.tensor([[1, 4, 6], [0, 2, 7]])
-    narrow = rehearsal.speculative_scores(query, keys.transpose(2, 3), ((torch.tensor([1]), own),))
+    narrow = rehearsal.speculative_scores(query, keys, ((torch.tensor([1]), own),))
     alone_q = torch.gather(query[1:], 3, own[None, :, None, :].expand(1, kv, group, -1))
     alone_k = torch.gather(keys[1:], 3, own[None, :, None, :].expand(1, kv, n, -1))
-    alone = rehearsal.speculative_scores(alone_q, alone_k.transpose(2, 3))
+    alone = rehearsal.speculative_scores(alone_q, alone_k)
     assert torch.equal(narrow[0], scores[0]) and torch.allclose(narrow[1:], alone, atol=1e-6)
     assert not torch.allclose(narrow[1:], scores[1:], atol=1e-3)
 
@@ -613,11 +622,11 @@ def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeyp
         tokens, stats = _tokens(tiny, "infinigen", prompts=[prompt], new=8, budget=0.5, window=0)
         alone += tokens
         assert stats["partial_ratio_used"] == [ratio]
-        assert spy.policies[-1].layers[2].slots.partial.shape[2] == math.ceil(ratio * d)
+        assert spy.policies[-1].layers[2].slots.partial.shape[3] == math.ceil(ratio * d)
     tokens, stats = _tokens(tiny, "infinigen", prompts=[short, long], new=8, budget=0.5, window=0)
     assert tokens == alone
     assert stats["partial_ratio_used"] == [0.25, 0.75]
-    assert spy.policies[-1].layers[2].slots.partial.shape[2] == math.ceil(0.75 * d)
+    assert spy.policies[-1].layers[2].slots.partial.shape[3] == math.ceil(0.75 * d)
 
 
 def _alphas_per_layer(tuned: skewfile.Tuned, per_layer: list[float | None]) -> skewfile.Tuned:
@@ -702,10 +711,12 @@ def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, ske
     given = 0.25 if calibrated_ratio > 0.5 else 1.0  # a width the calibrated ratio does not give
     assert math.ceil(given * spec.head_dim) != math.ceil(calibrated_ratio * spec.head_dim)
     for knobs, ratio in ((dict(), calibrated_ratio), (dict(partial_ratio=given), given)):
-        policy = InfiniGenPolicy(InfiniGenConfig(**knobs), spec, torch.device("cpu"), skew=skew)
+        # token speculation: no block bounds share the device budget, which holds every calibrated column
+        config = InfiniGenConfig(block_size=0, **knobs)
+        policy = InfiniGenPolicy(config, spec, torch.device("cpu"), skew=skew)
         policy.prefill(2, keys, keys.clone())
         width = math.ceil(ratio * spec.head_dim)
-        assert policy.layers[2].slots.view("partial").shape == (1, spec.num_kv_heads, width, 5)
+        assert policy.layers[2].slots.view("partial").shape == (1, spec.num_kv_heads, 5, width)
         assert policy.partial_query(2, keys).shape[-1] == width
 
 
@@ -784,3 +795,111 @@ def test_a_context_within_the_floor_attends_everything_whatever_alpha_counts(tin
     assert floored == dense
     _, unfloored = _tokens(tiny, "infinigen", prompts=prompt, min_tokens=0, **knobs)
     assert unfloored["mean_tokens_attended"] < stats["mean_tokens_attended"]
+
+
+LONG = [TEXT[:700], TEXT[:333]]  # long enough that candidate blocks leave tokens out; padding not a block's
+
+
+def _picks(records: list[Rehearsal]) -> list[tuple]:
+    """What each rehearsal fetched: (layer, step, counts, each row's own slots per head)."""
+    picks = []
+    for record in records:
+        index, valid = record.index, record.valid
+        own = [
+            [index[row, head][valid[row, head]].tolist() if valid is not None else index[row, head].tolist()]
+            for row in range(index.shape[0])
+            for head in range(index.shape[1])
+        ]
+        picks.append((record.layer, record.step, record.counts.tolist(), own))
+    return picks
+
+
+# the tiny model's logits are small: at alpha 0.03 some heads want more than one budget of candidates
+@pytest.mark.parametrize(
+    ("alpha", "window", "candidates"), [(3.0, 32, 2.0), (0.03, 0, 1.0), (math.inf, 32, 2.0)]
+)
+def test_block_speculation_with_blocks_of_one_token_selects_what_token_speculation_selects(
+    alpha, window, candidates, tiny, calibrated, monkeypatch
+):
+    """Blocks of one token (their bounds are their scores) choose, layer by layer and step by step, the slots
+    token speculation chooses, with ragged counts, padding, the reserved window, and heads whose every
+    candidate comes within alpha (counted again over all tokens)."""
+    spy, runs, stats = _Spy(monkeypatch), {}, {}
+    for block_size in (0, 1):
+        first = len(spy.records)
+        knobs = dict(alpha=alpha, budget=0.25, window=window, block_candidates=candidates)
+        tokens, stats[block_size] = _tokens(
+            tiny, "infinigen", prompts=LONG, new=12, block_size=block_size, **knobs
+        )
+        runs[block_size] = (tokens, _picks(spy.records[first:]))
+    assert runs[1] == runs[0]
+    assert stats[0]["block_steps"] == 0 < stats[1]["block_steps"]
+    if alpha < 1:  # heads that want more than their candidates: the count falls back to every token
+        assert stats[1]["block_recounts"] > 0
+
+
+def test_block_speculation_chooses_within_the_budget_among_candidate_blocks(tiny, calibrated, monkeypatch):
+    """Blocks of 16 tokens: each row fetches its budget's tokens (alpha inf), its recent window among them,
+    only from its candidate blocks, in ascending slots; and it generates what it generates alone."""
+    spy = _Spy(monkeypatch)
+    knobs = dict(new=12, alpha=math.inf, budget=0.2, block_size=16, block_candidates=1.5)
+    batched, stats = _tokens(tiny, "infinigen", prompts=LONG, **knobs)
+    assert stats["block_steps"] > 0
+    for record in spy.records:
+        candidates = record.scores > -math.inf  # the candidates' scores, -inf off them
+        assert bool((candidates.sum(-1) < record.real_slots.sum(-1)).all())  # some tokens left out
+        for row, budget in enumerate(resolve_budget(0.2, n) for n in record.real_tokens):
+            assert int(record.counts[row]) == budget
+            for head in range(record.index.shape[1]):
+                own = record.index[row, head]
+                if record.valid is not None:
+                    own = own[record.valid[row, head]]
+                assert len(own) == budget and bool((own[1:] > own[:-1]).all())
+                assert bool(candidates[row, head, own].all())
+                assert set(record.reserved[row, head].nonzero()[:, 0].tolist()) <= set(own.tolist())
+    alone = [_tokens(tiny, "infinigen", prompts=[prompt], **knobs)[0][0] for prompt in LONG]
+    assert batched == alone
+
+
+def test_block_bounds_bound_every_token_of_their_block():
+    """Each block's stored max (min) is at least (at most) every value of its tokens' partial keys, after the
+    bounds are built, widened by new tokens and taken again after an overwrite; rows with different
+    padding start their blocks at their first real token."""
+    torch.manual_seed(0)
+    batch, heads, n, k, size = 2, 2, 45, 6, 8
+    padding = [0, 11]
+    keys, scale = rehearsal.quantize(torch.randn(batch, heads, n + 4, k) * 3, 8)
+    slots = torch.arange(n + 4)
+
+    def real_at(index):
+        return index >= torch.tensor(padding)[:, None, None]
+
+    bounds = blocks.BlockBounds(size, padding, torch.device("cpu"))
+    bounds.build(keys, scale, n, real_at)
+    for extra in range(4):  # new tokens, one slot each
+        bounds.extend(
+            n + extra,
+            rehearsal.dequantized(
+                keys[:, :, n + extra : n + extra + 1], scale[:, :, n + extra : n + extra + 1]
+            ),
+        )
+    keys[0, 1, 20] = 100  # an overwrite, then its block again
+    bounds.refresh(bounds.block_of(torch.full((batch, heads, 1), 20)), keys, scale, n + 4, real_at)
+    values = rehearsal.dequantized(keys, scale)
+    for row in range(batch):
+        first = bounds.block_of(torch.tensor([[[padding[row]]]]))[0, 0, 0]
+        assert (
+            int(first) * size + padding[row] % size - size == padding[row]
+        )  # its first token starts a block
+        for head in range(heads):
+            for slot in range(padding[row], n + 4):
+                block = int(bounds.block_of(slots[slot].view(1, 1, 1).expand(batch, 1, 1))[row, 0, 0])
+                high, low = (
+                    bounds.bounds[row, head, block, :k].float(),
+                    -bounds.bounds[row, head, block, k:].float(),
+                )
+                assert bool((high >= values[row, head, slot]).all()) and bool(
+                    (low <= values[row, head, slot]).all()
+                )
+                assert bool(bounds.filled[row, head, block])
+    assert not bool(bounds.filled[1, :, 0].any())  # block 0: padding alone

@@ -114,8 +114,8 @@ def pick_top(
             if not ragged:
                 return index, None
             return index, _earliest_at_cut(scores, cut, count).gather(-1, index)
-    if not ragged:
-        return top.sort(dim=-1).values, None
+    if not ragged:  # ascending through a mask: cheaper than sorting the indices on a CPU, and no sync
+        return first_slots(torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True), width), None
     index, order = top.sort(dim=-1)
     return index, own.gather(-1, order)
 

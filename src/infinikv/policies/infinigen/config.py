@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ...errors import PolicyError
 from ...spec import ModelSpec
 from ..config import PolicyConfig, knob, min_tokens_knob
+from .blocks import bound_bytes_per_token
 from .skewfile import Skew
 
 EVICTIONS = ("fifo", "lru", "counter")
@@ -65,6 +66,20 @@ class InfiniGenConfig(PolicyConfig):
         low=0,
         high=1,
         open_low=True,
+    )
+    block_size: int = knob(
+        16,
+        "coarse-to-fine speculation: tokens per block whose partial-key bounds (max and min per column, "
+        "held on the device within device_budget) rank the blocks first; tokens are then scored, counted "
+        "and picked among the best blocks alone (blocks.py); 1 = the same with blocks of one token, whose "
+        "bounds are the keys; 0 = score every token (the paper)",
+        low=0,
+    )
+    block_candidates: float = knob(
+        2.0,
+        "with block_size: the candidate blocks hold this many times the budget's tokens (plus the blocks of "
+        "the sinks and the recent window)",
+        low=1,
     )
     budget: float = knob(
         0.2,
@@ -155,9 +170,10 @@ class InfiniGenConfig(PolicyConfig):
 
     def bytes_per_token(self, columns: int, element_size: int) -> float:
         """Device bytes of one token's partial key, one KV head, at ``columns`` columns (``element_size``:
-        the model dtype's, for ``partial_keys`` model)."""
+        the model dtype's, for ``partial_keys`` model), its share of its block's bounds included."""
         bits = PARTIAL_KEYS[self.partial_keys]
-        return columns * element_size if bits is None else columns * bits / 8 + SCALE_BYTES
+        key = columns * element_size if bits is None else columns * bits / 8 + SCALE_BYTES
+        return key + bound_bytes_per_token(columns, self.block_size)
 
     def column_cap(self, spec: ModelSpec, element_size: int) -> int:
         """The most partial columns whose cache, over the managed layers, fits ``device_budget`` of the dense

@@ -98,13 +98,22 @@ import torch
 from ...errors import PolicyError
 from ...kvpool import Transfer
 from ...spec import ModelSpec
-from ..base import HostPoolPolicy, Selection, pick_top, resolve_budget
+from ..base import HostPoolPolicy, Selection, group_relative_max, pick_top, resolve_budget
 from ..registry import register
 from . import skewfile
+from .blocks import BlockBounds, block_scores, gather_slots
 from .calibration import ensure_skew
 from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, PARTIAL_KEYS, InfiniGenConfig
 from .layer import LayerState
-from .rehearsal import Rehearsal, count_within, quantize, speculative_scores
+from .rehearsal import (
+    Rehearsal,
+    count_rule,
+    count_within,
+    dequantized,
+    quantize,
+    speculative_scores,
+    wanted_per_head,
+)
 from .skewfile import Skew
 
 Tensor = torch.Tensor
@@ -159,6 +168,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._decode_h2d = 0
         self._offload_h2d = 0  # what full offload would have moved in the same decode steps
         self._evicted = 0
+        self._block_steps = 0  # layer-steps chosen coarse to fine
+        self._block_recounts = 0  # of those, counted again over every token (a head wanted all candidates)
 
     # -- which layer does what -------------------------------------------------------------------------------
     def managed(self, layer: int) -> bool:
@@ -192,8 +203,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         if self._step:
             raise PolicyError("infinigen: a prompt chunk after decoding started is not supported")
         if not self.spec.is_sliding(layer) and self.key_valid is not None:
-            self._real = self.key_valid.clone()
-            self._padding = (~self._real).sum(dim=1).tolist()
+            self._padding = (~self.key_valid).sum(dim=1).tolist()
+            self._real = self.key_valid.clone() if any(self._padding) else None  # None: no padding
         start, count = self.layers[layer].seen, k.shape[2]
         pos = torch.arange(start, start + count, device=k.device).expand(k.shape[0], k.shape[1], -1)
         partial, scale = self._partial_keys(layer, k)
@@ -241,10 +252,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         if stored.shape[1] < widest.shape[1]:
             state.stored = _positions(widest, stored).to(device)
             slots = state.slots
-            kept = state.stored[None, :, :, None]
-            slots.partial = torch.gather(
-                slots.partial, 2, kept.expand(*slots.partial.shape[:2], -1, slots.partial.shape[3])
-            )
+            kept = state.stored[None, :, None, :]
+            slots.partial = torch.gather(slots.partial, 3, kept.expand(*slots.partial.shape[:3], -1))
         groups = []
         for ratio in ratios[:-1]:  # the widest rows score with every stored column
             rows = torch.tensor([b for b, (r, _) in enumerate(self._ratios) if r == ratio], device=device)
@@ -343,14 +352,22 @@ class InfiniGenPolicy(HostPoolPolicy):
         """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, ascending per
         row, and which of them each row attends to (None: all)."""
         with self.selecting():
-            scores = self.speculate(layer, x, position_ids)  # settles each sequence's columns and count rule
+            query = self.rehearsal_query(layer, x, position_ids)  # settles columns and count rules
             real_tokens = self._real_tokens(layer)
-            reserved = self._reserved(layer)
             floor = self.config.min_tokens
             budgets = [resolve_budget(self.config.budget, max(n, 1), floor=floor) for n in real_tokens]
             whole = [n <= floor for n in real_tokens]  # within the floor: everything, whatever alpha counts
-            counts = count_within(scores, self._row_alphas(layer, scores.dtype), budgets, reserved, whole)
-            index, valid = pick_top(scores, counts.tolist(), reserved)  # the gather's size: one host sync
+            alpha = self._row_alphas(layer, torch.float32)
+            takes = self._candidate_blocks(layer, budgets, whole)
+            if takes is None:
+                reserved = self._reserved(layer)
+                scores = self.token_scores(layer, query)
+                counts = count_within(scores, alpha, budgets, reserved, whole)
+                index, valid = pick_top(scores, counts.tolist(), reserved)  # the gather's size: one host sync
+            else:
+                scores, counts, index, valid, reserved = self._coarse_to_fine(
+                    layer, query, takes, alpha, budgets, whole
+                )
         state = self.layers[layer]
         state.selected.append(counts.float().mean())
         if self.observer is not None:
@@ -372,25 +389,130 @@ class InfiniGenPolicy(HostPoolPolicy):
             )
         return index, valid
 
-    def speculate(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
-        """Speculative logits [batch, kv_heads, slots] of ``layer`` from the look-ahead input ``x``
-        (:func:`~.rehearsal.speculative_scores`, -inf on left padding)."""
-        spec, state = self.spec, self.layers[layer]
+    def rehearsal_query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
+        """``layer``'s partial query [batch, kv_heads, group, k] from the look-ahead input ``x``, times the
+        attention scale; settles each sequence's columns and count rule at the first decode step."""
+        spec = self.spec
         query = spec.query(layer, x, position_ids)  # [batch, heads, 1, d]
         grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
         self._settle_columns(layer)
-        partial_query = self.partial_query(layer, grouped) * spec.scaling(layer)
-        real = self.real_slots(layer) if self._has_padding() else None
-        partial_keys, scale = state.slots.view("partial"), self._scales(layer)
-        # what the rehearsal reads: the partial key cache, and for a look-ahead the query projection's
-        # weights (an own-query layer's query is the layer's own, which it computes anyway)
-        self.selector_read(partial_keys, *([] if scale is None else [scale]))
+        # a look-ahead reads the query projection's weights (an own-query layer's query is the layer's
+        # own, which it computes anyway)
         if layer not in self.own_query():
             self.selector_read(spec.attention[layer].q_proj.weight)
-        return speculative_scores(partial_query, partial_keys, state.row_columns, real, scale)
+        return self.partial_query(layer, grouped) * spec.scaling(layer)
+
+    def token_scores(self, layer: int, query: Tensor) -> Tensor:
+        """Speculative logits [batch, kv_heads, slots] of every token of ``layer`` for the partial ``query``
+        (:func:`~.rehearsal.speculative_scores`, -inf on left padding)."""
+        state = self.layers[layer]
+        real = self.real_slots(layer) if self._has_padding() else None
+        partial_keys, scale = state.slots.view("partial"), self._scales(layer)
+        self.selector_read(partial_keys, *([] if scale is None else [scale]))
+        return speculative_scores(query, partial_keys, state.row_columns, real, scale)
+
+    def speculate(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
+        """Speculative logits [batch, kv_heads, slots] of every token of ``layer`` from the look-ahead input
+        ``x`` (what token speculation ranks by)."""
+        return self.token_scores(layer, self.rehearsal_query(layer, x, position_ids))
+
+    def _candidate_blocks(self, layer: int, budgets: list[int], whole: list[bool]) -> list[int] | None:
+        """Per sequence, the candidate blocks coarse-to-fine speculation keeps (all its blocks for a row
+        within the floor), or None when token speculation decides: blocks are off, or every row's
+        candidates would cover all of its tokens anyway."""
+        size = self.config.block_size
+        if not size:
+            return None
+        blocks = (self.layers[layer].slots.n + size - 1) // size + 1  # BlockBounds.count
+        reserve = math.ceil((self.config.window + self.config.n_sink) / size) + 2
+        wanted = math.ceil if size > 1 else int
+        takes = [
+            blocks if full else min(wanted(self.config.block_candidates * budget / size) + reserve, blocks)
+            for budget, full in zip(budgets, whole, strict=True)
+        ]
+        return None if min(takes) >= blocks else takes
+
+    def _coarse_to_fine(
+        self,
+        layer: int,
+        query: Tensor,
+        takes: list[int],
+        alpha: float | Tensor,
+        budgets: list[int],
+        whole: list[bool],
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+        """Block speculation (``blocks.py``): rank blocks by their bounds, keep each row's ``takes`` best
+        (the blocks of reserved slots first), then score, count and pick tokens among them alone. Returns
+        (scores over every slot, -inf off the candidates; counts; index; valid; the reserved slots among
+        the candidates), as token speculation does.
+
+        With blocks of one token the bounds are the tokens' own scores, and it selects exactly what token
+        speculation selects: candidates are the best tokens by the same order, and a head whose candidates
+        all come within alpha (it may want more than them) is counted again over every token."""
+        state, spec = self.layers[layer], self.spec
+        slots, n = state.slots, state.slots.n
+        bounds = self._bounds(layer)
+        batch, heads = slots.pos.shape[:2]
+        blocks = bounds.count(n)
+        block_reserved = self._reserved_blocks(layer, bounds, blocks)
+        tokens = None
+        if bounds.size == 1:  # a block of one token: its bound is its score (block 0 holds nothing)
+            tokens = self.token_scores(layer, query)
+            coarse = torch.nn.functional.pad(tokens, (1, 0), value=-math.inf)
+        else:
+            self.selector_read(bounds.bounds[:, :, :blocks])
+            upper = block_scores(query, bounds, blocks, state.row_columns)
+            coarse = group_relative_max(upper.flatten(1, 2), spec.group_size)
+        chosen, chosen_valid = pick_top(coarse, takes, block_reserved)
+        candidates = bounds.slots_of(chosen)  # ascending
+        present = (candidates >= 0) & (candidates < n)
+        if chosen_valid is not None:
+            present &= chosen_valid.repeat_interleave(bounds.size, dim=-1)
+        candidates = candidates.clamp(0, n - 1)
+        present &= self._real_at(layer, candidates)
+        if tokens is not None:
+            fine = torch.gather(tokens, 2, candidates).masked_fill(~present, -math.inf)
+        else:
+            keys, scale = gather_slots(slots.partial, slots.scale, candidates)
+            self.selector_read(keys, *([] if scale is None else [scale]))
+            fine = speculative_scores(query, keys, state.row_columns, present, scale)
+        fine_reserved = self._reserved(layer, candidates)
+        if fine_reserved is not None:
+            fine_reserved &= present
+        wanted, real = wanted_per_head(fine, alpha, fine_reserved)
+        counts = count_rule(wanted, real, budgets, whole)
+        self._block_steps += 1
+        covered = torch.tensor([take >= blocks for take in takes], device=counts.device)
+        budget = torch.tensor(budgets, device=counts.device)
+        recount = ((wanted >= real) & (real > 0)).any(dim=-1) & (counts < budget) & ~covered
+        if bool(recount.any()):
+            self._block_recounts += 1
+            if tokens is None:
+                tokens = self.token_scores(layer, query)
+            every = count_within(tokens, alpha, budgets, self._reserved(layer), whole)
+            counts = torch.where(recount, every, counts)
+        index, valid = pick_top(fine, counts.tolist(), fine_reserved)
+        index = torch.gather(candidates, 2, index)
+        if self.observer is None:
+            return fine, counts, index, valid, fine_reserved
+        # for the observer, as token speculation's: the candidates' scores in their slots, -inf elsewhere
+        spread = fine.new_full((batch, heads, n + 1), -math.inf)
+        scores = spread.scatter_(2, torch.where(present, candidates, n), fine)[..., :n]
+        return scores, counts, index, valid, self._reserved(layer)
+
+    def _bounds(self, layer: int) -> BlockBounds:
+        """``layer``'s block bounds, taken from its partial keys on first use (and after the pool is cut)."""
+        slots = self.layers[layer].slots
+        if slots.bounds is None:
+            padding = self._padding or [0] * slots.pos.shape[0]
+            slots.bounds = BlockBounds(self.config.block_size, padding, slots.pos.device)
+            if self.config.block_size > 1:
+                reals = functools.partial(self._real_at, layer)
+                slots.bounds.build(slots.partial, slots.scale, slots.n, reals)
+        return slots.bounds
 
     def _scales(self, layer: int) -> Tensor | None:
-        """[batch, kv_heads, 1, slots]: per-token scales of ``layer``'s quantized partial keys (or None)."""
+        """[batch, kv_heads, slots, 1]: per-token scales of ``layer``'s quantized partial keys (or None)."""
         slots = self.layers[layer].slots
         return None if slots.scale is None else slots.view("scale")
 
@@ -399,23 +521,61 @@ class InfiniGenPolicy(HostPoolPolicy):
         state = self.layers[layer]
         return state.in_store(torch.matmul(query, state.projection.to(query.dtype)))
 
-    def _reserved(self, layer: int) -> Tensor | None:
-        """bool [batch, kv_heads, slots]: the slots of the first ``n_sink`` real tokens and of the last
-        ``window`` past tokens (None when both are 0)."""
+    def _reserved(self, layer: int, index: Tensor | None = None) -> Tensor | None:
+        """bool [batch, kv_heads, slots] (or as ``index`` [batch, kv_heads, m], for those slots): the slots
+        of the first ``n_sink`` real tokens and of the last ``window`` past tokens (None when both are 0)."""
         n_sink, window = self.config.n_sink, self.config.window
         if not (n_sink or window):
             return None
-        pos = self.layers[layer].slots.view("pos")
+        pos = self._positions_at(layer, index)
         padding = torch.tensor(self._padding or [0] * pos.shape[0], device=pos.device)[:, None, None]
         near = ((pos - padding) < n_sink) | (pos >= self.layers[layer].seen - window)
-        return near & self.real_slots(layer)
+        return near & self._real_at(layer, index)
+
+    def _reserved_blocks(self, layer: int, bounds: BlockBounds, blocks: int) -> Tensor | None:
+        """bool [batch, kv_heads, blocks]: the blocks that hold a reserved slot (None: none reserved)."""
+        n_sink, window = self.config.n_sink, self.config.window
+        if not (n_sink or window):
+            return None
+        state = self.layers[layer]
+        n, device = state.slots.n, state.slots.pos.device
+        batch, heads = state.slots.pos.shape[:2]
+        if n == state.seen:  # nothing evicted: slot i holds position i, so the reserved slots are known
+            padding = torch.tensor(self._padding or [0] * batch, device=device)[:, None, None]
+            sinks = padding + torch.arange(n_sink, device=device)
+            recent = torch.arange(n - window, n, device=device).expand(batch, 1, -1)
+            near = torch.cat([sinks, recent], dim=2).clamp(0, n - 1).expand(-1, heads, -1)
+            real = self._reserved(layer, near)  # out of range or padding: not reserved
+            index = torch.where(real, bounds.block_of(near), 0)  # block 0 holds no real token
+            hits = torch.zeros(batch, heads, blocks, dtype=torch.bool, device=device)
+            hits.scatter_(2, index, True)
+            hits[..., 0] = False
+            return hits
+        slot_blocks = bounds.block_of(torch.arange(n, device=device)).expand(batch, heads, n)
+        hits = torch.zeros(batch, heads, blocks, dtype=torch.int32, device=device)
+        return hits.scatter_add_(2, slot_blocks, self._reserved(layer).int()) > 0
 
     def _has_padding(self) -> bool:
         return any(self._padding)
 
     def real_slots(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: True where the slot holds a real token (not left padding)."""
-        pos = self.layers[layer].slots.view("pos")
+        return self._real_at(layer)
+
+    def _positions_at(self, layer: int, index: Tensor | None = None) -> Tensor:
+        """The token positions (mask columns) held by the slots ``index`` [batch, kv_heads, m] (None: every
+        slot in use)."""
+        state = self.layers[layer]
+        if index is None:
+            return state.slots.view("pos")
+        if state.slots.n == state.seen:  # nothing evicted: slot i holds position i
+            return index
+        return torch.gather(state.slots.view("pos"), 2, index)
+
+    def _real_at(self, layer: int, index: Tensor | None = None) -> Tensor:
+        """bool, as ``index`` [batch, kv_heads, m] (None: every slot in use): whether each slot holds a real
+        token (not left padding)."""
+        pos = self._positions_at(layer, index)
         if self._real is None:
             return torch.ones_like(pos, dtype=torch.bool)
         prompt = self._real.shape[1]
@@ -452,11 +612,17 @@ class InfiniGenPolicy(HostPoolPolicy):
             self.host_pool.append(layer, k, v)
             positions = torch.full_like(k[:, :, :, 0], position, dtype=torch.long)
             slots.append(positions, partial, self._step, scale)
+            if slots.bounds is not None and slots.bounds.size > 1:  # its block's bounds widen to it
+                slots.bounds.extend(slots.n - 1, dequantized(partial, scale))
             return
         victims = self._eviction_keys(layer).argmin(dim=-1)  # [batch, kv_heads]
         self.host_pool.write_slots(layer, victims, k, v)
         slots.write(victims, position, partial, self._step, scale)
         self._evicted += victims.numel()
+        bounds = slots.bounds
+        if bounds is not None and bounds.size > 1:  # the blocks written to: their bounds again
+            reals = functools.partial(self._real_at, layer)
+            bounds.refresh(bounds.block_of(victims[..., None]), slots.partial, slots.scale, slots.n, reals)
 
     def _eviction_keys(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: lower = evicted first. Tier (padding < older half < newest half), then
@@ -492,6 +658,10 @@ class InfiniGenPolicy(HostPoolPolicy):
             offload_equivalent_bytes_h2d=self._offload_h2d,
             kv_fetch_fraction=self._decode_h2d / self._offload_h2d if self._offload_h2d else 0.0,
             evicted_tokens=self._evicted,
+            # coarse-to-fine speculation: layer-steps chosen among candidate blocks, and those of them
+            # counted again over every token
+            block_steps=self._block_steps,
+            block_recounts=self._block_recounts,
             # the most partial columns the device budget allows (of head_dim), for calibrated ratios
             partial_columns_cap=None if self._cap is None else self._cap[0],
             skew_source=None if self._skew is None else f"{self._skew.source} ({self._skew.tokens} tokens)",
