@@ -5,8 +5,10 @@
 Times one layer's selection at the bench's target cell (default: batch 8, 8,064 tokens, SmolLM2-135M's 3 KV
 heads of 3 query heads, 48 int8 columns: the ratio calibrated for 4k and 8k tokens) on random partial keys:
 the speculated scores (int8 keys converted to bfloat16, the product, the per-token scales, the group's
-relative max), the count rule, and the pick of each head's top tokens. Each step is timed alone and the
-whole selection once more, median of 30 runs after 2 warm-ups. Random scores, not a model's: how many
+relative max), the count rule, and the pick of each head's top tokens; then the same with coarse-to-fine
+(block) speculation, the default: the blocks' bounds, the pick of candidate blocks, the candidates' keys,
+their scores, the count and the pick among them. Each step is timed alone (and token speculation's whole
+selection once more), median of 30 runs after 2 warm-ups. Random scores, not a model's: how many
 tokens come within alpha changes the count, not the cost, which is set by the shapes.
 """
 
@@ -19,9 +21,10 @@ from collections.abc import Callable
 import torch
 
 from infinikv.policies.base import group_relative_max, pick_top, reserved_first
+from infinikv.policies.infinigen.blocks import BlockBounds, block_scores, gather_slots
 from infinikv.policies.infinigen.rehearsal import count_within, quantize, speculative_scores
 
-KV_HEADS, GROUP, WINDOW, BUDGET, ALPHA = 3, 3, 32, 0.2, 4.0
+KV_HEADS, GROUP, WINDOW, BUDGET, ALPHA, BLOCK, CANDIDATES = 3, 3, 32, 0.2, 4.0, 16, 1.25
 
 
 def timed(step: Callable[[], object], runs: int = 30) -> float:
@@ -38,20 +41,19 @@ def timed(step: Callable[[], object], runs: int = 30) -> float:
 def main(batch: int, tokens: int, columns: int) -> None:
     torch.manual_seed(0)
     query = torch.randn(batch, KV_HEADS, GROUP, columns) * 0.1
-    keys, scale = quantize(torch.randn(batch, KV_HEADS, tokens, columns), 8)
-    keys, scale = keys.transpose(2, 3).contiguous(), scale.transpose(2, 3).contiguous()  # slots last
+    keys, scale = quantize(torch.randn(batch, KV_HEADS, tokens, columns), 8)  # token-major, as stored
     reserved = torch.arange(tokens).expand(batch, KV_HEADS, tokens) >= tokens - WINDOW
     budgets = [math.ceil(BUDGET * tokens)] * batch
     scores = speculative_scores(query, keys, (), None, scale)
     counts = count_within(scores, ALPHA, budgets, reserved).tolist()
     lifted = reserved_first(scores, reserved)
     converted = keys.to(torch.bfloat16)
-    product = torch.matmul(query.bfloat16(), converted)
-    scaled = product.float() * scale.float()
+    product = torch.matmul(query.bfloat16(), converted.transpose(2, 3))
+    scaled = product.float() * scale.float().transpose(2, 3)
     steps = {
         "int8 keys to bfloat16": lambda: keys.to(torch.bfloat16),
-        "product (bfloat16)": lambda: torch.matmul(query.bfloat16(), converted),
-        "scales": lambda: product.float() * scale.float(),
+        "product (bfloat16)": lambda: torch.matmul(query.bfloat16(), converted.transpose(2, 3)),
+        "scales": lambda: product.float() * scale.float().transpose(2, 3),
         "group's relative max": lambda: group_relative_max(scaled.flatten(1, 2), GROUP),
         "count rule": lambda: count_within(scores, ALPHA, budgets, reserved),
         "reserved first": lambda: reserved_first(scores, reserved),
@@ -64,9 +66,41 @@ def main(batch: int, tokens: int, columns: int) -> None:
         pick_top(found, count_within(found, ALPHA, budgets, reserved).tolist(), reserved)
 
     print(f"batch {batch}, {tokens} tokens, {columns} int8 columns, {torch.get_num_threads()} thread(s)")
+    print("token speculation (block_size 0):")
     for name, step in steps.items():
         print(f"  {name:<38} {timed(step):7.2f} ms")
     print(f"  {'whole selection':<38} {timed(select):7.2f} ms")
+
+    # coarse to fine: bounds per block rank the blocks; tokens are scored and picked among the best ones
+    bounds = BlockBounds(BLOCK, [0] * batch, keys.device)
+    bounds.build(keys, scale, tokens, lambda slots: torch.ones_like(slots, dtype=torch.bool))
+    blocks = bounds.count(tokens)
+    takes = [min(math.ceil(CANDIDATES * b / BLOCK) + math.ceil(WINDOW / BLOCK) + 2, blocks) for b in budgets]
+    reserved_blocks = torch.zeros(batch, KV_HEADS, blocks, dtype=torch.bool)
+    reserved_blocks[..., -math.ceil(WINDOW / BLOCK) - 1 :] = True
+    coarse = group_relative_max(block_scores(query, bounds, blocks).flatten(1, 2), GROUP)
+    chosen = pick_top(coarse, takes, reserved_blocks)[0]
+    candidates = bounds.slots_of(chosen).clamp(0, tokens - 1)
+    picked_keys, picked_scale = gather_slots(keys, scale, candidates)
+    fine = speculative_scores(query, picked_keys, (), None, picked_scale)
+    fine_reserved = torch.gather(reserved, 2, candidates)
+    fine_counts = count_within(fine, ALPHA, budgets, fine_reserved).tolist()
+    blocked = {
+        "block bounds and the group's max": lambda: group_relative_max(
+            block_scores(query, bounds, blocks).flatten(1, 2), GROUP
+        ),
+        "pick of candidate blocks": lambda: pick_top(coarse, takes, reserved_blocks),
+        "candidates' keys (gather)": lambda: gather_slots(keys, scale, candidates),
+        "candidates' scores": lambda: speculative_scores(query, picked_keys, (), None, picked_scale),
+        "count rule": lambda: count_within(fine, ALPHA, budgets, fine_reserved),
+        "pick among candidates": lambda: pick_top(fine, fine_counts, fine_reserved),
+    }
+    print(
+        f"coarse to fine (block_size {BLOCK}, block_candidates {CANDIDATES}: "
+        f"{candidates.shape[-1]} candidates):"
+    )
+    for name, step in blocked.items():
+        print(f"  {name:<38} {timed(step):7.2f} ms")
 
 
 if __name__ == "__main__":

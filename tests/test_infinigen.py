@@ -903,3 +903,27 @@ def test_block_bounds_bound_every_token_of_their_block():
                 )
                 assert bool(bounds.filled[row, head, block])
     assert not bool(bounds.filled[1, :, 0].any())  # block 0: padding alone
+
+
+def test_block_bounds_follow_a_pool_that_evicts(tiny, calibrated, monkeypatch):
+    """With a pool at half the tokens seen, overwritten slots take their block's bounds again: at the end
+    every managed layer's bounds still bound each real token's partial key in its block."""
+    spy = _Spy(monkeypatch)
+    _, stats = _tokens(
+        tiny, "infinigen", prompts=LONG, new=40, capacity=0.5, budget=0.2, block_size=16, block_candidates=1.0
+    )
+    assert stats["evicted_tokens"] > 0 and stats["block_steps"] > 0
+    policy = spy.policies[-1]
+    for layer in range(tiny.spec.num_layers):
+        slots = policy.layers[layer].slots
+        if not policy.managed(layer) or slots.bounds is None:
+            continue
+        bounds, n = slots.bounds, slots.n
+        values = rehearsal.dequantized(slots.view("partial"), slots.view("scale"))
+        every = torch.arange(n).expand(*values.shape[:2], n)
+        block = bounds.block_of(every)
+        real = policy.real_slots(layer)
+        k = values.shape[-1]
+        table = torch.gather(bounds.bounds.float(), 2, block[..., None].expand(-1, -1, -1, 2 * k))
+        assert bool(((table[..., :k] >= values) | ~real[..., None]).all())
+        assert bool(((-table[..., k:] <= values) | ~real[..., None]).all())

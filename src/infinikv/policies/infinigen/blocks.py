@@ -53,9 +53,17 @@ class BlockBounds:
 
     def __init__(self, block_size: int, padding: list[int], device: torch.device):
         self.size = block_size
-        self.offsets = torch.tensor([p % block_size for p in padding], device=device)[:, None, None]
+        self.offsets = torch.zeros(len(padding), 1, 1, dtype=torch.long, device=device)
+        self.align(padding)
         self.bounds: Tensor | None = None
         self.filled: Tensor | None = None  # [batch, kv_heads, blocks]: a block with a real token
+
+    def align(self, padding: list[int]) -> None:
+        """Start each row's blocks at its first real token, after ``padding`` slots. A prompt's chunks may
+        show more of a row's padding as they come; its blocks hold no real token until its first one."""
+        self.offsets = torch.tensor([p % self.size for p in padding], device=self.offsets.device)[
+            :, None, None
+        ]
 
     def block_of(self, slots: Tensor) -> Tensor:
         """The block of each slot of ``slots`` [batch, kv_heads, m]."""
@@ -76,11 +84,8 @@ class BlockBounds:
         """All bounds, from the first ``n`` slots (those in use) of the partial key store ``keys`` [batch,
         kv_heads, slots, k] (``scale`` [..., slots, 1]). ``real_at(slots)``: bool, whether each slot of
         ``slots`` [batch, kv_heads, m] holds a real token."""
-        batch, heads, _, k = keys.shape
-        blocks = self.count(n)
-        self.bounds = keys.new_zeros(batch, heads, blocks, 2 * k, dtype=BOUND_DTYPE)
-        self.filled = torch.zeros(batch, heads, blocks, dtype=torch.bool, device=keys.device)
-        every = torch.arange(blocks, device=keys.device).expand(batch, heads, -1)
+        batch, heads = keys.shape[:2]
+        every = torch.arange(self.count(n), device=keys.device).expand(batch, heads, -1)
         self.refresh(every, keys, scale, n, real_at)
 
     def refresh(
@@ -94,7 +99,7 @@ class BlockBounds:
         """Take the bounds of ``blocks`` [batch, kv_heads, m] again from their tokens (after a store or an
         overwrite; arguments as :meth:`build`), growing the table when a block is new."""
         batch, heads, _, k = keys.shape
-        self._grow(int(blocks.max()) + 1, k)
+        self._grow(int(blocks.max()) + 1, batch, heads, k, keys.device)
         slots = self.slots_of(blocks)
         inside = (slots >= 0) & (slots < n)
         slots = slots.clamp(0, max(n - 1, 0))
@@ -116,7 +121,7 @@ class BlockBounds:
         [batch, kv_heads, 1, k]: its block's bounds widen to it (a new block starts with it alone)."""
         batch, heads, _, k = keys.shape
         blocks = self.block_of(torch.full((batch, heads, 1), slot, device=keys.device))
-        self._grow(int(blocks.max()) + 1, k)
+        self._grow(int(blocks.max()) + 1, batch, heads, k, keys.device)
         rows = self._rows(blocks)
         token = torch.cat([_round_outward(keys, up=True), -_round_outward(keys, up=False)], dim=-1)
         table, filled = self.bounds.view(-1, 2 * k), self.filled.view(-1)
@@ -126,11 +131,13 @@ class BlockBounds:
         table.index_copy_(0, rows, merged)
         filled.index_fill_(0, rows, True)
 
-    def _grow(self, needed: int, k: int) -> None:
+    def _grow(self, needed: int, batch: int, heads: int, k: int, device: torch.device) -> None:
         """Room for ``needed`` blocks (doubling)."""
+        if self.bounds is None:
+            self.bounds = torch.zeros(batch, heads, needed, 2 * k, dtype=BOUND_DTYPE, device=device)
+            self.filled = torch.zeros(batch, heads, needed, dtype=torch.bool, device=device)
         have = self.bounds.shape[2]
         if needed > have:
-            batch, heads = self.bounds.shape[:2]
             grow = max(needed, 2 * have) - have
             self.bounds = torch.cat([self.bounds, self.bounds.new_zeros(batch, heads, grow, 2 * k)], dim=2)
             self.filled = torch.cat([self.filled, self.filled.new_zeros(batch, heads, grow)], dim=2)

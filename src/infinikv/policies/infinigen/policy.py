@@ -210,7 +210,24 @@ class InfiniGenPolicy(HostPoolPolicy):
         partial, scale = self._partial_keys(layer, k)
         self.layers[layer].slots.append(pos, partial, 0, scale)
         self.layers[layer].seen = start + count
+        self._bound_chunk(layer, start, count)
         return self.host_pool.extend(layer, k, v)
+
+    def _bound_chunk(self, layer: int, start: int, count: int) -> None:
+        """Block speculation: take the bounds of the blocks a prompt chunk's slots ``start``.. fall in, as the
+        chunk arrives (so the first decode step does not pay for the whole prompt's)."""
+        slots = self.layers[layer].slots
+        if self.config.block_size <= 1 or not self.managed(layer):
+            return
+        padding = self._padding or [0] * slots.pos.shape[0]
+        if slots.bounds is None:
+            slots.bounds = BlockBounds(self.config.block_size, padding, slots.pos.device)
+        bounds = slots.bounds
+        bounds.align(padding)
+        ends = bounds.block_of(torch.tensor([start, start + count - 1], device=slots.pos.device))
+        touched = torch.arange(int(ends.min()), int(ends.max()) + 1, device=slots.pos.device)
+        touched = touched.expand(*slots.pos.shape[:2], -1)
+        bounds.refresh(touched, slots.partial, slots.scale, slots.n, functools.partial(self._real_at, layer))
 
     def _partial_keys(self, layer: int, k: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The partial skewed keys of ``k`` [batch, kv_heads, tokens, k'] in the columns the store keeps, and
@@ -254,6 +271,8 @@ class InfiniGenPolicy(HostPoolPolicy):
             slots = state.slots
             kept = state.stored[None, :, None, :]
             slots.partial = torch.gather(slots.partial, 3, kept.expand(*slots.partial.shape[:3], -1))
+            if slots.bounds is not None and slots.bounds.bounds is not None:
+                slots.bounds.keep(state.stored)
         groups = []
         for ratio in ratios[:-1]:  # the widest rows score with every stored column
             rows = torch.tensor([b for b, (r, _) in enumerate(self._ratios) if r == ratio], device=device)
