@@ -76,9 +76,9 @@ class InfiniGenConfig(PolicyConfig):
         low=0,
     )
     block_candidates: float = knob(
-        2.0,
+        1.25,
         "with block_size: the candidate blocks hold this many times the budget's tokens (plus the blocks of "
-        "the sinks and the recent window)",
+        "the sinks and the recent window); more finds more of the real top tokens, at more selector work",
         low=1,
     )
     budget: float = knob(

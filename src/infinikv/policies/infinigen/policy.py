@@ -14,16 +14,24 @@ policy rehearses layer i+1:
    ``min_tokens`` takes everything; ``rehearsal.count_within``); the rows fetched are each head's top-n'
    scores, in ascending slot order (the shared ``base.pick_top``). The last ``window`` past tokens
    (default 32) and the first ``n_sink`` real tokens (attention sinks, default none) are always among them
-   and counted in n' (later selectors keep both; the paper keeps neither: ``--window 0``);
+   and counted in n' (later selectors keep both; the paper keeps neither: ``--window 0``).
+   By default the rehearsal is coarse to fine (``block_size`` 16, ``blocks.py``): it first bounds the
+   score of every block of 16 tokens from per-block bounds of the partial keys (Quest's bounds, on the
+   skewed partial columns), keeps each row's best blocks, enough for ``block_candidates`` (1.25) times
+   its budget plus the blocks of the reserved tokens, and only then scores, counts and picks tokens among
+   them; a head whose every candidate comes within alpha is counted again over all tokens. On a CPU the
+   pick over every token was half the rehearsal's time (docs/results-infinigen.md, "Speed");
+   ``block_size`` 0 scores every token, as the paper does;
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
    overlaps the rest of layer i; layer i+1 attends with its real query over [selected; newest token].
 
-The partial key cache is what InfiniGen keeps on the device, and ``device_budget`` (0.125) bounds it as a
-share of the dense KV of the same tokens: by default it is stored as int8 with one float16 scale per token
-and KV head (``partial_keys``; ``rehearsal.quantize``, the scale over the widest calibrated columns, so a
-row's integers do not depend on its batch), a quarter of float32's bytes, and a calibrated ratio is cut to
-the columns that fit (``InfiniGenConfig.column_cap``, from the model's dtype: the same budget allows
-fewer columns for a 16-bit model). int8 keys are scored in bfloat16, which holds them exactly; the paper
+The partial key cache (with its block bounds) is what InfiniGen keeps on the device, and ``device_budget``
+(0.125) bounds it as a share of the dense KV of the same tokens: by default it is stored as int8 with one
+float16 scale per token and KV head (``partial_keys``; ``rehearsal.quantize``, the scale over the widest
+calibrated columns, so a row's integers do not depend on its batch), a quarter of float32's bytes, the
+bounds add 4 bytes per column and block, and a calibrated ratio is cut to the columns that fit
+(``InfiniGenConfig.column_cap``, from the model's dtype: the same budget allows fewer columns for a 16-bit
+model). int8 keys are scored in bfloat16, which holds them exactly; the paper
 stores them in the model's dtype (``--partial-keys model``). Calibration measures its ratios and alphas on
 int8-quantised keys (scales over each candidate's columns, float32 scores), and on SmolLM2-135M picks the
 ratios and own-query layers it picked on unquantised keys.
