@@ -451,10 +451,10 @@ class InfiniGenPolicy(HostPoolPolicy):
         if not size:
             return None
         blocks = (self.layers[layer].slots.n + size - 1) // size + 1  # BlockBounds.count
+        # the reserved slots' blocks come first: room for them, and for a window that straddles a block edge
         reserve = math.ceil((self.config.window + self.config.n_sink) / size) + 2
-        wanted = math.ceil if size > 1 else int
         takes = [
-            blocks if full else min(wanted(self.config.block_candidates * budget / size) + reserve, blocks)
+            blocks if full else min(math.ceil(self.config.block_candidates * budget / size) + reserve, blocks)
             for budget, full in zip(budgets, whole, strict=True)
         ]
         return None if min(takes) >= blocks else takes

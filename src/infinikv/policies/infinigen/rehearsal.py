@@ -124,7 +124,9 @@ class Rehearsal:
 
     layer: int
     step: int  # decode steps so far, this one included
-    scores: Tensor  # [batch, kv_heads, slots]: speculative_scores (-inf on left padding)
+    # [batch, kv_heads, slots]: speculative_scores (-inf on left padding; under block speculation the
+    # candidates' scores, relative to the best candidate, and -inf on the other slots)
+    scores: Tensor
     reserved: Tensor | None  # [batch, kv_heads, slots]: sinks and recent window, taken first
     counts: Tensor  # [batch]: n', the slots each sequence fetches
     real_tokens: tuple[int, ...]  # per sequence: real tokens seen, the context of its budget
