@@ -6,9 +6,10 @@ Times one layer's selection at the bench's target cell (default: batch 8, 8,064 
 heads of 3 query heads, 48 int8 columns: the ratio calibrated for 4k and 8k tokens) on random partial keys:
 the speculated scores (int8 keys converted to bfloat16, the product, the per-token scales, the group's
 relative max), the count rule, and the pick of each head's top tokens; then the same with coarse-to-fine
-(block) speculation, the default: the blocks' bounds, the pick of candidate blocks, the candidates' keys,
-their scores, the count and the pick among them. Each step is timed alone (and token speculation's whole
-selection once more), median of 30 runs after 2 warm-ups. Random scores, not a model's: how many
+(block) speculation (``--block-size 16 --block-candidates 1.25``, not the default): the blocks' bounds,
+the pick of candidate blocks, the candidates' keys, their scores, the count and the pick among them. Each
+step is timed alone (and token speculation's whole selection once more), median of 30 runs after 2
+warm-ups. Random scores, not a model's: how many
 tokens come within alpha changes the count, not the cost, which is set by the shapes.
 """
 
@@ -41,19 +42,20 @@ def timed(step: Callable[[], object], runs: int = 30) -> float:
 def main(batch: int, tokens: int, columns: int) -> None:
     torch.manual_seed(0)
     query = torch.randn(batch, KV_HEADS, GROUP, columns) * 0.1
-    keys, scale = quantize(torch.randn(batch, KV_HEADS, tokens, columns), 8)  # token-major, as stored
+    keys, scale = quantize(torch.randn(batch, KV_HEADS, tokens, columns), 8)
+    keys, scale = keys.transpose(2, 3).contiguous(), scale.transpose(2, 3).contiguous()  # slots last
     reserved = torch.arange(tokens).expand(batch, KV_HEADS, tokens) >= tokens - WINDOW
     budgets = [math.ceil(BUDGET * tokens)] * batch
     scores = speculative_scores(query, keys, (), None, scale)
     counts = count_within(scores, ALPHA, budgets, reserved).tolist()
     lifted = reserved_first(scores, reserved)
     converted = keys.to(torch.bfloat16)
-    product = torch.matmul(query.bfloat16(), converted.transpose(2, 3))
-    scaled = product.float() * scale.float().transpose(2, 3)
+    product = torch.matmul(query.bfloat16(), converted)
+    scaled = product.float() * scale.float()
     steps = {
         "int8 keys to bfloat16": lambda: keys.to(torch.bfloat16),
-        "product (bfloat16)": lambda: torch.matmul(query.bfloat16(), converted.transpose(2, 3)),
-        "scales": lambda: product.float() * scale.float().transpose(2, 3),
+        "product (bfloat16)": lambda: torch.matmul(query.bfloat16(), converted),
+        "scales": lambda: product.float() * scale.float(),
         "group's relative max": lambda: group_relative_max(scaled.flatten(1, 2), GROUP),
         "count rule": lambda: count_within(scores, ALPHA, budgets, reserved),
         "reserved first": lambda: reserved_first(scores, reserved),

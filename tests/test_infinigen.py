@@ -66,10 +66,10 @@ class _Spy:
     def observe(self, policy: InfiniGenPolicy, record: Rehearsal) -> None:
         # The partial key cache is the policy's live store: keep it as it was at this step, with its strides
         # (the buffer behind the view, copied), so that scores recomputed from it are computed the same way.
-        slots, n = policy.layers[record.layer].slots, record.partial_keys.shape[2]
+        slots, n = policy.layers[record.layer].slots, record.partial_keys.shape[-1]
         buffer = slots.partial.clone()
-        scale = None if slots.scale is None else slots.scale.clone()[:, :, :n]
-        self.records.append(dataclasses.replace(record, partial_keys=buffer[:, :, :n], scale=scale))
+        scale = None if slots.scale is None else slots.scale.clone()[..., :n]
+        self.records.append(dataclasses.replace(record, partial_keys=buffer[..., :n], scale=scale))
 
 
 def _tokens(loaded, policy, prompts=PROMPTS, new=24, **knobs):
@@ -362,7 +362,7 @@ def test_counter_eviction_keeps_pool_within_capacity(tiny, calibrated, monkeypat
         assert pos[0, 0].unique().numel() == slots.n
         if policy.managed(layer):  # evicted tokens left the partial key cache with the pool
             keys = policy.host_pool.keys(layer)
-            expected = policy.partial_query(layer, keys)  # the keys in the partial columns
+            expected = policy.partial_query(layer, keys).transpose(2, 3)  # the keys in the partial columns
             stored = rehearsal.dequantized(slots.view("partial"), slots.view("scale"))
             assert torch.allclose(stored, expected, atol=expected.abs().max().item() / 100)
 
@@ -421,7 +421,7 @@ def test_heads_of_a_group_are_compared_on_their_own_scale(tiny):
     head's strong attention sink must not hide the tokens another head of the group needs."""
     spec = tiny.spec
     d, kv, group = spec.head_dim, spec.num_kv_heads, spec.group_size
-    partial_keys = torch.eye(d)[:8].expand(1, kv, 8, d)  # key t = e_t: q·k_t = q[t]
+    partial_keys = torch.eye(d)[:, :8].expand(1, kv, d, 8)  # key t = e_t: q·k_t = q[t]
     sink = [20.0, 0, 0, 0, 0, 0, 0, 0]  # head 0 of each group: everything on slot 0
     spread = [0.0, 3, 3, 3, -10, -10, -10, -10]  # head 1: slots 1..3, logits far below the other head's
     partial_query = torch.zeros(1, kv, group, d)
@@ -443,14 +443,14 @@ def test_rehearsal_functions_alone():
     query, keys = torch.randn(batch, kv, group, d), torch.randn(batch, kv, n, d)
     logits = torch.matmul(query, keys.transpose(2, 3))  # [batch, kv_heads, group, slots]
     expected = (logits - logits.amax(dim=-1, keepdim=True)).amax(dim=2)
-    scores = rehearsal.speculative_scores(query, keys)
+    scores = rehearsal.speculative_scores(query, keys.transpose(2, 3))
     assert scores.shape == (batch, kv, n) and torch.allclose(scores, expected, atol=1e-6)
     assert bool((scores.amax(dim=-1) == 0).all())
 
     # left padding: hidden at -inf, the rest as before
     real = torch.ones(batch, kv, n, dtype=torch.bool)
     real[1, :, :3] = False
-    masked = rehearsal.speculative_scores(query, keys, real_slots=real)
+    masked = rehearsal.speculative_scores(query, keys.transpose(2, 3), real_slots=real)
     assert bool((masked[1, :, :3] == -math.inf).all()) and torch.equal(masked[0], scores[0])
     logits_1 = logits[1, :, :, 3:]
     assert torch.allclose(
@@ -459,10 +459,10 @@ def test_rehearsal_functions_alone():
 
     # row 1 scores with columns 1, 4, 6 of each head: as it would alone with only those columns
     own = torch.tensor([[1, 4, 6], [0, 2, 7]])
-    narrow = rehearsal.speculative_scores(query, keys, ((torch.tensor([1]), own),))
+    narrow = rehearsal.speculative_scores(query, keys.transpose(2, 3), ((torch.tensor([1]), own),))
     alone_q = torch.gather(query[1:], 3, own[None, :, None, :].expand(1, kv, group, -1))
     alone_k = torch.gather(keys[1:], 3, own[None, :, None, :].expand(1, kv, n, -1))
-    alone = rehearsal.speculative_scores(alone_q, alone_k)
+    alone = rehearsal.speculative_scores(alone_q, alone_k.transpose(2, 3))
     assert torch.equal(narrow[0], scores[0]) and torch.allclose(narrow[1:], alone, atol=1e-6)
     assert not torch.allclose(narrow[1:], scores[1:], atol=1e-3)
 
@@ -622,11 +622,11 @@ def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeyp
         tokens, stats = _tokens(tiny, "infinigen", prompts=[prompt], new=8, budget=0.5, window=0)
         alone += tokens
         assert stats["partial_ratio_used"] == [ratio]
-        assert spy.policies[-1].layers[2].slots.partial.shape[3] == math.ceil(ratio * d)
+        assert spy.policies[-1].layers[2].slots.partial.shape[2] == math.ceil(ratio * d)
     tokens, stats = _tokens(tiny, "infinigen", prompts=[short, long], new=8, budget=0.5, window=0)
     assert tokens == alone
     assert stats["partial_ratio_used"] == [0.25, 0.75]
-    assert spy.policies[-1].layers[2].slots.partial.shape[3] == math.ceil(0.75 * d)
+    assert spy.policies[-1].layers[2].slots.partial.shape[2] == math.ceil(0.75 * d)
 
 
 def _alphas_per_layer(tuned: skewfile.Tuned, per_layer: list[float | None]) -> skewfile.Tuned:
@@ -716,17 +716,19 @@ def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, ske
         policy = InfiniGenPolicy(config, spec, torch.device("cpu"), skew=skew)
         policy.prefill(2, keys, keys.clone())
         width = math.ceil(ratio * spec.head_dim)
-        assert policy.layers[2].slots.view("partial").shape == (1, spec.num_kv_heads, 5, width)
+        assert policy.layers[2].slots.view("partial").shape == (1, spec.num_kv_heads, width, 5)
         assert policy.partial_query(2, keys).shape[-1] == width
 
 
 @pytest.mark.parametrize("partial_keys", ["int8", "int16", "model"])
 @pytest.mark.parametrize("device_budget", [0.125, 0.04])
+@pytest.mark.parametrize("block_size", [0, 16])
 def test_the_device_budget_bounds_the_partial_keys_held(
-    partial_keys, device_budget, tiny, tiny_gemma, skews, monkeypatch
+    partial_keys, device_budget, block_size, tiny, tiny_gemma, skews, monkeypatch
 ):
-    """At calibrated ratios, the partial key cache (with its scales) stays within the device budget's share of
-    the dense KV cache of the same tokens, at several prompt lengths, on both model families."""
+    """At calibrated ratios, the partial key cache (with its scales and any block bounds) stays within the
+    device budget's share of the dense KV cache of the same tokens, at several prompt lengths, on both model
+    families."""
     for loaded in (tiny, tiny_gemma):
         skew = skews[loaded.weights_id]
         wide = (RatioAtLength(40, 1.0, ()), RatioAtLength(4096, 1.0, ()))  # ask for every column
@@ -744,6 +746,7 @@ def test_the_device_budget_bounds_the_partial_keys_held(
                 new=6,
                 partial_keys=partial_keys,
                 device_budget=device_budget,
+                block_size=block_size,
             )
             tokens = stats["prompt_tokens"] + 6 - 1  # what the cache holds after the last step
             element = next(loaded.model.parameters()).element_size()
@@ -874,8 +877,11 @@ def test_block_bounds_bound_every_token_of_their_block():
     def real_at(index):
         return index >= torch.tensor(padding)[:, None, None]
 
+    def store():  # as the policy stores them: slots last
+        return keys.transpose(2, 3).contiguous(), scale.transpose(2, 3).contiguous()
+
     bounds = blocks.BlockBounds(size, padding, torch.device("cpu"))
-    bounds.build(keys, scale, n, real_at)
+    bounds.build(*store(), n, real_at)
     for extra in range(4):  # new tokens, one slot each
         bounds.extend(
             n + extra,
@@ -884,7 +890,7 @@ def test_block_bounds_bound_every_token_of_their_block():
             ),
         )
     keys[0, 1, 20] = 100  # an overwrite, then its block again
-    bounds.refresh(bounds.block_of(torch.full((batch, heads, 1), 20)), keys, scale, n + 4, real_at)
+    bounds.refresh(bounds.block_of(torch.full((batch, heads, 1), 20)), *store(), n + 4, real_at)
     values = rehearsal.dequantized(keys, scale)
     for row in range(batch):
         first = bounds.block_of(torch.tensor([[[padding[row]]]]))[0, 0, 0]
@@ -919,7 +925,7 @@ def test_block_bounds_follow_a_pool_that_evicts(tiny, calibrated, monkeypatch):
         if not policy.managed(layer) or slots.bounds is None:
             continue
         bounds, n = slots.bounds, slots.n
-        values = rehearsal.dequantized(slots.view("partial"), slots.view("scale"))
+        values = rehearsal.dequantized(slots.view("partial"), slots.view("scale")).transpose(2, 3)
         every = torch.arange(n).expand(*values.shape[:2], n)
         block = bounds.block_of(every)
         real = policy.real_slots(layer)

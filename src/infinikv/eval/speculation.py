@@ -142,7 +142,7 @@ class SpeculationProbe(InfiniGenPolicy):
         real_scores = group_relative_max(logits[..., :n].flatten(1, 2), group)
         partial_keys = dequantized(rehearsal.partial_keys, rehearsal.scale)
         realq = rehearsal.to_partial(query) * scaling  # query: float32, as the real logits
-        realq = torch.matmul(realq, partial_keys[:, :, :n].transpose(2, 3))
+        realq = torch.matmul(realq, partial_keys[..., :n])
         realq = group_relative_max(realq.masked_fill(~real[:, :, None, :n], -math.inf).flatten(1, 2), group)
         sums = self.sums[layer]
         for row in range(batch):

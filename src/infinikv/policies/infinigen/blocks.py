@@ -82,7 +82,7 @@ class BlockBounds:
 
     def build(self, keys: Tensor, scale: Tensor | None, n: int, real_at: Callable[[Tensor], Tensor]) -> None:
         """All bounds, from the first ``n`` slots (those in use) of the partial key store ``keys`` [batch,
-        kv_heads, slots, k] (``scale`` [..., slots, 1]). ``real_at(slots)``: bool, whether each slot of
+        kv_heads, k, slots] (``scale`` [..., 1, slots]). ``real_at(slots)``: bool, whether each slot of
         ``slots`` [batch, kv_heads, m] holds a real token."""
         batch, heads = keys.shape[:2]
         every = torch.arange(self.count(n), device=keys.device).expand(batch, heads, -1)
@@ -98,15 +98,15 @@ class BlockBounds:
     ) -> None:
         """Take the bounds of ``blocks`` [batch, kv_heads, m] again from their tokens (after a store or an
         overwrite; arguments as :meth:`build`), growing the table when a block is new."""
-        batch, heads, _, k = keys.shape
+        batch, heads, k = keys.shape[:3]
         self._grow(int(blocks.max()) + 1, batch, heads, k, keys.device)
         slots = self.slots_of(blocks)
         inside = (slots >= 0) & (slots < n)
         slots = slots.clamp(0, max(n - 1, 0))
         present = inside & real_at(slots)
-        values = dequantized(*gather_slots(keys, scale, slots))  # [batch, kv_heads, m · size, k]
+        values = dequantized(*gather_slots(keys, scale, slots)).transpose(2, 3)  # [batch, heads, m·size, k]
         present = present.view(batch, heads, -1, self.size, 1)
-        values = values.view(batch, heads, -1, self.size, k)
+        values = values.reshape(batch, heads, -1, self.size, k)
         high = values.masked_fill(~present, -math.inf).amax(dim=3)
         low = values.masked_fill(~present, math.inf).amin(dim=3)
         filled = present.any(dim=3)  # [batch, kv_heads, m, 1]
@@ -154,25 +154,19 @@ class BlockBounds:
         both = torch.cat([columns, columns + k], dim=-1)[None, :, None, :]
         self.bounds = torch.gather(self.bounds, 3, both.expand(*self.bounds.shape[:3], -1))
 
-    def nbytes(self, slots: int) -> int:
-        """Device bytes of the bounds of the blocks that cover ``slots`` slots."""
+    def nbytes(self) -> int:
+        """Device bytes of the bounds in use: those of the blocks that hold a real token."""
         if self.bounds is None:
             return 0
-        batch, heads, _, width = self.bounds.shape
-        return batch * heads * self.count(slots) * width * self.bounds.element_size()
+        return int(self.filled.sum()) * self.bounds.shape[3] * self.bounds.element_size()
 
 
 def gather_slots(keys: Tensor, scale: Tensor | None, slots: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The partial keys (and scales) of ``slots`` [batch, kv_heads, m] from the whole store ``keys`` [batch,
-    kv_heads, capacity, k] (``scale`` [..., capacity, 1]; contiguous, so that no copy of the store is made):
-    whole rows copied (one index per token, not per value)."""
-    batch, heads, n, k = keys.shape
-    row = torch.arange(batch * heads, device=slots.device).view(batch, heads, 1) * n
-    flat = (slots + row).flatten()
-    picked = keys.reshape(-1, k).index_select(0, flat).view(batch, heads, -1, k)
-    if scale is None:
-        return picked, None
-    return picked, scale.reshape(-1, 1).index_select(0, flat).view(batch, heads, -1, 1)
+    """The partial keys [batch, kv_heads, k, m] (and scales [..., 1, m]) of ``slots`` [batch, kv_heads, m]
+    from the store ``keys`` [batch, kv_heads, k, capacity] (``scale`` [..., 1, capacity]), slots last as
+    the store keeps them."""
+    picked = torch.gather(keys, 3, slots[:, :, None].expand(-1, -1, keys.shape[2], -1))
+    return picked, None if scale is None else torch.gather(scale, 3, slots[:, :, None])
 
 
 def block_scores(

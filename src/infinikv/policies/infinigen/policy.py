@@ -15,20 +15,21 @@ policy rehearses layer i+1:
    scores, in ascending slot order (the shared ``base.pick_top``). The last ``window`` past tokens
    (default 32) and the first ``n_sink`` real tokens (attention sinks, default none) are always among them
    and counted in n' (later selectors keep both; the paper keeps neither: ``--window 0``).
-   By default the rehearsal is coarse to fine (``block_size`` 16, ``blocks.py``): it first bounds the
-   score of every block of 16 tokens from per-block bounds of the partial keys (Quest's bounds, on the
-   skewed partial columns), keeps each row's best blocks, enough for ``block_candidates`` (1.25) times
+   With ``block_size`` above 0 the rehearsal is coarse to fine (``blocks.py``): it first bounds the
+   score of every block of that many tokens from per-block bounds of the partial keys (Quest's bounds,
+   on the skewed partial columns), keeps each row's best blocks, enough for ``block_candidates`` times
    its budget plus the blocks of the reserved tokens, and only then scores, counts and picks tokens among
-   them; a head whose every candidate comes within alpha is counted again over all tokens. On a CPU the
-   pick over every token was half the rehearsal's time (docs/results-infinigen.md, "Speed");
-   ``block_size`` 0 scores every token, as the paper does;
+   them; a head whose every candidate comes within alpha is counted again over all tokens. It cuts the
+   pick over every token, half the rehearsal's time on a CPU, but on SmolLM2 the bounds rank blocks too
+   loosely to keep the accuracy, so the default (0) scores every token, as the paper does
+   (docs/results-infinigen.md, "Coarse-to-fine speculation");
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
    overlaps the rest of layer i; layer i+1 attends with its real query over [selected; newest token].
 
-The partial key cache (with its block bounds) is what InfiniGen keeps on the device, and ``device_budget``
+The partial key cache (with any block bounds) is what InfiniGen keeps on the device, and ``device_budget``
 (0.125) bounds it as a share of the dense KV of the same tokens: by default it is stored as int8 with one
 float16 scale per token and KV head (``partial_keys``; ``rehearsal.quantize``, the scale over the widest
-calibrated columns, so a row's integers do not depend on its batch), a quarter of float32's bytes, the
+calibrated columns, so a row's integers do not depend on its batch), a quarter of float32's bytes, block
 bounds add 4 bytes per column and block, and a calibrated ratio is cut to the columns that fit
 (``InfiniGenConfig.column_cap``, from the model's dtype: the same budget allows fewer columns for a 16-bit
 model). int8 keys are scored in bfloat16, which holds them exactly; the paper
@@ -277,8 +278,10 @@ class InfiniGenPolicy(HostPoolPolicy):
         if stored.shape[1] < widest.shape[1]:
             state.stored = _positions(widest, stored).to(device)
             slots = state.slots
-            kept = state.stored[None, :, None, :]
-            slots.partial = torch.gather(slots.partial, 3, kept.expand(*slots.partial.shape[:3], -1))
+            kept = state.stored[None, :, :, None]
+            slots.partial = torch.gather(
+                slots.partial, 2, kept.expand(*slots.partial.shape[:2], -1, slots.partial.shape[3])
+            )
             if slots.bounds is not None and slots.bounds.bounds is not None:
                 slots.bounds.keep(state.stored)
         groups = []
@@ -539,7 +542,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         return slots.bounds
 
     def _scales(self, layer: int) -> Tensor | None:
-        """[batch, kv_heads, slots, 1]: per-token scales of ``layer``'s quantized partial keys (or None)."""
+        """[batch, kv_heads, 1, slots]: per-token scales of ``layer``'s quantized partial keys (or None)."""
         slots = self.layers[layer].slots
         return None if slots.scale is None else slots.view("scale")
 

@@ -38,7 +38,7 @@ def quantize(partial: Tensor, bits: int | None) -> tuple[Tensor, Tensor | None]:
 
 
 def dequantized(partial_keys: Tensor, scale: Tensor | None) -> Tensor:
-    """The values of a partial key cache ``partial_keys`` [..., slots, k] with ``scale`` [..., slots, 1]
+    """The values of a partial key cache ``partial_keys`` [..., k, slots] with ``scale`` [..., 1, slots]
     (None: not quantized), as float32."""
     return partial_keys.float() if scale is None else partial_keys.float() * scale.float()
 
@@ -54,10 +54,10 @@ def speculative_scores(
     the max over the heads of a KV group (the heads of a group differ in logit scale, one may put everything
     on a sink token; a token counts if any head of the group wants it).
 
-    ``partial_query`` [batch, kv_heads, group, k] (scaled) and ``partial_keys`` [batch, kv_heads, slots, k]
+    ``partial_query`` [batch, kv_heads, group, k] (scaled) and ``partial_keys`` [batch, kv_heads, k, slots]
     in the same k columns. ``row_columns``: (rows, columns [kv_heads, k']) for sequences that score with
     fewer of the k columns, as they would alone. ``real_slots`` [batch, kv_heads, slots]: False hides a slot
-    (left padding) at -inf. ``scale`` [batch, kv_heads, slots, 1]: the per-token scale of integer
+    (left padding) at -inf. ``scale`` [batch, kv_heads, 1, slots]: the per-token scale of integer
     ``partial_keys`` (:func:`quantize`); 8-bit ones are multiplied in bfloat16, which holds them exactly and
     reads half the bytes of float32, the scores then rounded to bfloat16's 8 bits (top-k on low-precision
     scores); int16 ones in float32 (which holds them exactly); unquantized ones in the query's dtype."""
@@ -66,15 +66,15 @@ def speculative_scores(
     else:
         compute = torch.bfloat16 if partial_keys.dtype == torch.int8 else torch.float32
     query = partial_query.to(compute)
-    scores = torch.matmul(query, partial_keys.to(compute).transpose(2, 3))  # [batch, kv_heads, group, slots]
+    scores = torch.matmul(query, partial_keys.to(compute))  # [batch, kv_heads, group, slots]
     for rows, own in row_columns:
         q_rows, k_rows = query[rows], partial_keys[rows]
         q_rows = torch.gather(q_rows, 3, own[None, :, None, :].expand(*q_rows.shape[:3], -1))
-        k_rows = torch.gather(k_rows, 3, own[None, :, None, :].expand(*k_rows.shape[:3], -1))
-        scores[rows] = torch.matmul(q_rows, k_rows.to(compute).transpose(2, 3))
+        k_rows = torch.gather(k_rows, 2, own[None, :, :, None].expand(len(rows), -1, -1, k_rows.shape[-1]))
+        scores[rows] = torch.matmul(q_rows, k_rows.to(compute))
     scores = scores.float()
     if scale is not None:
-        scores = scores * scale.float().transpose(2, 3)
+        scores = scores * scale.float()
     if real_slots is not None:
         scores = scores.masked_fill(~real_slots[:, :, None], -math.inf)
     return group_relative_max(scores.flatten(1, 2), partial_query.shape[2])
@@ -133,6 +133,6 @@ class Rehearsal:
     index: Tensor  # [batch, kv_heads, max n']: the slots fetched, ascending per row
     valid: Tensor | None  # as index: False on a narrower row's extra entries (None: none)
     real_slots: Tensor  # [batch, kv_heads, slots]: True where a slot holds a real token
-    partial_keys: Tensor  # [batch, kv_heads, slots, k]: the partial key cache the scores were read from
-    scale: Tensor | None  # [batch, kv_heads, slots, 1]: its per-token scales (None: not quantized)
+    partial_keys: Tensor  # [batch, kv_heads, k, slots]: the partial key cache the scores were read from
+    scale: Tensor | None  # [batch, kv_heads, 1, slots]: its per-token scales (None: not quantized)
     to_partial: Callable[[Tensor], Tensor]  # a query [batch, kv_heads, group, d] -> its k partial columns

@@ -21,15 +21,15 @@ class SlotTable:
         self.pos: Tensor | None = None  # [batch, kv_heads, cap] mask column of the token in each slot
         self.fetches: Tensor | None = None  # [batch, kv_heads, cap] times the slot was fetched
         self.last: Tensor | None = None  # [batch, kv_heads, cap] step of the last fetch or store
-        # [batch, kv_heads, cap, k] partial skewed keys of managed layers, a token's columns together: the
-        # rehearsal's q̂ · K̃ᵀ reads the slots in use as a strided view, and block speculation copies the
-        # candidates' keys as whole rows
+        # [batch, kv_heads, k, cap] partial skewed keys of managed layers, slots last: the rehearsal's
+        # q̂ · K̃ᵀ is then a plain matmul over a strided view, with no copy of the slots in use (on a CPU,
+        # faster than the same product over keys stored a token's columns together)
         self.partial: Tensor | None = None
-        self.scale: Tensor | None = None  # [batch, kv_heads, cap, 1] per-token scales of quantized keys
+        self.scale: Tensor | None = None  # [batch, kv_heads, 1, cap] per-token scales of quantized keys
         self.bounds = None  # blocks.BlockBounds of managed layers under block speculation (from decoding on)
 
     def view(self, name: str) -> Tensor:
-        return getattr(self, name)[:, :, : self.n]
+        return getattr(self, name)[..., : self.n]
 
     def append(self, pos: Tensor, partial: Tensor | None, step: int, scale: Tensor | None = None) -> None:
         """Add tokens at ``pos`` [batch, kv_heads, q] with their partial keys [batch, kv_heads, q, k] (and
@@ -42,9 +42,9 @@ class SlotTable:
         self.fetches[:, :, self.n : end] = 0
         self.last[:, :, self.n : end] = step
         if partial is not None:
-            self.partial[:, :, self.n : end] = partial
+            self.partial[..., self.n : end] = partial.transpose(2, 3)
         if scale is not None:
-            self.scale[:, :, self.n : end] = scale
+            self.scale[..., self.n : end] = scale.transpose(2, 3)
         self.n = end
 
     def write(
@@ -56,9 +56,10 @@ class SlotTable:
         self.fetches.scatter_(2, index, torch.zeros_like(index))
         self.last.scatter_(2, index, torch.full_like(index, step))
         if partial is not None:
-            self.partial.scatter_(2, index[..., None].expand(-1, -1, 1, partial.shape[-1]), partial)
+            columns = index[:, :, None].expand(-1, -1, partial.shape[-1], 1)
+            self.partial.scatter_(3, columns, partial.transpose(2, 3))
         if scale is not None:
-            self.scale.scatter_(2, index[..., None], scale)
+            self.scale.scatter_(3, index[:, :, None], scale.transpose(2, 3))
 
     def keep(self, index: Tensor) -> None:
         for name in ("pos", "fetches", "last"):
@@ -66,8 +67,8 @@ class SlotTable:
         for name in ("partial", "scale"):
             table = getattr(self, name)
             if table is not None:
-                rows = index[..., None].expand(-1, -1, -1, table.shape[3])
-                setattr(self, name, torch.gather(self.view(name), 2, rows))
+                columns = index[:, :, None].expand(-1, -1, table.shape[2], -1)
+                setattr(self, name, torch.gather(self.view(name), 3, columns))
         self.n = index.shape[2]
         self.bounds = None  # slots moved: the bounds are taken again
 
@@ -75,15 +76,15 @@ class SlotTable:
         """Device bytes of the partial keys (and their scales) in use, and of their block bounds."""
         tables = [self.view(name) for name in ("partial", "scale") if getattr(self, name) is not None]
         held = sum(table.numel() * table.element_size() for table in tables)
-        return held + (0 if self.bounds is None else self.bounds.nbytes(self.n))
+        return held + (0 if self.bounds is None else self.bounds.nbytes())
 
     def _grow(self, pos: Tensor, partial: Tensor | None, scale: Tensor | None, cap: int) -> None:
         batch, heads = pos.shape[:2]
 
-        def grown(old: Tensor | None, like: Tensor, *columns: int) -> Tensor:
-            new = like.new_zeros(batch, heads, cap, *columns)
+        def grown(old: Tensor | None, like: Tensor, *rows: int) -> Tensor:
+            new = like.new_zeros(batch, heads, *rows, cap)
             if old is not None:
-                new[:, :, : self.n] = old[:, :, : self.n]
+                new[..., : self.n] = old[..., : self.n]
             return new
 
         self.pos = grown(self.pos, pos)
