@@ -382,7 +382,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, ascending per
         row, and which of them each row attends to (None: all)."""
         with self.selecting():
-            query = self.rehearsal_query(layer, x, position_ids)  # settles columns and count rules
+            query = self._rehearsal_query(layer, x, position_ids)  # settles columns and count rules
             real_tokens = self._real_tokens(layer)
             floor = self.config.min_tokens
             budgets = [resolve_budget(self.config.budget, max(n, 1), floor=floor) for n in real_tokens]
@@ -391,7 +391,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             takes = self._candidate_blocks(layer, budgets, whole)
             if takes is None:
                 reserved = self._reserved(layer)
-                scores = self.token_scores(layer, query)
+                scores = self._token_scores(layer, query)
                 counts = count_within(scores, alpha, budgets, reserved, whole)
                 index, valid = pick_top(scores, counts.tolist(), reserved)  # the gather's size: one host sync
             else:
@@ -419,7 +419,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             )
         return index, valid
 
-    def rehearsal_query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
+    def _rehearsal_query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
         """``layer``'s partial query [batch, kv_heads, group, k] from the look-ahead input ``x``, times the
         attention scale; settles each sequence's columns and count rule at the first decode step."""
         spec = self.spec
@@ -432,7 +432,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             self.selector_read(spec.attention[layer].q_proj.weight)
         return self.partial_query(layer, grouped) * spec.scaling(layer)
 
-    def token_scores(self, layer: int, query: Tensor) -> Tensor:
+    def _token_scores(self, layer: int, query: Tensor) -> Tensor:
         """Speculative logits [batch, kv_heads, slots] of every token of ``layer`` for the partial ``query``
         (:func:`~.rehearsal.speculative_scores`, -inf on left padding)."""
         state = self.layers[layer]
@@ -440,11 +440,6 @@ class InfiniGenPolicy(HostPoolPolicy):
         partial_keys, scale = state.slots.view("partial"), self._scales(layer)
         self.selector_read(partial_keys, *([] if scale is None else [scale]))
         return speculative_scores(query, partial_keys, state.row_columns, real, scale)
-
-    def speculate(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
-        """Speculative logits [batch, kv_heads, slots] of every token of ``layer`` from the look-ahead input
-        ``x`` (what token speculation ranks by)."""
-        return self.token_scores(layer, self.rehearsal_query(layer, x, position_ids))
 
     def _candidate_blocks(self, layer: int, budgets: list[int], whole: list[bool]) -> list[int] | None:
         """Per sequence, the candidate blocks coarse-to-fine speculation keeps (all its blocks for a row
@@ -487,7 +482,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         block_reserved = self._reserved_blocks(layer, bounds, blocks)
         tokens = None
         if bounds.size == 1:  # a block of one token: its bound is its score (block 0 holds nothing)
-            tokens = self.token_scores(layer, query)
+            tokens = self._token_scores(layer, query)
             coarse = torch.nn.functional.pad(tokens, (1, 0), value=-math.inf)
         else:
             self.selector_read(bounds.bounds[:, :, :blocks])
@@ -518,7 +513,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if bool(recount.any()):
             self._block_recounts += 1
             if tokens is None:
-                tokens = self.token_scores(layer, query)
+                tokens = self._token_scores(layer, query)
             every = count_within(tokens, alpha, budgets, self._reserved(layer), whole)
             counts = torch.where(recount, every, counts)
         index, valid = pick_top(fine, counts.tolist(), fine_reserved)

@@ -26,7 +26,7 @@ class SlotTable:
         # faster than the same product over keys stored a token's columns together)
         self.partial: Tensor | None = None
         self.scale: Tensor | None = None  # [batch, kv_heads, 1, cap] per-token scales of quantized keys
-        self.bounds = None  # blocks.BlockBounds of managed layers under block speculation (from decoding on)
+        self.bounds = None  # blocks.BlockBounds of managed layers under block speculation
 
     def view(self, name: str) -> Tensor:
         return getattr(self, name)[..., : self.n]
