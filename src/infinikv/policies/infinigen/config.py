@@ -73,7 +73,8 @@ class InfiniGenConfig(PolicyConfig):
         "partial-key bounds (max and min per column, held on the device within device_budget) rank the "
         "blocks first, then tokens are scored, counted and picked among the best blocks alone (blocks.py; "
         "1 = blocks of one token, whose bounds are their scores). On SmolLM2, 16 with block_candidates "
-        "1.25 picked 55 % of what token speculation picks and lost accuracy (docs/results-infinigen.md)",
+        "1.25 kept 55 % of what token speculation picks (the picks scatter over many blocks) and lost "
+        "accuracy (docs/results-infinigen.md)",
         low=0,
     )
     block_candidates: float = knob(

@@ -20,8 +20,9 @@ policy rehearses layer i+1:
    on the skewed partial columns), keeps each row's best blocks, enough for ``block_candidates`` times
    its budget plus the blocks of the reserved tokens, and only then scores, counts and picks tokens among
    them; a head whose every candidate comes within alpha is counted again over all tokens. It cuts the
-   pick over every token, half the rehearsal's time on a CPU, but on SmolLM2 the bounds rank blocks too
-   loosely to keep the accuracy, so the default (0) scores every token, as the paper does
+   pick over every token, half the rehearsal's time on a CPU, but on SmolLM2 the tokens worth fetching are
+   scattered over too many blocks to keep the accuracy, so the default (0) scores every token, as the paper
+   does
    (docs/results-infinigen.md, "Coarse-to-fine speculation");
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
    overlaps the rest of layer i; layer i+1 attends with its real query over [selected; newest token].
