@@ -9,7 +9,7 @@ import torch
 
 from infinikv import GenerationConfig, Generator
 from infinikv.policies import make_policy
-from infinikv.policies.base import attention_weights, pick_top
+from infinikv.policies.base import attention_weights, pick_top, reserved_first
 from infinikv.policies.quant import dequantize, pack, quantize, unpack
 
 FULL = [
@@ -242,3 +242,23 @@ def test_pick_top_breaks_ties_at_the_cut_by_slot_alone_and_batched():
     scores = torch.randn(3, 2, 100)
     expected = scores.topk(30, dim=-1).indices.sort(dim=-1).values
     assert torch.equal(pick_top(scores, [30] * 3)[0], expected)
+
+
+@pytest.mark.parametrize("takes", [[12, 12, 12], [3, 12, 30], [5, 5, 5]])
+def test_pick_top_takes_reserved_entries_first_by_their_own_order(takes):
+    """``reserved`` entries come before all others and among themselves by score, padding stays out, ties
+    go to the earlier slot: exactly the pick over :func:`reserved_first`'s lifted scores, whether a row takes
+    all of its reserved entries (lifted in one pass) or fewer (rows of 5 and 3 below 8 reserved)."""
+    torch.manual_seed(1)
+    scores = torch.randn(3, 2, 60).mul(2).round().div(2)  # half steps: many ties
+    scores[1, :, :7] = -math.inf  # left padding, some of it reserved below
+    scores[2, 1, ::3] = -math.inf
+    reserved = torch.zeros(3, 1, 60, dtype=torch.bool)
+    reserved[..., [0, 1, 2, 55, 56, 57, 58, 59]] = True
+    reserved[1, 0, [7, 8]] = True  # the row's own sinks, after its padding
+    got = pick_top(scores, takes, reserved)
+    expected = pick_top(reserved_first(scores, reserved), takes)
+    assert torch.equal(got[0], expected[0])
+    assert (got[1] is None) == (expected[1] is None)
+    if got[1] is not None:
+        assert torch.equal(got[1], expected[1])

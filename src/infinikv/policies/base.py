@@ -94,7 +94,7 @@ def pick_top(
     narrower row's extra entries are hidden by ``valid`` (bool, same shape; None when no row is narrower).
     """
     if reserved is not None:
-        scores = reserved_first(scores, reserved)
+        scores = _lift_reserved(scores, reserved, takes)
     batch, heads, n = scores.shape
     width = max(takes, default=0)
     ragged = min(takes, default=0) < width
@@ -114,10 +114,18 @@ def pick_top(
             if not ragged:
                 return index, None
             return index, _earliest_at_cut(scores, cut, count).gather(-1, index)
-    if not ragged:  # ascending through a mask: cheaper than sorting the indices on a CPU, and no sync
-        return first_slots(torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True), width), None
     index, order = top.sort(dim=-1)
-    return index, own.gather(-1, order)
+    return index, (own.gather(-1, order) if ragged else None)
+
+
+def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int]) -> Tensor:
+    """``scores`` with the ``reserved`` entries first, for :func:`pick_top`. When every row takes at least as
+    many entries as it has reserved, all of them are taken whatever their order, so +inf lifts them in one
+    pass; a shorter row needs :func:`reserved_first`'s order among them."""
+    held = reserved.sum(dim=-1).expand(scores.shape[:-1]).amax(dim=-1).tolist()  # per row: its fullest head
+    if all(take >= count for take, count in zip(takes, held, strict=True)):
+        return scores.masked_fill(reserved & (scores > -math.inf), math.inf)
+    return reserved_first(scores, reserved)
 
 
 def _earliest_at_cut(scores: Tensor, cut: Tensor, count: Tensor | int) -> Tensor:

@@ -553,10 +553,15 @@ class InfiniGenPolicy(HostPoolPolicy):
         n_sink, window = self.config.n_sink, self.config.window
         if not (n_sink or window):
             return None
+        state = self.layers[layer]
+        batch, heads = state.slots.pos.shape[:2]
+        shared = index is None and state.slots.n == state.seen
+        if shared:  # nothing evicted: slot i holds position i in every head, so one head's answer serves all
+            index = torch.arange(state.seen, device=state.slots.pos.device).expand(batch, 1, -1)
         pos = self._positions_at(layer, index)
-        padding = torch.tensor(self._padding or [0] * pos.shape[0], device=pos.device)[:, None, None]
-        near = ((pos - padding) < n_sink) | (pos >= self.layers[layer].seen - window)
-        return near & self._real_at(layer, index)
+        padding = torch.tensor(self._padding or [0] * batch, device=pos.device)[:, None, None]
+        near = (((pos - padding) < n_sink) | (pos >= state.seen - window)) & self._real_at(layer, index)
+        return near.expand(-1, heads, -1) if shared else near
 
     def _reserved_blocks(self, layer: int, bounds: BlockBounds, blocks: int) -> Tensor | None:
         """bool [batch, kv_heads, blocks]: the blocks that hold a reserved slot (None: none reserved)."""
