@@ -5,7 +5,8 @@
 Times one layer's selection at the bench's target cell (default: batch 8, 8,064 tokens, SmolLM2-135M's 3 KV
 heads of 3 query heads, 48 int8 columns: the ratio calibrated for 4k and 8k tokens) on random partial keys:
 the speculated scores (int8 keys converted to bfloat16, the product, the per-token scales, the group's
-relative max), the count rule, and the pick of each head's top tokens; then the same with coarse-to-fine
+relative max), the count rule, and the pick of each head's top tokens (the window lifted, the top-k, the kept
+indices sorted by slot, and the whole pick with its tie check); then the same with coarse-to-fine
 (block) speculation (``--block-size 16 --block-candidates 1.25``, not the default): the blocks' bounds,
 the pick of candidate blocks, the candidates' keys, their scores, the count and the pick among them. Each
 step is timed alone (and token speculation's whole selection once more), median of 30 runs after 2
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from infinikv.policies.base import group_relative_max, pick_top, reserved_first
+from infinikv.policies.base import group_relative_max, pick_top
 from infinikv.policies.infinigen.blocks import BlockBounds, block_scores, gather_slots
 from infinikv.policies.infinigen.rehearsal import count_within, quantize, speculative_scores
 
@@ -44,11 +45,13 @@ def main(batch: int, tokens: int, columns: int) -> None:
     query = torch.randn(batch, KV_HEADS, GROUP, columns) * 0.1
     keys, scale = quantize(torch.randn(batch, KV_HEADS, tokens, columns), 8)
     keys, scale = keys.transpose(2, 3).contiguous(), scale.transpose(2, 3).contiguous()  # slots last
-    reserved = torch.arange(tokens).expand(batch, KV_HEADS, tokens) >= tokens - WINDOW
+    # the recent window, one row for every head (as the policy passes it while nothing is evicted)
+    reserved = (torch.arange(tokens) >= tokens - WINDOW).expand(batch, KV_HEADS, tokens)
     budgets = [math.ceil(BUDGET * tokens)] * batch
     scores = speculative_scores(query, keys, (), None, scale)
     counts = count_within(scores, ALPHA, budgets, reserved).tolist()
-    lifted = reserved_first(scores, reserved)
+    lifted = scores.masked_fill(reserved, math.inf)  # every row takes its whole window
+    top = lifted.topk(max(counts), dim=-1, sorted=False).indices
     converted = keys.to(torch.bfloat16)
     product = torch.matmul(query.bfloat16(), converted)
     scaled = product.float() * scale.float()
@@ -58,8 +61,9 @@ def main(batch: int, tokens: int, columns: int) -> None:
         "scales": lambda: product.float() * scale.float(),
         "group's relative max": lambda: group_relative_max(scaled.flatten(1, 2), GROUP),
         "count rule": lambda: count_within(scores, ALPHA, budgets, reserved),
-        "reserved first": lambda: reserved_first(scores, reserved),
+        "window lifted to +inf": lambda: scores.masked_fill(reserved & (scores > -math.inf), math.inf),
         "top-k": lambda: lifted.topk(max(counts), dim=-1, sorted=False),
+        "ascending order (sort)": lambda: top.sort(dim=-1),
         "pick (reserved, top-k, ties, order)": lambda: pick_top(scores, counts, reserved),
     }
 

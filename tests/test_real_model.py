@@ -78,6 +78,7 @@ BATCH_CASES = sorted(
         *(pytest.param(policy, {}, id=f"{policy}-defaults") for policy in POLICIES),
         *(pytest.param(name, TIGHT[name], id=f"{name}-tight") for name in POLICIES if TIGHT.get(name)),
         pytest.param("quant", KIVI, id="quant-kivi"),
+        pytest.param("infinigen", {**TIGHT["infinigen"], "block_size": 16}, id="infinigen-blocks"),
     ],
     key=lambda case: str(POLICIES[case.values[0]].prefill_family),  # a family's cases in a row (prefills)
 )
@@ -126,7 +127,8 @@ def test_every_policy_has_a_tight_setting():
 @pytest.mark.parametrize("policy, knobs", BATCH_CASES)
 def test_a_row_gets_its_own_tokens_alone_and_batched_on_smollm2(smollm2, rows, prefills, policy, knobs):
     """Rows of 5, 1,029, 2,048 and 3,077 tokens in one batch (see ``rows``), every registered policy at its
-    defaults and at its tight setting, and KIVI: every row's 8 greedy tokens are those it gets alone.
+    defaults and at its tight setting, KIVI, and InfiniGen's coarse-to-fine speculation at its tight setting
+    (blocks follow each row's own tokens): every row's 8 greedy tokens are those it gets alone.
     (InfiniGen and the oracle used to differ here: a top-k kept a different one of the tokens tied at the cut,
     depending on the batch.)"""
     generator = Generator(smollm2, policy, memo=prefills(policy), **knobs)
@@ -135,5 +137,6 @@ def test_a_row_gets_its_own_tokens_alone_and_batched_on_smollm2(smollm2, rows, p
     assert batched[0].stats["batch_size"] == (3 if knobs == KIVI else 4)
     if policy == "infinigen":
         assert batched[0].stats["partial_ratio_used"][2:] == [0.3, 0.75]  # the boundary is crossed
+        assert (batched[0].stats["block_steps"] > 0) == bool(knobs.get("block_size"))  # blocks chose
     alone = [generator.generate([row], config)[0].token_ids for row in rows]
     assert [result.token_ids for result in batched] == alone
