@@ -34,6 +34,8 @@ ROW_FIELDS = {
     "selector_fraction",
     "selector_s_per_step",
     "selector_time_fraction",
+    "selector_inline_fraction",
+    "on_demand_fraction",
     "prefetch_wait_s_per_step",
     "projected_step_s",
     "speedup_vs_dense",
@@ -79,6 +81,7 @@ def test_bytes_moved_match_the_offload_arithmetic(one_cell, tiny):
     # Decode steps see 24, 25, 26 cached tokens; offload copies all of them, for 2 rows.
     assert rows["offload"]["bytes_h2d_per_step"] == pytest.approx(per_token * 2 * (24 + 25 + 26) / 3)
     assert rows["offload"]["kv_fraction_moved"] == pytest.approx(1.0)
+    assert rows["offload"]["on_demand_fraction"] == 0  # every copy starts a layer ahead, layer 0's too
     assert rows["dense"]["bytes_h2d_per_step"] == 0
     assert rows["dense"]["kv_fraction_attended"] == pytest.approx(1.0)
 
@@ -171,10 +174,10 @@ def test_link_model_arithmetic():
     assert p.step_s == pytest.approx(0.1006 + 1e-3 / 30)  # overlapped: max + one layer of the smaller
     serial = StepTraffic(bytes_h2d=1e9, copies=60, device_read_bytes=1e9, overlapped=False, layers=30)
     assert project(serial, link, device).step_s == pytest.approx(0.1006 + 1e-3)
-    # a device-bound step whose 3 of 30 layers wait on their own query: their tenth of the link time is
-    # added after the overlapped rest
+    # a device-bound step a tenth of whose bytes are copied on demand (waiting on their own layer's query):
+    # their link time is added after the overlapped rest
     small = StepTraffic(bytes_h2d=1e7, copies=0, device_read_bytes=2e9, overlapped=True, layers=30)
-    waiting = StepTraffic(**{**small.__dict__, "waiting_layers": 3})
+    waiting = StepTraffic(**{**small.__dict__, "bytes_on_demand": 1e6})
     assert project(small, link, device).step_s == pytest.approx(2e-3 + 1e-3 / 30)
     assert project(waiting, link, device).step_s == pytest.approx(2e-3 + 0.9e-3 / 30 + 0.1e-3)
 

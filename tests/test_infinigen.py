@@ -246,6 +246,23 @@ def test_own_query_layers_choose_with_their_own_input(tiny, calibrated, monkeypa
         _tokens(tiny, "infinigen", own_query_layers=str(tiny.spec.num_layers))
 
 
+def test_own_query_layers_that_prefetch_attend_to_their_own_choice(tiny, calibrated):
+    """own_query_prefetch: an own-query layer after layer 0 prefetches its rehearsed rows and copies only what
+    its own choice misses; it attends to exactly what it attends to without the prefetch (logits equal to
+    the bit), with fewer bytes copied on demand and the prefetch's misses moved besides."""
+    knobs = dict(budget=3, dense_layers=2, own_query_layers="3")
+    ahead = _decode_logits(tiny, "infinigen", own_query_prefetch=True, **knobs)
+    waiting = _decode_logits(tiny, "infinigen", own_query_prefetch=False, **knobs)
+    assert torch.equal(ahead, waiting)
+    _, with_prefetch = _tokens(tiny, "infinigen", new=6, own_query_prefetch=True, **knobs)
+    _, without = _tokens(tiny, "infinigen", new=6, own_query_prefetch=False, **knobs)
+    # layers 1 and 3 prefetch; layer 0 cannot (nothing runs before it): its copy and the corrections remain
+    assert 0 < with_prefetch["bytes_h2d_on_demand"] < without["bytes_h2d_on_demand"]
+    assert without["bytes_h2d_on_demand"] == without["bytes_h2d"] * 3 / 4  # layers 0, 1, 3 of 4
+    assert with_prefetch["bytes_h2d"] > without["bytes_h2d"]
+    assert with_prefetch["selected_tokens_per_layer"] == without["selected_tokens_per_layer"]
+
+
 def test_calibrated_own_query_layers_are_used_by_default_and_flags_override(tiny, skews, monkeypatch):
     """own_query_layers calibrated (the default): the layers the calibration names choose with their own
     input, each layer counting with the alpha calibrated for how it chooses; none, or a given list,
@@ -388,7 +405,7 @@ def _constructed(tiny, eviction: str, padded: bool) -> InfiniGenPolicy:
 def _victims(policy: InfiniGenPolicy, fetches: list[int], last: list[int]) -> list[int]:
     """Per KV head, the slot of layer 2 that the next decode token overwrites, once the 8 slots were fetched
     ``fetches`` times and last used at steps ``last``."""
-    policy.plan(2, None, None)  # no look-ahead input: layer 2 reads its whole pool
+    policy.fetch_own(2, None, None)  # no input: layer 2 reads its whole pool (chosen now, not on a worker)
     slots = policy.layers[2].slots
     slots.view("fetches")[:] = torch.tensor(fetches)
     slots.view("last")[:] = torch.tensor(last)

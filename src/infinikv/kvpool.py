@@ -9,7 +9,13 @@ CUDA), shaped [batch, kv_heads, tokens, head_dim]. Policies read from it in one 
 
 Both return a :class:`Transfer` at once; ``Transfer.wait()`` hands back the device tensors. On CUDA the copy
 runs on a side stream and ``wait`` makes the compute stream wait on its event; on CPU the copy is done on a
-worker thread (``overlap="thread"``) or right away (``overlap="none"``). Every byte that crosses is counted.
+worker thread (``overlap="thread"``) or right away (``overlap="none"``). Every byte that crosses is counted,
+and so are the bytes of copies started on demand (``on_demand``: by the layer that reads them, so nothing
+overlaps them), apart.
+
+``ahead(work, ...)`` queues a policy's look-ahead (choosing what the next layer reads, then starting its
+copy) on the same worker, so on a CPU the choosing overlaps the current layer's compute as the copy does;
+on CUDA, or without a worker, it runs at once.
 
 On CUDA a row gather runs on the device: with unified addressing every pinned host page is mapped into the
 device's address space, so an ``index_select`` kernel on the copy stream reads the chosen rows across the link
@@ -19,9 +25,12 @@ seen from the device, rows are gathered on the host into pinned memory and copie
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +42,7 @@ Tensor = torch.Tensor
 class TransferCounters:
     bytes_h2d: int = 0  # pool -> compute device
     bytes_d2h: int = 0  # new tokens' KV written into the pool
+    bytes_on_demand: int = 0  # of bytes_h2d: copies started by the layer that reads them (not prefetched)
     wait_s: float = 0.0  # time the compute stream spent blocked on a copy
     copies: int = 0
     peak_bytes: int = 0  # the largest single fetch (K and V of one layer): the device buffer it lands in
@@ -57,7 +67,8 @@ class CopyTiming:
 
 
 class Transfer:
-    """A copy from the pool in flight. ``wait()`` returns (keys, values) on the compute device."""
+    """A copy from the pool in flight, or look-ahead work that starts one (``KVPool.ahead``). ``wait()``
+    returns its result, (keys, values) on the compute device for a copy; the time it blocks is counted."""
 
     def __init__(
         self,
@@ -107,6 +118,24 @@ def _timed_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)
 
 
+def _copy_bytes(store: Tensor, tokens: int) -> int:
+    """Bytes of K and V copied for ``tokens`` slots of every (sequence, head) of ``store``'s layer."""
+    batch, heads, _, dim = store.shape
+    return 2 * batch * heads * tokens * dim * store.element_size()
+
+
+_worker = threading.local()  # .active: this thread is a pool's worker
+
+
+def _mark_worker() -> None:
+    _worker.active = True
+
+
+def on_worker() -> bool:
+    """Whether the caller runs on a pool's worker thread (look-ahead work, beside the decode thread)."""
+    return getattr(_worker, "active", False)
+
+
 class KVPool:
     """Per-layer K/V of one batch in host memory, with counted copies to the compute device.
 
@@ -128,8 +157,10 @@ class KVPool:
         self._length = [0] * num_layers
         self.counters = TransferCounters()
         self._stream = torch.cuda.Stream(self.compute_device) if self.on_cuda else None
-        self._executor = ThreadPoolExecutor(1) if (not self.on_cuda and overlap == "thread") else None
+        threaded = not self.on_cuda and overlap == "thread"
+        self._executor = ThreadPoolExecutor(1, initializer=_mark_worker) if threaded else None
         self.device_gather = self.on_cuda and self.host  # cleared if the pinned store is not device-visible
+        self._demand = threading.local()  # .active: fetches now are on demand (``on_demand``)
 
     # -- storage ------------------------------------------------------------------------------------------
     def length(self, layer: int) -> int:
@@ -226,6 +257,31 @@ class KVPool:
         return total
 
     # -- copies to the compute device ----------------------------------------------------------------------
+    def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
+        """Run ``work(*args)`` on the worker thread (CPU, ``overlap="thread"``), in order with the copies, or
+        now (CUDA: its kernels queue on the compute stream; no worker): a look-ahead that chooses what the
+        next layer reads and starts its copy, overlapping the current layer. ``wait()`` returns its result.
+        The worker runs it under the caller's grad and inference modes (both are per thread)."""
+        if self._executor is None:
+            return Transfer(work(*args), self.counters)
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+        def run() -> object:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return work(*args)
+
+        return Transfer(self._executor.submit(run), self.counters)
+
+    @contextmanager
+    def on_demand(self) -> Iterator[None]:
+        """Count the fetches started inside as on demand: the layer that reads them waits for them, nothing
+        runs beside them (``counters.bytes_on_demand``). Per thread."""
+        self._demand.active = True
+        try:
+            yield
+        finally:
+            self._demand.active = False
+
     def fetch(self, layer: int, index: Tensor | None = None, extra: int = 0) -> Transfer:
         """Start copying a layer's K/V (all of it, or the slots in ``index`` [batch, heads, n]) to the device.
 
@@ -233,11 +289,14 @@ class KVPool:
         fill with the new token's K/V: one copy into a buffer of the final size instead of copy + concatenate.
         """
         stores, length = (self._keys[layer], self._values[layer]), self._length[layer]
+        if getattr(self._demand, "active", False):
+            tokens = length if index is None else index.shape[2]
+            self.counters.bytes_on_demand += _copy_bytes(stores[0], tokens)
         if index is not None and not self.device_gather:
             index = index.to("cpu")
-        if self._executor is not None:
+        if self._executor is not None and not on_worker():
             return Transfer(self._executor.submit(self._copy, stores, length, index, extra), self.counters)
-        if self._stream is None:
+        if self._stream is None:  # CPU, and no worker or already on one (a look-ahead copies as it chooses)
             return Transfer(self._copy(stores, length, index, extra), self.counters)
         issued = time.perf_counter()
         self._stream.wait_stream(torch.cuda.current_stream(self.compute_device))
@@ -264,7 +323,7 @@ class KVPool:
             rows = self._row_numbers(stores[0].shape, index, extra)
             shape = (batch, heads, tokens + extra, dim)
             out_k, out_v = (self._gather_rows(store, rows, shape) for store in stores)
-        copied = 2 * batch * heads * tokens * dim * stores[0].element_size()
+        copied = _copy_bytes(stores[0], tokens)
         self.counters.bytes_h2d += copied
         self.counters.peak_bytes = max(self.counters.peak_bytes, copied)
         self.counters.copies += 1

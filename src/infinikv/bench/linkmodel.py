@@ -10,9 +10,10 @@ FlexGen (https://arxiv.org/abs/2303.06865).
 * Device time = bytes the step reads from device memory (weights + attended K/V + the selector's reads) /
   device memory bandwidth (single-token decode is memory-bound).
 * Policies that prefetch layer i+1 while layer i computes overlap the two, layer by layer: the step takes
-  max(link, device) plus one layer's worth of the smaller (the pipeline fill). Others add them. A layer
-  whose copy starts only once its own query exists (InfiniGen's first and own-query layers) waits for it:
-  its share of the link time (layers counted alike) is added, not overlapped.
+  max(link, device) plus one layer's worth of the smaller (the pipeline fill). Others add them. A copy
+  started only once its own layer's query exists (``bytes_h2d_on_demand``, measured by the pool: InfiniGen's
+  layer 0, and its own-query layers' copies or their corrections) is waited for: its link time is added,
+  not overlapped.
 
 Figures are public specification numbers (theoretical peaks), stated with their sources in ``LINKS`` and
 ``DEVICES``; real transfers reach roughly 80-90 % of them, so projections are optimistic for the link.
@@ -70,7 +71,7 @@ class StepTraffic:
     device_read_bytes: float  # weights + attended K/V + side structures read from device memory
     overlapped: bool  # the policy prefetches layer i+1 during layer i
     layers: int
-    waiting_layers: int = 0  # of an overlapped policy: layers whose copy waits on their own query
+    bytes_on_demand: float = 0.0  # of an overlapped policy's bytes_h2d: copies that wait on their own layer
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def project(traffic: StepTraffic, link: Link, device: Device) -> Projection:
     link_s = traffic.bytes_h2d / link.bandwidth + traffic.copies * link.latency
     device_s = traffic.device_read_bytes / device.bandwidth
     if traffic.overlapped and traffic.layers > 0:
-        waiting_s = link_s * traffic.waiting_layers / traffic.layers
+        waiting_s = link_s * traffic.bytes_on_demand / traffic.bytes_h2d if traffic.bytes_h2d else 0.0
         hidden_s = link_s - waiting_s
         step_s = max(hidden_s, device_s) + min(hidden_s, device_s) / traffic.layers + waiting_s
     else:

@@ -85,8 +85,8 @@ def _footer(env: dict[str, Any]) -> str:
 def summary_table(result: dict[str, Any]) -> str:
     header = (
         "| batch | context | cache | tok/s | × dense | × offload | TTFT s | TPOT p50 ms | TPOT p99 ms | "
-        "MiB h2d/token | KV moved | resident | selector reads | selector time | KV attended | "
-        "prefetch wait | peak RSS MiB |"
+        "MiB h2d/token | KV moved | on demand | resident | selector reads | selector time | of it inline | "
+        "KV attended | prefetch wait | peak RSS MiB |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for cell in result["cells"]:
@@ -96,8 +96,10 @@ def summary_table(result: dict[str, Any]) -> str:
                 f"{fmt(r['speedup_vs_dense'])} | {fmt(r['speedup_vs_offload'])} | {r['ttft_s']:.2f} | "
                 f"{r['tpot_p50_s'] * 1e3:.1f} | {r['tpot_p99_s'] * 1e3:.1f} | "
                 f"{r['bytes_h2d_per_token'] / MIB:.2f} | {r['kv_fraction_moved']:.1%} | "
+                f"{r['on_demand_fraction']:.1%} | "
                 f"{fmt(r['device_resident_fraction'], 1, scale=100)} % | {r['selector_fraction']:.1%} | "
-                f"{r['selector_time_fraction']:.1%} | {r['kv_fraction_attended']:.1%} | "
+                f"{r['selector_time_fraction']:.1%} | {r['selector_inline_fraction']:.1%} | "
+                f"{r['kv_fraction_attended']:.1%} | "
                 f"{r['prefetch_wait_fraction']:.1%} | {r['peak_host_rss_bytes'] / MIB:.0f} |"
             )
     return "\n".join(lines)
@@ -299,12 +301,16 @@ def write_bench_report(result: dict[str, Any], path: Path) -> None:
         "",
         "Columns: tok/s = decode tokens per second, whole batch; TPOT = time per output token (one decode "
         "step); MiB h2d/token = bytes copied host→device per generated token; KV moved = those bytes as a "
-        "share of what full offload moves; KV attended = tokens each layer attended as a share of the cached "
+        "share of what full offload moves; on demand = the part of those bytes copied without prefetch "
+        "(started by the layer that reads them, once its own query exists), as a share of them; KV attended "
+        "= tokens each layer attended as a share of the cached "
         "tokens; resident = bytes the policy keeps on the compute device (partial keys, page summaries, the "
         "whole cache for dense) as a share of the dense KV cache; selector reads = bytes its selector read "
         "to choose (InfiniGen's partial keys and look-ahead query projection, Quest's page summaries, the "
-        "oracle's keys) on the scale of KV moved; selector time and prefetch wait (the part of the copies "
-        "not hidden behind compute) as shares of the step time; peak RSS = process resident memory (model "
+        "oracle's keys) on the scale of KV moved; selector time (all of it; of it inline: the part the "
+        "decode thread ran itself, the rest ran ahead on the pool's worker thread, beside the previous "
+        "layer, on the second core) and prefetch wait (the part of the look-ahead and the copies not hidden "
+        "behind compute) as shares of the step time; peak RSS = process resident memory (model "
         "included). "
         "On a CPU, host and device are the same memory: copies are real copies and counted, but there is no "
         "link, which is why the projection below exists.",

@@ -41,6 +41,8 @@ def summarise_runs(
         attended = context + (steps + 1) / 2  # dense: all cached tokens plus the new one
     mean_cached = context + (steps + 1) / 2
     selector_s = med([_delta(s, "selector_s") for s in runs]) / steps
+    selector_inline_s = med([_delta(s, "selector_inline_s") for s in runs]) / steps
+    on_demand = med([_delta(s, "bytes_h2d_on_demand") for s in runs]) if entry.kind == "policy" else 0.0
     selector_bytes = med([_delta(s, "selector_bytes") for s in runs]) / steps
     wait = med([_delta(s, "prefetch_wait_s") for s in runs]) / steps
     step_s = med(per_step)
@@ -71,7 +73,12 @@ def summarise_runs(
         "selector_bytes_per_step": selector_bytes,
         "selector_fraction": selector_bytes * steps / offload_bytes if offload_bytes else 0.0,
         "selector_s_per_step": selector_s,
+        # all the selector's time, and the part the decode thread ran itself (the rest ran ahead, on the
+        # pool's worker, beside the previous layer: only what the step then waits for shows as prefetch wait)
         "selector_time_fraction": selector_s / step_s if step_s else 0.0,
+        "selector_inline_fraction": selector_inline_s / step_s if step_s else 0.0,
+        # bytes copied without prefetch (started by the layer that reads them) / bytes moved
+        "on_demand_fraction": on_demand / moved if moved else 0.0,
         "prefetch_wait_s_per_step": wait,
         "prefetch_wait_fraction": wait / step_s if step_s else 0.0,
         "peak_host_rss_bytes": max(s.peak_rss for s in runs),
@@ -86,8 +93,7 @@ def summarise_runs(
         device_read_bytes=weights + attended * token_bytes * batch + selector_bytes,
         overlapped=entry.prefetches,
         layers=loaded.spec.num_layers,
-        # layer 0's copy waits for any prefetching policy (nothing runs before it): the pipeline fill
-        waiting_layers=len(set(runs[-1].stats_after.get("layers_by_own_query", [])) - {0}),
+        bytes_on_demand=on_demand / steps,
     )
     row["traffic"] = {k: getattr(traffic, k) for k in traffic.__dataclass_fields__}
     row["projected_step_s"] = {

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import PolicyError
-from ..kvpool import KVPool, Transfer
+from ..kvpool import KVPool, Transfer, on_worker
 from ..spec import ModelSpec
 from .config import PolicyConfig
 
@@ -199,6 +199,7 @@ class Policy:
         # keys, page summaries, scores, and the keys themselves for the oracle) and the time spent choosing.
         self._selector_bytes = 0
         self._selector_s = 0.0
+        self._selector_inline_s = 0.0  # of which on the decode thread (not a pool worker's look-ahead)
 
     # -- the seam ------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -253,6 +254,8 @@ class Policy:
         )
         out["selector_bytes"] = self._selector_bytes
         out["selector_s"] = round(self._selector_s, 6)
+        out["selector_inline_s"] = round(self._selector_inline_s, 6)
+        out["bytes_h2d_on_demand"] = counters.bytes_on_demand if counters else 0
         return out
 
     def close(self) -> None:
@@ -279,13 +282,16 @@ class Policy:
 
     @contextmanager
     def selecting(self) -> Iterator[None]:
-        """Time the enclosed choosing (``stats()["selector_s"]``). Host time without a device sync: on a GPU
-        it is the time to queue the work, so the bench reads the selector's share from CPU runs."""
-        start = time.perf_counter()
+        """Time the enclosed choosing (``stats()["selector_s"]``; ``selector_inline_s``: the part on the
+        decode thread, not a pool worker's look-ahead). Host time without a device sync: on a GPU it is the
+        time to queue the work, so the bench reads the selector's share from CPU runs."""
+        start, inline = time.perf_counter(), not on_worker()
         try:
             yield
         finally:
-            self._selector_s += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self._selector_s += elapsed
+            self._selector_inline_s += elapsed if inline else 0.0
 
     def past_valid(self, n_past: int, batch: int) -> Tensor:
         """bool [batch, n_past]: which past positions hold real tokens (False = left padding)."""
@@ -313,16 +319,38 @@ class HostPoolPolicy(Policy):
         raise NotImplementedError
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        self.prefetch(layer, x, position_ids)
+        self.prefetch(layer, self.start_fetch, layer, x, position_ids)
 
-    def prefetch(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        """Start the copy of what ``layer`` reads this step now, for its ``decode`` to pick up."""
-        self._in_flight[layer] = self.start_fetch(layer, x, position_ids)
+    def prefetch(self, layer: int, work: Callable[..., Any], *args: Any) -> None:
+        """Queue ``work(*args)`` (it chooses what ``layer`` reads and starts the copy: ``start_fetch``, unless
+        a subclass looks ahead otherwise) on the pool's worker, beside the current layer's compute
+        (``KVPool.ahead``; at once on CUDA), for ``take_fetch`` to pick up."""
+        self._in_flight[layer] = self.host_pool.ahead(work, *args)
+
+    def fetch_own(self, layer: int, x: Tensor | None, position_ids: Tensor | None) -> None:
+        """Start ``layer``'s fetch now, on the decode thread, from its own input ``x`` (a layer that chooses
+        with its own query; None: as ``start_fetch`` without one), for ``decode`` to pick up: on demand, as
+        nothing overlaps it."""
+        started = self._fetch_on_demand(layer, x, position_ids)
+        self._in_flight[layer] = Transfer(started, self.host_pool.counters)
 
     def take_fetch(self, layer: int) -> Any:
-        """The copy ``plan`` started for ``layer``, or one started now."""
+        """What ``plan`` or ``fetch_own`` started for ``layer`` (waiting for its choice, not its copy), or a
+        fetch started now."""
+        started = self.take_planned(layer)
+        return started if started is not None else self._fetch_on_demand(layer)
+
+    def take_planned(self, layer: int) -> Any | None:
+        """What ``plan`` or ``fetch_own`` started for ``layer``, waited for (its choice, not its copy); None
+        when nothing was started."""
         started = self._in_flight.pop(layer, None)
-        return started if started is not None else self.start_fetch(layer)
+        return None if started is None else started.wait()
+
+    def _fetch_on_demand(
+        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Any:
+        with self.host_pool.on_demand():
+            return self.start_fetch(layer, x, position_ids)
 
     def seq_length(self, layer: int) -> int:
         return self.host_pool.length(layer)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...kvpool import Transfer
 from .slots import SlotTable
 
 Tensor = torch.Tensor
@@ -28,6 +29,9 @@ class LayerState:
     row_alpha: float | Tensor | None = None  # its alpha per sequence: one number, or [batch, 1, 1]
     # n' averaged over the batch per decode step, left on the device until stats() (no sync per step)
     selected: list[Tensor] = field(default_factory=list)
+    # an own-query layer's look-ahead this step (own_query_prefetch): the slots it prefetched [batch,
+    # kv_heads, n] and their copy, until the layer's own choice takes what it needs of them
+    prefetched: tuple[Tensor, Transfer] | None = None
 
     def in_store(self, wide: Tensor) -> Tensor:
         """``wide`` [..., kv_heads, rows, k]: values in the widest columns, cut to the store's."""

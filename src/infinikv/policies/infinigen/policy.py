@@ -101,6 +101,7 @@ import functools
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -108,7 +109,7 @@ import torch
 from ...errors import PolicyError
 from ...kvpool import Transfer
 from ...spec import ModelSpec
-from ..base import HostPoolPolicy, Selection, group_relative_max, pick_top, resolve_budget
+from ..base import HostPoolPolicy, Selection, first_slots, group_relative_max, pick_top, resolve_budget
 from ..registry import register
 from . import skewfile
 from .blocks import BlockBounds, block_scores, gather_slots
@@ -337,27 +338,25 @@ class InfiniGenPolicy(HostPoolPolicy):
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if layer == 0:  # the cache calls this before anything else of a decode step
             self._step += 1
+            if self._step == 1:
+                self._start_decoding()
         if layer in self.own_query():
-            self.prefetch(layer, x, position_ids)
+            # its look-ahead's rows if one ran (own_query_prefetch): its own choice copies what they missed
+            self.layers[layer].prefetched = self.take_planned(layer)
+            self.fetch_own(layer, x, position_ids)
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if layer in self.own_query():
-            return  # it selects with its own input (before_attention)
-        super().plan(layer, x, position_ids)
+        if layer not in self.own_query():
+            super().plan(layer, x, position_ids)
+        elif self.config.own_query_prefetch and layer > 0:  # layer 0: nothing runs before it
+            self.prefetch(layer, self._prefetch_own, layer, x, position_ids)
 
-    def start_fetch(
-        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
-    ) -> tuple[Transfer, Tensor, Tensor | None]:
-        """Decide what ``layer`` reads this step and start copying it from the pool: (transfer, positions,
-        valid). Without a look-ahead input ``x`` a managed layer loads everything."""
-        slots = self.layers[layer].slots
-        cap = self.limit(layer, self.layers[layer].seen + 1)
-        if slots.n > cap:  # first decode step with a prompt larger than the capacity: cut the pool
-            keep = self._eviction_keys(layer).topk(cap, dim=-1).indices.sort(dim=-1).values
-            self._evicted += (slots.n - cap) * keep.shape[0] * keep.shape[1]
-            self.host_pool.keep(layer, keep)
-            slots.keep(keep)
-        window = self.spec.sliding_window[layer]
+    def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Fetch:
+        """Decide what ``layer`` reads this step and start copying it from the pool. Without an input ``x`` a
+        managed layer loads everything. An own-query layer whose look-ahead prefetched rows this step
+        (``own_query_prefetch``) copies only the rows of its own choice that the prefetch missed."""
+        state = self.layers[layer]
+        slots, window = state.slots, self.spec.sliding_window[layer]
         valid = None
         if self.managed(layer) and x is not None:
             index, valid = self._select(layer, x, position_ids)
@@ -365,23 +364,89 @@ class InfiniGenPolicy(HostPoolPolicy):
             index = slots.view("pos").topk(min(window - 1, slots.n), dim=-1).indices
         else:
             index = None
+        prefetched, state.prefetched = state.prefetched, None
+        if index is not None and prefetched is not None and prefetched.index is not None:
+            transfer, copied, real = self._corrected(layer, index, prefetched)
+            self._count_fetch(layer, copied, real)
+        else:
+            transfer = self.host_pool.fetch(layer, index, extra=1)
+            self._count_fetch(layer, index)
+        self._offload_h2d += self._row_bytes(layer) * slots.pos.shape[0] * slots.pos.shape[1] * state.seen
+        positions = slots.view("pos").clone() if index is None else torch.gather(slots.view("pos"), 2, index)
+        return Fetch(transfer, index, positions, valid)
+
+    def _prefetch_own(self, layer: int, x: Tensor, position_ids: Tensor) -> Fetch:
+        """An own-query layer's look-ahead (``own_query_prefetch``): the rows a rehearsal from the layer
+        before picks, copied ahead; the layer's own choice (``start_fetch``) then takes what it needs of them
+        and copies the rest. Not recorded as the layer's choice (nor shown to the observer)."""
+        index, _ = self._select(layer, x, position_ids, record=False)
+        self._count_fetch(layer, index)
+        return Fetch(self.host_pool.fetch(layer, index, extra=1), index, index, None)
+
+    def _corrected(self, layer: int, index: Tensor, prefetched: Fetch) -> tuple[Corrected, Tensor, Tensor]:
+        """Own-query prefetch: ``index``'s rows [batch, kv_heads, m] from those ``prefetched`` copied ahead,
+        and the correction (the slots it missed, copied now). Returns the rows, the slots copied now and
+        which of them are a row's own misses (the rest pad a row with fewer)."""
+        ahead = prefetched.index
+        batch, heads, width = ahead.shape
+        # where each slot sits among the prefetched rows (-1: not there); a repeated slot holds the same row
+        where = torch.full((batch, heads, self.layers[layer].slots.n), -1, device=ahead.device)
+        where.scatter_(2, ahead, torch.arange(width, device=ahead.device).expand_as(ahead))
+        at = where.gather(2, index)
+        missed = at < 0
+        misses = missed.sum(dim=-1, keepdim=True)
+        count = int(misses.max())
+        correction = index.gather(2, first_slots(missed, count))  # each row's misses, padded with its first
+        real = torch.arange(count, device=index.device) < misses
+        # each row's place in [prefetched rows, their spare slot, correction rows], then the spare for the new
+        # token (decode writes it)
+        source = torch.where(missed, width + missed.long().cumsum(dim=-1), at)
+        source = torch.cat([source, source.new_full((batch, heads, 1), width)], dim=2)
+        rest = self.host_pool.fetch(layer, correction) if count else None
+        return Corrected(prefetched.transfer, rest, source), correction, real
+
+    def _count_fetch(self, layer: int, index: Tensor | None, real: Tensor | None = None) -> None:
+        """Bookkeeping of a fetch: the bytes it copies (``index``: the slots copied, None: every slot) and,
+        for eviction, each copied slot's fetch count and last use (``real``: False on entries copied only to
+        pad a row)."""
+        slots = self.layers[layer].slots
+        batch, heads = slots.pos.shape[:2]
+        rows = batch * heads * slots.n if index is None else index.numel()
+        self._decode_h2d += self._row_bytes(layer) * rows
         if index is None:
-            positions = slots.view("pos").clone()
             slots.view("fetches").add_(1)
             slots.view("last").fill_(self._step)
-        else:
-            positions = torch.gather(slots.view("pos"), 2, index)
-            slots.fetches.scatter_add_(2, index, torch.ones_like(index))
-            slots.last.scatter_(2, index, torch.full_like(index, self._step))
-        k = self.host_pool.keys(layer)
-        row_bytes = 2 * k.shape[-1] * k.element_size()
-        self._decode_h2d += positions.numel() * row_bytes
-        self._offload_h2d += k.shape[0] * k.shape[1] * self.layers[layer].seen * row_bytes
-        return self.host_pool.fetch(layer, index, extra=1), positions, valid
+            return
+        ones = torch.ones_like(index) if real is None else real.long()
+        slots.fetches.scatter_add_(2, index, ones)
+        slots.last.scatter_(2, index, torch.where(ones > 0, self._step, slots.last.gather(2, index)))
 
-    def _select(self, layer: int, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _row_bytes(self, layer: int) -> int:
+        """Bytes of one token's K and V in one KV head of ``layer``'s pool."""
+        k = self.host_pool.keys(layer)
+        return 2 * k.shape[-1] * k.element_size()
+
+    def _start_decoding(self) -> None:
+        """At the first decode step, on the decode thread before any look-ahead runs beside it (look-aheads
+        touch only their own layer): each sequence's columns and count rule, and every pool cut to its
+        capacity where the prompt is larger."""
+        managed = [layer for layer, state in enumerate(self.layers) if state.managed]
+        if managed:
+            self._settle_columns(managed[0])
+        for layer, state in enumerate(self.layers):
+            slots, cap = state.slots, self.limit(layer, state.seen + 1)
+            if slots.n > cap:
+                keep = self._eviction_keys(layer).topk(cap, dim=-1).indices.sort(dim=-1).values
+                self._evicted += (slots.n - cap) * keep.shape[0] * keep.shape[1]
+                self.host_pool.keep(layer, keep)
+                slots.keep(keep)
+
+    def _select(
+        self, layer: int, x: Tensor, position_ids: Tensor, record: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, ascending per
-        row, and which of them each row attends to (None: all)."""
+        row, and which of them each row attends to (None: all). ``record``: the layer's choice this step
+        (kept for stats and shown to the observer), not an own-query layer's prefetch."""
         with self.selecting():
             query = self._rehearsal_query(layer, x, position_ids)  # settles columns and count rules
             real_tokens = self._real_tokens(layer)
@@ -399,6 +464,8 @@ class InfiniGenPolicy(HostPoolPolicy):
                 scores, counts, index, valid, reserved = self._coarse_to_fine(
                     layer, query, takes, alpha, budgets, whole
                 )
+        if not record:
+            return index, valid
         state = self.layers[layer]
         state.selected.append(counts.float().mean())
         if self.observer is not None:
@@ -623,8 +690,9 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     # -- decode: attend and store ----------------------------------------------------------------------------
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
-        transfer, positions, valid = self.take_fetch(layer)
-        keys, values = transfer.wait()  # the selected rows plus a spare last slot for the new token
+        fetch = self.take_fetch(layer)
+        positions, valid = fetch.positions, fetch.valid
+        keys, values = fetch.transfer.wait()  # the selected rows plus a spare last slot for the new token
         keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
         position = self.layers[layer].seen
         self._store(layer, k_new, v_new, position)
@@ -722,6 +790,35 @@ class InfiniGenPolicy(HostPoolPolicy):
                 count_rule_used=[rule for _, rule in self._count_rules],
             )
         return out
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """What a layer reads this step: its copy in flight, the slots it takes (None: every slot), their token
+    positions, and which of them each row attends to (None: all)."""
+
+    transfer: Transfer | Corrected
+    index: Tensor | None
+    positions: Tensor
+    valid: Tensor | None
+
+
+class Corrected:
+    """An own-query layer's rows (``own_query_prefetch``): those its look-ahead copied and the correction
+    copied once its own query chose, put in the order of its own choice. ``wait()`` returns (keys, values)
+    with a spare last slot, as a fetch with ``extra=1`` does."""
+
+    def __init__(self, prefetched: Transfer, correction: Transfer | None, source: Tensor):
+        self.prefetched, self.correction = prefetched, correction
+        self.source = source  # [batch, kv_heads, m + 1]: each row's place in [prefetched + spare; correction]
+
+    def wait(self) -> tuple[Tensor, Tensor]:
+        keys, values = self.prefetched.wait()
+        if self.correction is not None:
+            more_keys, more_values = self.correction.wait()
+            keys, values = torch.cat([keys, more_keys], dim=2), torch.cat([values, more_values], dim=2)
+        index = self.source[..., None].expand(-1, -1, -1, keys.shape[-1])
+        return torch.gather(keys, 2, index), torch.gather(values, 2, index)
 
 
 def _positions(columns: Tensor, subset: Tensor) -> Tensor:
