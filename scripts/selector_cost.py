@@ -6,12 +6,12 @@ Times one layer's selection at the bench's target cell (default: batch 8, 8,064 
 heads of 3 query heads, 48 int8 columns: the ratio calibrated for 4k and 8k tokens) on random partial keys:
 the speculated scores (int8 keys converted to bfloat16, the product, the per-token scales, the group's
 relative max), the count rule, and the pick of each head's top tokens (the window lifted, the top-k, the kept
-indices sorted by slot, and the whole pick with its tie check); then the same with coarse-to-fine
-(block) speculation (``--block-size 16 --block-candidates 1.25``, not the default): the blocks' bounds,
-the pick of candidate blocks, the candidates' keys, their scores, the count and the pick among them. Each
-step is timed alone (and token speculation's whole selection once more), median of 30 runs after 2
-warm-ups. Random scores, not a model's: how many
-tokens come within alpha changes the count, not the cost, which is set by the shapes.
+indices put in slot order: marked, then read back, and the whole pick with its tie check); then the same
+with coarse-to-fine (block) speculation (``--block-size 16 --block-candidates 1.25``, not the default): the
+blocks' bounds, the pick of candidate blocks, the candidates' keys, their scores, the count and the pick
+among them. Each step is timed alone (and token speculation's whole selection once more), median of 30 runs
+after 2 warm-ups. Random scores, not a model's: how many tokens come within alpha changes the count, not
+the cost, which is set by the shapes.
 """
 
 import math
@@ -63,7 +63,9 @@ def main(batch: int, tokens: int, columns: int) -> None:
         "count rule": lambda: count_within(scores, ALPHA, budgets, reserved),
         "window lifted to +inf": lambda: scores.masked_fill(reserved & (scores > -math.inf), math.inf),
         "top-k": lambda: lifted.topk(max(counts), dim=-1, sorted=False),
-        "ascending order (sort)": lambda: top.sort(dim=-1),
+        "ascending order (mark, read back)": lambda: (
+            torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True).nonzero()
+        ),
         "pick (reserved, top-k, ties, order)": lambda: pick_top(scores, counts, reserved),
     }
 

@@ -358,3 +358,11 @@ def test_a_cell_measured_under_other_default_knobs_is_measured_again(tmp_path):
     assert not sweep.is_measured(cell, recorded({**now, "partial_ratio": 0.2}))
     pinned = dataclasses.replace(cell, knobs=(("budget", 0.1), ("partial_ratio", 0.2)))
     assert sweep.is_measured(pinned, recorded({**now, "partial_ratio": 0.2}))
+    # A knob added later whose default is the policy as it ran before (``neutral``) leaves a measurement
+    # from before it existed standing at that default, and only there.
+    before = {name: value for name, value in now.items() if name != "own_query_prefetch"}
+    assert sweep.is_measured(cell, recorded(before))
+    assert not sweep.is_measured(cell, recorded({**now, "budget": 0.2}))
+    prefetching = dataclasses.replace(cell, knobs=(("budget", 0.1), ("own_query_prefetch", True)))
+    assert not sweep.is_measured(prefetching, recorded(before))
+    assert sweep.is_measured(prefetching, recorded({**now, "own_query_prefetch": True}))

@@ -261,6 +261,11 @@ def test_own_query_layers_that_prefetch_attend_to_their_own_choice(tiny, calibra
     assert without["bytes_h2d_on_demand"] == without["bytes_h2d"] * 3 / 4  # layers 0, 1, 3 of 4
     assert with_prefetch["bytes_h2d"] > without["bytes_h2d"]
     assert with_prefetch["selected_tokens_per_layer"] == without["selected_tokens_per_layer"]
+    dense, _ = _tokens(tiny, "dense")
+    full, _ = _tokens(
+        tiny, "infinigen", alpha=math.inf, budget=1.0, own_query_prefetch=True, own_query_layers="3"
+    )
+    assert full == dense
 
 
 def test_calibrated_own_query_layers_are_used_by_default_and_flags_override(tiny, skews, monkeypatch):

@@ -53,8 +53,8 @@ def _selected(config: SweepConfig, done: dict[str, dict]) -> tuple[list[dict], l
 def _differences(cell: Cell, record: dict) -> str:
     """What a record of ``cell`` ran with that differs from the plan: knobs (``name: then → now``, "–" where a
     knob did not exist) and retrieval samples."""
-    now = make_config(cell.policy, **dict(cell.knobs)).knobs()
-    then = record["result"]["knobs"]
+    config = make_config(cell.policy, **dict(cell.knobs))
+    now, then = config.identity_knobs(config.knobs()), config.identity_knobs(record["result"]["knobs"])
     changed = [
         f"{name}: {then.get(name, MISSING)} → {value}"
         for name, value in now.items()

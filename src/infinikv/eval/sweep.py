@@ -261,6 +261,8 @@ def _frozen(knobs: dict[str, Any], context: int) -> tuple[tuple[str, Any], ...]:
 
 
 def _identity(model: str, context: int, kind: str, target: str, policy: str, knobs: dict[str, Any]) -> str:
+    if policy in POLICIES:  # a knob added later at its default leaves earlier measurements standing
+        knobs = POLICIES[policy].config_class.identity_knobs(knobs)
     return json.dumps([model, context, kind, target, policy, sorted(knobs.items())])
 
 

@@ -114,8 +114,11 @@ def pick_top(
             if not ragged:
                 return index, None
             return index, _earliest_at_cut(scores, cut, count).gather(-1, index)
+    if not ragged:  # each row holds width distinct slots: marked, they read back in ascending order
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
+        return chosen.nonzero()[:, -1].view(batch, heads, width), None
     index, order = top.sort(dim=-1)
-    return index, (own.gather(-1, order) if ragged else None)
+    return index, own.gather(-1, order)
 
 
 def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int]) -> Tensor:

@@ -31,14 +31,17 @@ def knob(
     open_low: bool = False,
     allow_inf: bool = False,
     choices: tuple[str, ...] | None = None,
+    neutral: bool = False,
 ) -> Any:
     """A policy knob: its default, what it means (shown by ``infinikv policies``) and its valid values.
 
     ``low``/``high`` bound numbers (``open_low``: strictly above ``low``; no ``high``: :data:`MAX_COUNT`,
     unless ``allow_inf``); numbers must be finite unless ``allow_inf``; an ``int`` knob takes only ints;
-    ``choices`` lists a string knob's values."""
+    ``choices`` lists a string knob's values. ``neutral``: a knob added later whose default is the policy as
+    it ran before the knob existed, so a measurement's identity leaves it out at its default
+    (:meth:`PolicyConfig.identity_knobs`) and measurements from before still stand."""
     meta = {"doc": doc, "low": low, "high": high, "open_low": open_low, "allow_inf": allow_inf}
-    return field(default=default, metadata={**meta, "choices": choices})
+    return field(default=default, metadata={**meta, "choices": choices, "neutral": neutral})
 
 
 def min_tokens_knob() -> Any:
@@ -67,6 +70,13 @@ class PolicyConfig:
 
     def knobs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def identity_knobs(cls, knobs: dict[str, Any]) -> dict[str, Any]:
+        """``knobs`` (as :meth:`knobs` gives them, now or when a measurement was made) without the
+        ``neutral`` ones at their default: what tells measurements of this policy apart."""
+        neutral = {f.name: f.default for f in fields(cls) if f.metadata.get("neutral")}
+        return {name: value for name, value in knobs.items() if neutral.get(name, MISSING) != value}
 
     @classmethod
     def knob_docs(cls) -> dict[str, str]:

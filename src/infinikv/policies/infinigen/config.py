@@ -113,12 +113,13 @@ class InfiniGenConfig(PolicyConfig):
         "layers; SmolLM2-135M: 9, 12, 20), none (or empty), or comma-separated layer numbers",
     )
     own_query_prefetch: bool = knob(
-        True,
+        False,
         "own-query layers after layer 0 (the first layers under first_layers own, and own_query_layers) "
         "also prefetch what a rehearsal from the layer before picks, as the other layers do; once their own "
         "query has chosen, only the rows that prefetch missed are copied (on demand) and the layer attends "
         "to exactly its own choice: fewer bytes copied without prefetch, more bytes moved (the prefetch's "
         "misses) and a rehearsal more per such layer; false: their whole copy waits on their own query",
+        neutral=True,
     )
     skew: bool = knob(
         True, "false: the identity instead of the skewing matrices (partial columns by the same rule)"

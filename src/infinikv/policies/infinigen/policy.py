@@ -26,6 +26,8 @@ policy rehearses layer i+1:
    (docs/results-infinigen.md, "Coarse-to-fine speculation");
 4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
    overlaps the rest of layer i; layer i+1 attends with its real query over [selected; newest token].
+   On a CPU the whole look-ahead (steps 1-4) runs on the pool's worker thread (``KVPool.ahead``), beside
+   layer i on the decode thread, as the copy does; on CUDA its kernels queue on the compute stream.
 
 The partial key cache (with any block bounds) is what InfiniGen keeps on the device, and ``device_budget``
 (0.125) bounds it as a share of the dense KV of the same tokens: by default it is stored as int8 with one
@@ -70,9 +72,15 @@ two copies are not prefetched (each waits on its layer), and the bytes drop to t
 (its input moves far from the previous layer's) chooses the same way: ``own_query_layers``, by default the
 model's calibrated ones (``tuning.py``; SmolLM2-135M: layers 9, 12 and 20), at most an eighth of the
 rehearsed layers, so that most copies still overlap. Each layer counts with the alpha calibrated for how
-it chooses (by its own query or rehearsed). Sliding-window layers (Gemma-3) attend to their window, fetched
-from the pool; the policy rehearses the other global layers, each in the hook of the layer before it
-whatever that layer's type.
+it chooses (by its own query or rehearsed). Their copies are on demand (the pool counts their bytes apart,
+``bytes_h2d_on_demand``; on a GPU each is a stall). With ``own_query_prefetch`` (off by default) such a
+layer after layer 0 is also rehearsed from the layer before and that pick copied ahead; once its own query
+has chosen, only the slots the prefetch missed are copied (the correction) and the rows of both copies are
+put in the order of its own choice (:class:`Corrected`), so it attends to exactly what it attends to
+without the prefetch: fewer bytes on demand, more bytes moved (the prefetch's misses), one rehearsal more
+per such layer (docs/results-infinigen.md measures the trade). Sliding-window layers (Gemma-3) attend to
+their window, fetched from the pool; the policy rehearses the other global layers, each in the hook of
+the layer before it whatever that layer's type.
 
 Where this differs from the paper's artifact: one skewing matrix per KV head (grouped-query attention);
 scores use the layer's own attention scale (1/√d for Llama); with grouped-query attention each query head's
@@ -817,8 +825,15 @@ class Corrected:
         if self.correction is not None:
             more_keys, more_values = self.correction.wait()
             keys, values = torch.cat([keys, more_keys], dim=2), torch.cat([values, more_values], dim=2)
-        index = self.source[..., None].expand(-1, -1, -1, keys.shape[-1])
-        return torch.gather(keys, 2, index), torch.gather(values, 2, index)
+        batch, heads, rows, dim = keys.shape
+        # whole rows by one index_select over [batch * heads * rows, dim] (a per-element gather is slower)
+        starts = torch.arange(batch * heads, device=keys.device).view(batch, heads, 1) * rows
+        flat = (self.source + starts).view(-1)
+        shape = (batch, heads, self.source.shape[2], dim)
+        keys, values = (
+            rows_of.reshape(-1, dim).index_select(0, flat).view(shape) for rows_of in (keys, values)
+        )
+        return keys, values
 
 
 def _positions(columns: Tensor, subset: Tensor) -> Tensor:

@@ -72,9 +72,8 @@ def speculative_scores(
         q_rows = torch.gather(q_rows, 3, own[None, :, None, :].expand(*q_rows.shape[:3], -1))
         k_rows = torch.gather(k_rows, 2, own[None, :, :, None].expand(len(rows), -1, -1, k_rows.shape[-1]))
         scores[rows] = torch.matmul(q_rows, k_rows.to(compute))
-    scores = scores.float()
-    if scale is not None:
-        scores = scores * scale.float()
+    # float32 scores: bfloat16 or float32 products times float16 scales promote to float32, in one pass
+    scores = scores.float() if scale is None else scores * scale
     if real_slots is not None:
         scores = scores.masked_fill(~real_slots[:, :, None], -math.inf)
     return group_relative_max(scores.flatten(1, 2), partial_query.shape[2])
@@ -99,11 +98,14 @@ def wanted_per_head(
 ) -> tuple[Tensor, Tensor]:
     """Per KV head [batch, kv_heads]: the slots of ``scores`` [batch, kv_heads, slots] the count rule counts
     (within ``alpha`` of the head's best, or ``reserved``), and the real (finite) slots."""
-    best = scores.amax(dim=-1, keepdim=True)
-    wanted = scores > best - alpha
+    finite = scores > -math.inf
+    if isinstance(alpha, float) and alpha == math.inf:  # every real slot is within (the budget decides)
+        wanted = finite
+    else:
+        wanted = scores > scores.amax(dim=-1, keepdim=True) - alpha
     if reserved is not None:
         wanted = wanted | reserved
-    return wanted.sum(dim=-1), (scores > -math.inf).sum(dim=-1)
+    return wanted.sum(dim=-1), finite.sum(dim=-1)
 
 
 def count_rule(wanted: Tensor, real: Tensor, budgets: list[int], whole: list[bool] | None = None) -> Tensor:
