@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
+import threading
 
 import pytest
 import torch
@@ -42,11 +44,14 @@ def calibrated(skews, monkeypatch):
 
 class _Spy:
     """Records each InfiniGen policy built while it is active, its rehearsals (the observer's
-    :class:`~infinikv.policies.infinigen.rehearsal.Rehearsal` records, in order) and what each decode step
-    attended to."""
+    :class:`~infinikv.policies.infinigen.rehearsal.Rehearsal` records, by policy, step and layer: a
+    look-ahead on the pool's worker may report beside the decode thread) and what each decode step attended
+    to."""
 
     def __init__(self, monkeypatch):
         self.records: list[Rehearsal] = []
+        self._order: list[tuple[int, int, int]] = []  # (policy, step, layer) of each record
+        self.inserting = threading.Lock()
         self.selections, self.policies, self.pool_lengths = [], [], []
         decode, init = InfiniGenPolicy.decode, InfiniGenPolicy.__init__
 
@@ -69,7 +74,15 @@ class _Spy:
         slots, n = policy.layers[record.layer].slots, record.partial_keys.shape[-1]
         buffer = slots.partial.clone()
         scale = None if slots.scale is None else slots.scale.clone()[..., :n]
-        self.records.append(dataclasses.replace(record, partial_keys=buffer[..., :n], scale=scale))
+        key = (self.policies.index(policy), record.step, record.layer)
+        with self.inserting:
+            at = bisect.bisect(self._order, key)
+            self._order.insert(at, key)
+            self.records.insert(at, dataclasses.replace(record, partial_keys=buffer[..., :n], scale=scale))
+
+    def clear(self) -> None:
+        self.records.clear()
+        self._order.clear()
 
 
 def _tokens(loaded, policy, prompts=PROMPTS, new=24, **knobs):
@@ -222,7 +235,7 @@ def test_first_layers_own_select_with_their_own_input(tiny, calibrated, monkeypa
     policy, records, seen, stats = _speculation_inputs(tiny, monkeypatch, dense_layers=3, first_layers="own")
     layers = tiny.spec.num_layers  # 4: layers 0-2 select with their own input, layer 3 is rehearsed
     order = [record.layer for record in records]
-    assert order and order == list(range(layers)) * (len(order) // layers)  # own copy before the look-ahead
+    assert order and order == list(range(layers)) * (len(order) // layers)  # every layer, every step
     _check_sources(tiny, policy, records, seen, own=(0, 1, 2))
     per_layer = stats["selected_tokens_per_layer"]
     assert all(per_layer[layer]["max"] <= 3 for layer in range(layers))
@@ -677,7 +690,7 @@ def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny,
         tokens, stats = _tokens(tiny, "infinigen", prompts=[prompt], **knobs)
         alone += tokens
         assert stats["count_rule_used"][0].startswith(rule)
-    spy.records.clear()
+    spy.clear()
     tokens, stats = _tokens(tiny, "infinigen", prompts=[short, long], **knobs)
     assert tokens == alone
     assert stats["count_rule_used"][0] == "alpha" and stats["count_rule_used"][1].startswith("budget")

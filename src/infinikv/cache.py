@@ -90,13 +90,21 @@ class InfinikvCache(PolicyCache):
             policy.key_valid = None if mask is None else mask[:, 0, -1, :]
         if not self._is_decode(layer, x.shape[1]):
             return
-        # First: a copy the layer starts for itself must not queue behind the next layer's.
-        policy.before_attention(layer, x, position_ids)
+        # A step begins with layer 0's before_attention. Then, where the look-ahead runs on the pool's worker,
+        # it is queued first, to run beside this layer's own choice (a copy this layer queues behind it is
+        # made by the decode thread itself when needed: Transfer.wait); elsewhere the layer's own copy goes
+        # first, so that it does not queue behind the next layer's.
+        pool = policy.pool()
+        beside = layer > 0 and pool is not None and pool.threaded
+        if not beside:
+            policy.before_attention(layer, x, position_ids)
         if policy.prefetches:
             # Look one layer ahead, so the copy for layer i+1 overlaps layer i's compute.
             for target in (0, 1) if layer == 0 else (layer + 1,):
                 if target < policy.spec.num_layers:
                     policy.plan(target, x, position_ids)
+        if beside:
+            policy.before_attention(layer, x, position_ids)
 
     # -- called from the attention module via Cache.update -------------------------------------------------
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

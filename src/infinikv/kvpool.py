@@ -25,6 +25,7 @@ seen from the device, rows are gathered on the host into pinned memory and copie
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import warnings
@@ -68,7 +69,9 @@ class CopyTiming:
 
 class Transfer:
     """A copy from the pool in flight, or look-ahead work that starts one (``KVPool.ahead``). ``wait()``
-    returns its result, (keys, values) on the compute device for a copy; the time it blocks is counted."""
+    returns its result, (keys, values) on the compute device for a copy; the time it blocks is counted. A
+    queued copy the worker has not started when it is needed (``steal``) is made by the waiting thread
+    itself, instead of waiting behind the worker's queue."""
 
     def __init__(
         self,
@@ -77,8 +80,10 @@ class Transfer:
         event: torch.cuda.Event | None = None,
         timing: CopyTiming | None = None,
         keep: Tensor | None = None,
+        steal: Callable[[], tuple[Tensor, Tensor]] | None = None,
     ):
         self._result = result
+        self._steal = steal
         self._keep = keep  # an input the copy reads, held until the compute stream waits for the copy
         self._event = event
         self._counters = counters
@@ -91,6 +96,8 @@ class Transfer:
         return self._event is None or self._event.query()
 
     def wait(self) -> tuple[Tensor, Tensor]:
+        if isinstance(self._result, Future) and self._steal is not None and self._result.cancel():
+            self._result = self._steal()  # not started: made here, as work of this thread (not a wait)
         start = time.perf_counter()
         if isinstance(self._result, Future):
             self._result = self._result.result()
@@ -161,6 +168,12 @@ class KVPool:
         self._executor = ThreadPoolExecutor(1, initializer=_mark_worker) if threaded else None
         self.device_gather = self.on_cuda and self.host  # cleared if the pinned store is not device-visible
         self._demand = threading.local()  # .active: fetches now are on demand (``on_demand``)
+        self._counting = threading.Lock()
+
+    @property
+    def threaded(self) -> bool:
+        """Whether look-aheads (``ahead``) and copies run on a worker thread, beside the decode thread."""
+        return self._executor is not None
 
     # -- storage ------------------------------------------------------------------------------------------
     def length(self, layer: int) -> int:
@@ -294,9 +307,10 @@ class KVPool:
             self.counters.bytes_on_demand += _copy_bytes(stores[0], tokens)
         if index is not None and not self.device_gather:
             index = index.to("cpu")
-        if self._executor is not None and not on_worker():
-            return Transfer(self._executor.submit(self._copy, stores, length, index, extra), self.counters)
-        if self._stream is None:  # CPU, and no worker or already on one (a look-ahead copies as it chooses)
+        if self._executor is not None:
+            copy = functools.partial(self._copy, stores, length, index, extra)
+            return Transfer(self._executor.submit(copy), self.counters, steal=copy)
+        if self._stream is None:
             return Transfer(self._copy(stores, length, index, extra), self.counters)
         issued = time.perf_counter()
         self._stream.wait_stream(torch.cuda.current_stream(self.compute_device))
@@ -324,9 +338,10 @@ class KVPool:
             shape = (batch, heads, tokens + extra, dim)
             out_k, out_v = (self._gather_rows(store, rows, shape) for store in stores)
         copied = _copy_bytes(stores[0], tokens)
-        self.counters.bytes_h2d += copied
-        self.counters.peak_bytes = max(self.counters.peak_bytes, copied)
-        self.counters.copies += 1
+        with self._counting:  # the worker and a thread that took a queued copy over may both count
+            self.counters.bytes_h2d += copied
+            self.counters.peak_bytes = max(self.counters.peak_bytes, copied)
+            self.counters.copies += 1
         return out_k, out_v
 
     @staticmethod

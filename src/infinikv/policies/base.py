@@ -28,6 +28,7 @@ its valid range, checked once for every policy. A new policy is one file with ``
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -203,6 +204,9 @@ class Policy:
         self._selector_bytes = 0
         self._selector_s = 0.0
         self._selector_inline_s = 0.0  # of which on the decode thread (not a pool worker's look-ahead)
+        # held while adding to a statistic: a look-ahead on the pool's worker and the decode thread may count
+        # at the same time
+        self.counting = threading.Lock()
 
     # -- the seam ------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -281,7 +285,8 @@ class Policy:
     def selector_read(self, *tensors: Tensor) -> None:
         """Count ``tensors`` as read by this step's selector: a selector's work is reported beside the bytes
         it saves moving (``stats()["selector_bytes"]``)."""
-        self._selector_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        with self.counting:
+            self._selector_bytes += sum(t.numel() * t.element_size() for t in tensors)
 
     @contextmanager
     def selecting(self) -> Iterator[None]:
@@ -293,8 +298,9 @@ class Policy:
             yield
         finally:
             elapsed = time.perf_counter() - start
-            self._selector_s += elapsed
-            self._selector_inline_s += elapsed if inline else 0.0
+            with self.counting:
+                self._selector_s += elapsed
+                self._selector_inline_s += elapsed if inline else 0.0
 
     def past_valid(self, n_past: int, batch: int) -> Tensor:
         """bool [batch, n_past]: which past positions hold real tokens (False = left padding)."""

@@ -379,7 +379,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         else:
             transfer = self.host_pool.fetch(layer, index, extra=1)
             self._count_fetch(layer, index)
-        self._offload_h2d += self._row_bytes(layer) * slots.pos.shape[0] * slots.pos.shape[1] * state.seen
+        with self.counting:
+            self._offload_h2d += self._row_bytes(layer) * slots.pos.shape[0] * slots.pos.shape[1] * state.seen
         positions = slots.view("pos").clone() if index is None else torch.gather(slots.view("pos"), 2, index)
         return Fetch(transfer, index, positions, valid)
 
@@ -420,7 +421,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         slots = self.layers[layer].slots
         batch, heads = slots.pos.shape[:2]
         rows = batch * heads * slots.n if index is None else index.numel()
-        self._decode_h2d += self._row_bytes(layer) * rows
+        with self.counting:
+            self._decode_h2d += self._row_bytes(layer) * rows
         if index is None:
             slots.view("fetches").add_(1)
             slots.view("last").fill_(self._step)
@@ -582,12 +584,14 @@ class InfiniGenPolicy(HostPoolPolicy):
             fine_reserved &= present
         wanted, real = wanted_per_head(fine, alpha, fine_reserved)
         counts = count_rule(wanted, real, budgets, whole)
-        self._block_steps += 1
+        with self.counting:
+            self._block_steps += 1
         covered = torch.tensor([take >= blocks for take in takes], device=counts.device)
         budget = torch.tensor(budgets, device=counts.device)
         recount = ((wanted >= real) & (real > 0)).any(dim=-1) & (counts < budget) & ~covered
         if bool(recount.any()):
-            self._block_recounts += 1
+            with self.counting:
+                self._block_recounts += 1
             if tokens is None:
                 tokens = self._token_scores(layer, query)
             every = count_within(tokens, alpha, budgets, self._reserved(layer), whole)
