@@ -69,9 +69,9 @@ class CopyTiming:
 
 class Transfer:
     """A copy from the pool in flight, or look-ahead work that starts one (``KVPool.ahead``). ``wait()``
-    returns its result, (keys, values) on the compute device for a copy; the time it blocks is counted. A
-    queued copy the worker has not started when it is needed (``steal``) is made by the waiting thread
-    itself, instead of waiting behind the worker's queue."""
+    returns its result, (keys, values) on the compute device for a copy; the time it blocks is counted.
+    ``take_over``: for a queued copy, called first; it returns the copy's result when it made the copy on the
+    waiting thread itself (``KVPool.take_over``), else None."""
 
     def __init__(
         self,
@@ -80,10 +80,10 @@ class Transfer:
         event: torch.cuda.Event | None = None,
         timing: CopyTiming | None = None,
         keep: Tensor | None = None,
-        steal: Callable[[], tuple[Tensor, Tensor]] | None = None,
+        take_over: Callable[[], tuple[Tensor, Tensor] | None] | None = None,
     ):
         self._result = result
-        self._steal = steal
+        self._take_over = take_over
         self._keep = keep  # an input the copy reads, held until the compute stream waits for the copy
         self._event = event
         self._counters = counters
@@ -96,8 +96,9 @@ class Transfer:
         return self._event is None or self._event.query()
 
     def wait(self) -> tuple[Tensor, Tensor]:
-        if isinstance(self._result, Future) and self._steal is not None and self._result.cancel():
-            self._result = self._steal()  # not started: made here, as work of this thread (not a wait)
+        if isinstance(self._result, Future) and self._take_over is not None:
+            made = self._take_over()  # work of this thread, not a wait
+            self._result = self._result if made is None else made
         start = time.perf_counter()
         if isinstance(self._result, Future):
             self._result = self._result.result()
@@ -169,6 +170,7 @@ class KVPool:
         self.device_gather = self.on_cuda and self.host  # cleared if the pinned store is not device-visible
         self._demand = threading.local()  # .active: fetches now are on demand (``on_demand``)
         self._counting = threading.Lock()
+        self._choosing = False  # the worker runs a look-ahead (``ahead``) now
 
     @property
     def threaded(self) -> bool:
@@ -280,10 +282,24 @@ class KVPool:
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
         def run() -> object:
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                return work(*args)
+            self._choosing = True
+            try:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    return work(*args)
+            finally:
+                self._choosing = False
 
         return Transfer(self._executor.submit(run), self.counters)
+
+    def take_over(
+        self, queued: Future, copy: Callable[[], tuple[Tensor, Tensor]]
+    ) -> tuple[Tensor, Tensor] | None:
+        """A copy a thread needs now, still queued behind a look-ahead the worker is choosing for a later
+        layer, is made by that thread itself (the choice takes longer than the copy; a copy queued behind
+        copies waits its turn). Returns its result, or None when it stays the worker's."""
+        if self._choosing and queued.cancel():
+            return copy()
+        return None
 
     @contextmanager
     def on_demand(self) -> Iterator[None]:
@@ -309,7 +325,8 @@ class KVPool:
             index = index.to("cpu")
         if self._executor is not None:
             copy = functools.partial(self._copy, stores, length, index, extra)
-            return Transfer(self._executor.submit(copy), self.counters, steal=copy)
+            queued = self._executor.submit(copy)
+            return Transfer(queued, self.counters, take_over=functools.partial(self.take_over, queued, copy))
         if self._stream is None:
             return Transfer(self._copy(stores, length, index, extra), self.counters)
         issued = time.perf_counter()
