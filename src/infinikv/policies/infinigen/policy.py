@@ -390,7 +390,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         and copies the rest. Not recorded as the layer's choice (nor shown to the observer)."""
         index, _ = self._select(layer, x, position_ids, record=False)
         self._count_fetch(layer, index)
-        return Fetch(self.host_pool.fetch(layer, index, extra=1), index, index, None)
+        positions = torch.gather(self.layers[layer].slots.view("pos"), 2, index)
+        return Fetch(self.host_pool.fetch(layer, index, extra=1), index, positions, None)
 
     def _corrected(self, layer: int, index: Tensor, prefetched: Fetch) -> tuple[Corrected, Tensor, Tensor]:
         """Own-query prefetch: ``index``'s rows [batch, kv_heads, m] from those ``prefetched`` copied ahead,
@@ -416,8 +417,8 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def _count_fetch(self, layer: int, index: Tensor | None, real: Tensor | None = None) -> None:
         """Bookkeeping of a fetch: the bytes it copies (``index``: the slots copied, None: every slot) and,
-        for eviction, each copied slot's fetch count and last use (``real``: False on entries copied only to
-        pad a row)."""
+        for eviction, each copied slot's fetch count (``real``: False on entries copied only to pad a row,
+        not counted) and last use."""
         slots = self.layers[layer].slots
         batch, heads = slots.pos.shape[:2]
         rows = batch * heads * slots.n if index is None else index.numel()
@@ -427,9 +428,8 @@ class InfiniGenPolicy(HostPoolPolicy):
             slots.view("fetches").add_(1)
             slots.view("last").fill_(self._step)
             return
-        ones = torch.ones_like(index) if real is None else real.long()
-        slots.fetches.scatter_add_(2, index, ones)
-        slots.last.scatter_(2, index, torch.where(ones > 0, self._step, slots.last.gather(2, index)))
+        slots.fetches.scatter_add_(2, index, torch.ones_like(index) if real is None else real.long())
+        slots.last.scatter_(2, index, torch.full_like(index, self._step))  # padding repeats a used slot
 
     def _row_bytes(self, layer: int) -> int:
         """Bytes of one token's K and V in one KV head of ``layer``'s pool."""
