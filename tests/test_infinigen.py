@@ -260,16 +260,15 @@ def test_own_query_layers_choose_with_their_own_input(tiny, calibrated, monkeypa
 
 
 def test_own_query_layers_that_prefetch_attend_to_their_own_choice(tiny, calibrated):
-    """own_query_prefetch: an own-query layer after layer 0 prefetches its rehearsed rows and copies only what
-    its own choice misses; it attends to exactly what it attends to without the prefetch (logits equal to
-    the bit), with fewer bytes copied on demand and the prefetch's misses moved besides."""
+    """own_query_prefetch: an own-query layer prefetches the slots it chose at the step before and copies
+    only what its own choice misses; it attends to exactly what it attends to without the prefetch (logits
+    equal to the bit), with fewer bytes copied on demand and the prefetch's misses moved besides."""
     knobs = dict(budget=3, dense_layers=2, own_query_layers="3")
     ahead = _decode_logits(tiny, "infinigen", own_query_prefetch=True, **knobs)
     waiting = _decode_logits(tiny, "infinigen", own_query_prefetch=False, **knobs)
     assert torch.equal(ahead, waiting)
     _, with_prefetch = _tokens(tiny, "infinigen", new=6, own_query_prefetch=True, **knobs)
     _, without = _tokens(tiny, "infinigen", new=6, own_query_prefetch=False, **knobs)
-    # layers 1 and 3 prefetch; layer 0 cannot (nothing runs before it): its copy and the corrections remain
     assert 0 < with_prefetch["bytes_h2d_on_demand"] < without["bytes_h2d_on_demand"]
     assert without["bytes_h2d_on_demand"] == without["bytes_h2d"] * 3 / 4  # layers 0, 1, 3 of 4
     assert with_prefetch["bytes_h2d"] > without["bytes_h2d"]
@@ -279,6 +278,16 @@ def test_own_query_layers_that_prefetch_attend_to_their_own_choice(tiny, calibra
         tiny, "infinigen", alpha=math.inf, budget=1.0, own_query_prefetch=True, own_query_layers="3"
     )
     assert full == dense
+
+
+def test_own_query_layers_prefetch_what_they_chose_at_the_step_before(tiny, calibrated):
+    """own_query_prefetch at full budget: each step's choice is the step before's plus the token that step
+    added, so from the second step on each own-query layer (0, 1 and 3 here; layer 0's copy started in the
+    step before) copies one row per sequence and KV head on demand."""
+    knobs = dict(alpha=math.inf, budget=1.0, dense_layers=2, own_query_layers="3", own_query_prefetch=True)
+    on_demand = [_tokens(tiny, "infinigen", new=new, **knobs)[1]["bytes_h2d_on_demand"] for new in (5, 6)]
+    row = 2 * tiny.spec.head_dim * tiny.model.dtype.itemsize  # one token's K and V in one KV head
+    assert on_demand[1] - on_demand[0] == 3 * len(PROMPTS) * tiny.spec.num_kv_heads * row
 
 
 def test_calibrated_own_query_layers_are_used_by_default_and_flags_override(tiny, skews, monkeypatch):

@@ -291,6 +291,12 @@ class KVPool:
 
         return Transfer(self._executor.submit(run), self.counters)
 
+    def drain(self) -> None:
+        """Wait until the worker has run everything queued so far (its copies' counters are then complete:
+        a prefetch for the next step may still be queued when a step ends)."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()
+
     def take_over(
         self, queued: Future, copy: Callable[[], tuple[Tensor, Tensor]]
     ) -> tuple[Tensor, Tensor] | None:

@@ -251,6 +251,8 @@ class Policy:
         out: dict[str, Any] = {"policy": self.name, "knobs": self.config.knobs()}
         out.update({f"kv_bytes_{where}": n for where, n in self.kv_bytes().items()})
         pool = self.pool()
+        if pool is not None:
+            pool.drain()
         counters = pool.counters if pool is not None else None
         out["bytes_h2d"] = counters.bytes_h2d if counters else 0
         out["bytes_d2h"] = counters.bytes_d2h if counters else 0
@@ -340,7 +342,11 @@ class HostPoolPolicy(Policy):
         """Start ``layer``'s fetch now, on the decode thread, from its own input ``x`` (a layer that chooses
         with its own query; None: as ``start_fetch`` without one), for ``decode`` to pick up: on demand, as
         nothing overlaps it."""
-        started = self._fetch_on_demand(layer, x, position_ids)
+        self.hold(layer, self._fetch_on_demand(layer, x, position_ids))
+
+    def hold(self, layer: int, started: Any) -> None:
+        """Keep what was started for ``layer`` on the decode thread (``start_fetch``'s kind of result) for
+        ``take_fetch`` to pick up."""
         self._in_flight[layer] = Transfer(started, self.host_pool.counters)
 
     def take_fetch(self, layer: int) -> Any:

@@ -114,11 +114,11 @@ class InfiniGenConfig(PolicyConfig):
     )
     own_query_prefetch: bool = knob(
         False,
-        "own-query layers after layer 0 (the first layers under first_layers own, and own_query_layers) "
-        "also prefetch what a rehearsal from the layer before picks, as the other layers do; once their own "
-        "query has chosen, only the rows that prefetch missed are copied (on demand) and the layer attends "
-        "to exactly its own choice: fewer bytes copied without prefetch, more bytes moved (the prefetch's "
-        "misses) and a rehearsal more per such layer; false: their whole copy waits on their own query",
+        "own-query layers (the first layers under first_layers own, and own_query_layers) copy ahead the "
+        "slots they chose at the step before (layer 0's copy starts beside the step before's last layers, "
+        "the others' one layer ahead); once their own query has chosen, only the rows that prefetch missed "
+        "are copied (on demand) and the layer attends to exactly its own choice: fewer bytes copied without "
+        "prefetch, more bytes moved (the prefetch's misses); false: their whole copy waits on their query",
         neutral=True,
     )
     skew: bool = knob(

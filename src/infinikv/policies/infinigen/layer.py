@@ -29,9 +29,11 @@ class LayerState:
     row_alpha: float | Tensor | None = None  # its alpha per sequence: one number, or [batch, 1, 1]
     # n' averaged over the batch per decode step, left on the device until stats() (no sync per step)
     selected: list[Tensor] = field(default_factory=list)
-    # an own-query layer's look-ahead this step (own_query_prefetch): its policy.Fetch (the slots it
+    # an own-query layer's prefetch this step (own_query_prefetch): its policy.Fetch (the slots it
     # prefetched and their copy), until the layer's own choice takes what it needs of them
     prefetched: Any = None
+    # an own-query layer's own choice at the step before (own_query_prefetch): what it prefetches
+    chosen: Tensor | None = None
 
     def in_store(self, wide: Tensor) -> Tensor:
         """``wide`` [..., kv_heads, rows, k]: values in the widest columns, cut to the store's."""

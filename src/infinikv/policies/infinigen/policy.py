@@ -74,11 +74,14 @@ model's calibrated ones (``tuning.py``; SmolLM2-135M: layers 9, 12 and 20), at m
 rehearsed layers, so that most copies still overlap. Each layer counts with the alpha calibrated for how
 it chooses (by its own query or rehearsed). Their copies are on demand (the pool counts their bytes apart,
 ``bytes_h2d_on_demand``; on a GPU each is a stall). With ``own_query_prefetch`` (off by default) such a
-layer after layer 0 is also rehearsed from the layer before and that pick copied ahead; once its own query
-has chosen, only the slots the prefetch missed are copied (the correction) and the rows of both copies are
-put in the order of its own choice (:class:`Corrected`), so it attends to exactly what it attends to
-without the prefetch: fewer bytes on demand, more bytes moved (the prefetch's misses), one rehearsal more
-per such layer (docs/results-infinigen.md measures the trade). Sliding-window layers (Gemma-3) attend to
+layer copies ahead the slots it chose at the step before (consecutive steps choose mostly the same tokens:
+about four in five on SmolLM2-135M at 8k; layer 0's copy starts beside the step before's last layers, the
+others' one layer ahead, as any prefetch). Once its own query has chosen, only the slots the prefetch
+missed are copied (the correction) and the rows of both copies are put in the order of its own choice
+(:class:`Corrected`), so it attends to exactly what it attends to without the prefetch, and eviction
+counts the same uses: fewer bytes on demand, more bytes moved (the prefetch's misses). Where the link
+bounds the step the misses cost more than the stalls save, so it stays off (docs/results-infinigen.md
+measures the trade). Sliding-window layers (Gemma-3) attend to
 their window, fetched from the pool; the policy rehearses the other global layers, each in the hook of
 the layer before it whatever that layer's type.
 
@@ -356,8 +359,13 @@ class InfiniGenPolicy(HostPoolPolicy):
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if layer not in self.own_query():
             super().plan(layer, x, position_ids)
-        elif self.config.own_query_prefetch and layer > 0:  # layer 0: nothing runs before it
-            self.prefetch(layer, self._prefetch_own, layer, x, position_ids)
+        elif layer > 0 and self.config.own_query_prefetch:
+            self._prefetch_previous(layer)
+        # the next step's layer 0, beside this step's last layers (planned from layer 1 on: layer 0 has
+        # taken its own fetch of this step)
+        last = self.spec.num_layers - 1
+        if layer == last >= 2 and self.config.own_query_prefetch and 0 in self.own_query():
+            self._prefetch_previous(0)
 
     def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Fetch:
         """Decide what ``layer`` reads this step and start copying it from the pool. Without an input ``x`` a
@@ -374,29 +382,34 @@ class InfiniGenPolicy(HostPoolPolicy):
             index = None
         prefetched, state.prefetched = state.prefetched, None
         if index is not None and prefetched is not None and prefetched.index is not None:
-            transfer, copied, real = self._corrected(layer, index, prefetched)
-            self._count_fetch(layer, copied, real)
+            transfer, copied = self._corrected(layer, index, prefetched)
         else:
-            transfer = self.host_pool.fetch(layer, index, extra=1)
-            self._count_fetch(layer, index)
+            transfer, copied = self.host_pool.fetch(layer, index, extra=1), index
+        self._count_bytes(layer, copied)
+        self._count_use(layer, index)
+        if index is not None and self.config.own_query_prefetch and layer in self.own_query():
+            state.chosen = index  # what the next step prefetches for it
         with self.counting:
             self._offload_h2d += self._row_bytes(layer) * slots.pos.shape[0] * slots.pos.shape[1] * state.seen
         positions = slots.view("pos").clone() if index is None else torch.gather(slots.view("pos"), 2, index)
         return Fetch(transfer, index, positions, valid)
 
-    def _prefetch_own(self, layer: int, x: Tensor, position_ids: Tensor) -> Fetch:
-        """An own-query layer's look-ahead (``own_query_prefetch``): the rows a rehearsal from the layer
-        before picks, copied ahead; the layer's own choice (``start_fetch``) then takes what it needs of them
-        and copies the rest. Not recorded as the layer's choice (nor shown to the observer)."""
-        index, _ = self._select(layer, x, position_ids, record=False)
-        self._count_fetch(layer, index)
+    def _prefetch_previous(self, layer: int) -> None:
+        """An own-query layer's prefetch (``own_query_prefetch``): the slots it chose at the step before,
+        copied ahead (nothing at the first decode step); its own choice (``start_fetch``) then takes what it
+        needs of them and copies the rest. Queued on the decode thread: nothing is chosen. The bytes count
+        as moved, not as uses of the slots (eviction counts what the own choice reads, as without it)."""
+        index = self.layers[layer].chosen
+        if index is None:
+            return
+        self._count_bytes(layer, index)
         positions = torch.gather(self.layers[layer].slots.view("pos"), 2, index)
-        return Fetch(self.host_pool.fetch(layer, index, extra=1), index, positions, None)
+        self.hold(layer, Fetch(self.host_pool.fetch(layer, index, extra=1), index, positions, None))
 
-    def _corrected(self, layer: int, index: Tensor, prefetched: Fetch) -> tuple[Corrected, Tensor, Tensor]:
+    def _corrected(self, layer: int, index: Tensor, prefetched: Fetch) -> tuple[Corrected, Tensor]:
         """Own-query prefetch: ``index``'s rows [batch, kv_heads, m] from those ``prefetched`` copied ahead,
-        and the correction (the slots it missed, copied now). Returns the rows, the slots copied now and
-        which of them are a row's own misses (the rest pad a row with fewer)."""
+        and the correction (the slots it missed, copied now). Returns the rows and the slots copied now (a
+        row with fewer misses padded with its first)."""
         ahead = prefetched.index
         batch, heads, width = ahead.shape
         # where each slot sits among the prefetched rows (-1: not there); a repeated slot holds the same row
@@ -407,29 +420,31 @@ class InfiniGenPolicy(HostPoolPolicy):
         misses = missed.sum(dim=-1, keepdim=True)
         count = int(misses.max())
         correction = index.gather(2, first_slots(missed, count))  # each row's misses, padded with its first
-        real = torch.arange(count, device=index.device) < misses
         # each row's place in [prefetched rows, their spare slot, correction rows], then the spare for the new
         # token (decode writes it)
         source = torch.where(missed, width + missed.long().cumsum(dim=-1), at)
         source = torch.cat([source, source.new_full((batch, heads, 1), width)], dim=2)
         rest = self.host_pool.fetch(layer, correction) if count else None
-        return Corrected(prefetched.transfer, rest, source), correction, real
+        return Corrected(prefetched.transfer, rest, source), correction
 
-    def _count_fetch(self, layer: int, index: Tensor | None, real: Tensor | None = None) -> None:
-        """Bookkeeping of a fetch: the bytes it copies (``index``: the slots copied, None: every slot) and,
-        for eviction, each copied slot's fetch count (``real``: False on entries copied only to pad a row,
-        not counted) and last use."""
+    def _count_bytes(self, layer: int, index: Tensor | None) -> None:
+        """Bytes moved by a fetch of ``layer``'s slots ``index`` (None: every slot)."""
         slots = self.layers[layer].slots
         batch, heads = slots.pos.shape[:2]
         rows = batch * heads * slots.n if index is None else index.numel()
         with self.counting:
             self._decode_h2d += self._row_bytes(layer) * rows
+
+    def _count_use(self, layer: int, index: Tensor | None) -> None:
+        """For eviction, each slot ``layer`` reads this step (``index``; None: every slot): its fetch count
+        and last use. A narrower row's padding repeats a slot it reads."""
+        slots = self.layers[layer].slots
         if index is None:
             slots.view("fetches").add_(1)
             slots.view("last").fill_(self._step)
             return
-        slots.fetches.scatter_add_(2, index, torch.ones_like(index) if real is None else real.long())
-        slots.last.scatter_(2, index, torch.full_like(index, self._step))  # padding repeats a used slot
+        slots.fetches.scatter_add_(2, index, torch.ones_like(index))
+        slots.last.scatter_(2, index, torch.full_like(index, self._step))
 
     def _row_bytes(self, layer: int) -> int:
         """Bytes of one token's K and V in one KV head of ``layer``'s pool."""
@@ -451,12 +466,9 @@ class InfiniGenPolicy(HostPoolPolicy):
                 self.host_pool.keep(layer, keep)
                 slots.keep(keep)
 
-    def _select(
-        self, layer: int, x: Tensor, position_ids: Tensor, record: bool = True
-    ) -> tuple[Tensor, Tensor | None]:
+    def _select(self, layer: int, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
         """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, ascending per
-        row, and which of them each row attends to (None: all). ``record``: the layer's choice this step
-        (kept for stats and shown to the observer), not an own-query layer's prefetch."""
+        row, and which of them each row attends to (None: all); kept for stats and shown to the observer."""
         with self.selecting():
             query = self._rehearsal_query(layer, x, position_ids)  # settles columns and count rules
             real_tokens = self._real_tokens(layer)
@@ -474,8 +486,6 @@ class InfiniGenPolicy(HostPoolPolicy):
                 scores, counts, index, valid, reserved = self._coarse_to_fine(
                     layer, query, takes, alpha, budgets, whole
                 )
-        if not record:
-            return index, valid
         state = self.layers[layer]
         state.selected.append(counts.float().mean())
         if self.observer is not None:
@@ -816,7 +826,7 @@ class Fetch:
 
 
 class Corrected:
-    """An own-query layer's rows (``own_query_prefetch``): those its look-ahead copied and the correction
+    """An own-query layer's rows (``own_query_prefetch``): those its prefetch copied and the correction
     copied once its own query chose, put in the order of its own choice. ``wait()`` returns (keys, values)
     with a spare last slot, as a fetch with ``extra=1`` does."""
 
