@@ -74,9 +74,9 @@ model's calibrated ones (``tuning.py``; SmolLM2-135M: layers 9, 12 and 20), at m
 rehearsed layers, so that most copies still overlap. Each layer counts with the alpha calibrated for how
 it chooses (by its own query or rehearsed). Their copies are on demand (the pool counts their bytes apart,
 ``bytes_h2d_on_demand``; on a GPU each is a stall). With ``own_query_prefetch`` (off by default) such a
-layer copies ahead the slots it chose at the step before (consecutive steps choose mostly the same tokens:
-about four in five on SmolLM2-135M at 8k; layer 0's copy starts beside the step before's last layers, the
-others' one layer ahead, as any prefetch). Once its own query has chosen, only the slots the prefetch
+layer copies ahead the slots it chose at the step before (consecutive steps choose mostly the same
+tokens; layer 0's copy starts beside the step before's last layers, the others' one layer ahead, as any
+prefetch). Once its own query has chosen, only the slots the prefetch
 missed are copied (the correction) and the rows of both copies are put in the order of its own choice
 (:class:`Corrected`), so it attends to exactly what it attends to without the prefetch, and eviction
 counts the same uses: fewer bytes on demand, more bytes moved (the prefetch's misses). Where the link
