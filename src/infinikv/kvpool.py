@@ -293,8 +293,9 @@ class KVPool:
 
     def drain(self) -> None:
         """Wait until the worker has run everything queued so far (its copies' counters are then complete:
-        a prefetch for the next step may still be queued when a step ends)."""
-        if self._executor is not None:
+        a prefetch for the next step may still be queued when a step ends). On the worker itself (an
+        observer reading stats), nothing: it would wait for itself."""
+        if self._executor is not None and not on_worker():
             self._executor.submit(lambda: None).result()
 
     def take_over(
