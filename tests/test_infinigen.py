@@ -262,11 +262,14 @@ def test_own_query_layers_choose_with_their_own_input(tiny, calibrated, monkeypa
 def test_own_query_layers_that_prefetch_attend_to_their_own_choice(tiny, calibrated):
     """own_query_prefetch: an own-query layer prefetches the slots it chose at the step before and copies
     only what its own choice misses; it attends to exactly what it attends to without the prefetch (logits
-    equal to the bit), with fewer bytes copied on demand and the prefetch's misses moved besides."""
+    equal to the bit, also where a full pool evicts by fetch counts: the prefetch is not a use), with fewer
+    bytes copied on demand and the prefetch's misses moved besides."""
     knobs = dict(budget=3, dense_layers=2, own_query_layers="3")
-    ahead = _decode_logits(tiny, "infinigen", own_query_prefetch=True, **knobs)
-    waiting = _decode_logits(tiny, "infinigen", own_query_prefetch=False, **knobs)
-    assert torch.equal(ahead, waiting)
+    evicting = dict(knobs, budget=0.5, capacity=0.7, eviction="counter", min_tokens=0)
+    for setting in (knobs, evicting):
+        ahead = _decode_logits(tiny, "infinigen", own_query_prefetch=True, **setting)
+        waiting = _decode_logits(tiny, "infinigen", own_query_prefetch=False, **setting)
+        assert torch.equal(ahead, waiting)
     _, with_prefetch = _tokens(tiny, "infinigen", new=6, own_query_prefetch=True, **knobs)
     _, without = _tokens(tiny, "infinigen", new=6, own_query_prefetch=False, **knobs)
     assert 0 < with_prefetch["bytes_h2d_on_demand"] < without["bytes_h2d_on_demand"]
