@@ -79,6 +79,9 @@ BATCH_CASES = sorted(
         *(pytest.param(name, TIGHT[name], id=f"{name}-tight") for name in POLICIES if TIGHT.get(name)),
         pytest.param("quant", KIVI, id="quant-kivi"),
         pytest.param("infinigen", {**TIGHT["infinigen"], "block_size": 16}, id="infinigen-blocks"),
+        pytest.param(
+            "infinigen", {**TIGHT["infinigen"], "own_query_prefetch": True}, id="infinigen-own-query-prefetch"
+        ),
     ],
     key=lambda case: str(POLICIES[case.values[0]].prefill_family),  # a family's cases in a row (prefills)
 )
