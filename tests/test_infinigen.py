@@ -53,6 +53,7 @@ class _Spy:
         self._order: list[tuple[int, int, int]] = []  # (policy, step, layer) of each record
         self.inserting = threading.Lock()
         self.selections, self.policies, self.pool_lengths = [], [], []
+        self.valid: list[torch.Tensor | None] = []  # each decode step's Selection.valid, as selections
         decode, init = InfiniGenPolicy.decode, InfiniGenPolicy.__init__
 
         def spy_init(policy, config, spec, device, skew=None, observer=None):
@@ -62,6 +63,7 @@ class _Spy:
         def spy_decode(policy, layer, k_new, v_new):
             selection = decode(policy, layer, k_new, v_new)
             self.selections.append((layer, selection.positions.clone(), policy.key_valid))
+            self.valid.append(selection.valid)
             self.pool_lengths.append((layer, policy.host_pool.length(layer), policy.seq_length(layer)))
             return selection
 
@@ -291,6 +293,71 @@ def test_own_query_layers_prefetch_what_they_chose_at_the_step_before(tiny, cali
     on_demand = [_tokens(tiny, "infinigen", new=new, **knobs)[1]["bytes_h2d_on_demand"] for new in (5, 6)]
     row = 2 * tiny.spec.head_dim * tiny.model.dtype.itemsize  # one token's K and V in one KV head
     assert on_demand[1] - on_demand[0] == 3 * len(PROMPTS) * tiny.spec.num_kv_heads * row
+
+
+@pytest.mark.parametrize("every", [2, 3])
+def test_select_every_at_full_budget_equals_dense(every, tiny, tiny_gemma, calibrated):
+    """select_every > 1 at full budget: the steps between choices read everything there is, so the tokens
+    are dense's, with own-query layers (prefetching or not), block speculation and sliding layers."""
+    full = dict(alpha=math.inf, budget=1.0, select_every=every)
+    for loaded, knobs in (
+        (tiny, dict()),
+        (tiny, dict(own_query_layers="3", own_query_prefetch=True)),
+        (tiny, dict(block_size=16)),
+        (tiny_gemma, dict()),
+    ):
+        dense, _ = _tokens(loaded, "dense")
+        tokens, stats = _tokens(loaded, "infinigen", **full, **knobs)
+        assert tokens == dense
+        assert stats["selected_tokens_mean"] > 0
+        same = _decode_logits(loaded, "infinigen", **full, **knobs)
+        assert torch.allclose(same, _decode_logits(loaded, "dense"), atol=1e-4, rtol=1e-4)
+
+
+def _reads(spy: _Spy, layer: int) -> list[list[list[set[int]]]]:
+    """Per decode step, sequence and KV head: the positions ``layer`` attended to (its new token included)."""
+    steps = []
+    for (at, positions, _), valid in zip(spy.selections, spy.valid, strict=True):
+        if at != layer:
+            continue
+        shown = torch.ones_like(positions, dtype=torch.bool) if valid is None else valid
+        steps.append(
+            [
+                [set(p[v].tolist()) for p, v in zip(rows, seen, strict=True)]
+                for rows, seen in zip(positions, shown)
+            ]
+        )
+    return steps
+
+
+@pytest.mark.parametrize("evicting", [False, True])
+def test_select_every_chooses_every_nth_step_and_reads_again_between(evicting, tiny, calibrated, monkeypatch):
+    """select_every 3: layers rehearse at decode steps 1, 4 and 7 only; at the steps between, each layer
+    attends to what it attended to at the step before (that step's new token included), less at most the
+    one token a full pool evicted; and a choice leaves room for the tokens added until the next one, so the
+    budget holds at every step."""
+    knobs = dict(budget=0.4, select_every=3)
+    if evicting:
+        knobs.update(budget=0.5, capacity=0.7, eviction="counter")
+    with monkeypatch.context() as patched:
+        spy = _Spy(patched)
+        _tokens(tiny, "infinigen", new=8, **knobs)
+    assert {record.step for record in spy.records} == {1, 4, 7}
+    for record in spy.records:
+        for count, real in zip(record.counts.tolist(), record.real_tokens, strict=True):
+            for added in range(3):
+                assert count + added <= resolve_budget(knobs["budget"], real + added, floor=0)
+    for layer in range(tiny.spec.num_layers):
+        reads = _reads(spy, layer)
+        assert len(reads) == 7
+        for step in (2, 3, 5, 6):  # 1-based decode steps between choices
+            for before, now in zip(reads[step - 2], reads[step - 1], strict=True):
+                for held, read in zip(before, now, strict=True):
+                    read = read - {max(read)}  # this step's own new token
+                    if evicting:
+                        assert read <= held and len(held - read) <= 1
+                    else:
+                        assert read == held
 
 
 def test_calibrated_own_query_layers_are_used_by_default_and_flags_override(tiny, skews, monkeypatch):

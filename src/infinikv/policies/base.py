@@ -355,6 +355,10 @@ class HostPoolPolicy(Policy):
         started = self.take_planned(layer)
         return started if started is not None else self._fetch_on_demand(layer)
 
+    def planned(self, layer: int) -> bool:
+        """Whether ``plan`` or ``fetch_own`` started something for ``layer`` that is not yet taken."""
+        return layer in self._in_flight
+
     def take_planned(self, layer: int) -> Any | None:
         """What ``plan`` or ``fetch_own`` started for ``layer``, waited for (its choice, not its copy); None
         when nothing was started."""

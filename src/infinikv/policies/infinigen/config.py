@@ -121,6 +121,16 @@ class InfiniGenConfig(PolicyConfig):
         "prefetch, more bytes moved (the prefetch's misses); false: their whole copy waits on their query",
         neutral=True,
     )
+    select_every: int = knob(
+        1,
+        "decode steps per choice: 1 = every layer chooses at every step (the paper); N > 1 = a layer chooses "
+        "at every N-th step and, at the steps between, reads what it read at the step before plus the token "
+        "it stored then (consecutive steps choose mostly the same tokens): 1/N of the selector's work, and "
+        "own-query layers copy ahead at those steps; a choice leaves room for the tokens added until the "
+        "next, so the budget holds at every step",
+        low=1,
+        neutral=True,
+    )
     skew: bool = knob(
         True, "false: the identity instead of the skewing matrices (partial columns by the same rule)"
     )

@@ -32,8 +32,12 @@ class LayerState:
     # an own-query layer's prefetch this step (own_query_prefetch): its policy.Fetch (the slots it
     # prefetched and their copy), until the layer's own choice takes what it needs of them
     prefetched: Any = None
-    # an own-query layer's own choice at the step before (own_query_prefetch): what it prefetches
+    # what the layer read at the step before ([batch, kv_heads, m] slots, and which of them each row
+    # attends to: None = all), kept under own_query_prefetch (what an own-query layer prefetches) and
+    # select_every > 1 (what the steps between choices read again)
     chosen: Tensor | None = None
+    chosen_valid: Tensor | None = None
+    newest: Tensor | None = None  # [batch, kv_heads, 1]: the slot its last token was stored in (select_every)
 
     def in_store(self, wide: Tensor) -> Tensor:
         """``wide`` [..., kv_heads, rows, k]: values in the widest columns, cut to the store's."""

@@ -352,20 +352,73 @@ class InfiniGenPolicy(HostPoolPolicy):
             if self._step == 1:
                 self._start_decoding()
         if layer in self.own_query():
+            if self._reads_again(layer, self._step):  # nothing to choose: its copy started ahead (or now)
+                if not self.planned(layer):
+                    with self.host_pool.on_demand():
+                        self._fetch_reused(layer, self._step)
+                return
             # its look-ahead's rows if one ran (own_query_prefetch): its own choice copies what they missed
             self.layers[layer].prefetched = self.take_planned(layer)
             self.fetch_own(layer, x, position_ids)
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if layer not in self.own_query():
+        if self._reads_again(layer, self._step):
+            if not self.planned(layer):  # layer 0's was started at the step before
+                self._fetch_reused(layer, self._step)
+        elif layer not in self.own_query():
             super().plan(layer, x, position_ids)
         elif layer > 0 and self.config.own_query_prefetch:
             self._prefetch_previous(layer)
         # the next step's layer 0, beside this step's last layers (planned from layer 1 on: layer 0 has
         # taken its own fetch of this step)
         last = self.spec.num_layers - 1
-        if layer == last >= 2 and self.config.own_query_prefetch and 0 in self.own_query():
-            self._prefetch_previous(0)
+        if layer == last >= 2 and 0 in self.own_query():
+            if self._reads_again(0, self._step + 1):
+                self._fetch_reused(0, self._step + 1)
+            elif self.config.own_query_prefetch:
+                self._prefetch_previous(0)
+
+    def _reads_again(self, layer: int, step: int) -> bool:
+        """Whether managed ``layer`` reads at decode step ``step`` what it read at the step before, plus the
+        token it stored then, instead of choosing (``select_every``: steps 1, N + 1, 2N + 1, ... choose)."""
+        between = (step - 1) % self.config.select_every != 0
+        return between and self.managed(layer) and self.layers[layer].chosen is not None
+
+    def _fetch_reused(self, layer: int, step: int) -> None:
+        """A step between choices (``select_every``): start copying what ``layer`` read at the step before
+        plus the slot of the token it stored then, on the decode thread (nothing is chosen; the copy itself
+        is queued on the pool's worker like any other)."""
+        state = self.layers[layer]
+        index, valid = self._with_newest(layer)
+        state.chosen, state.chosen_valid = index, valid
+        self._count_bytes(layer, index)
+        self._count_use(layer, index, step)
+        self._count_offload(layer)
+        widths = torch.full((), float(index.shape[2])) if valid is None else valid.sum(dim=-1).float().mean()
+        state.selected.append(widths)
+        positions = torch.gather(state.slots.view("pos"), 2, index)
+        self.hold(layer, Fetch(self.host_pool.fetch(layer, index, extra=1), index, positions, valid))
+
+    def _with_newest(self, layer: int) -> tuple[Tensor, Tensor | None]:
+        """What ``layer`` read at the step before with the slot of the token it stored then: slots
+        [batch, kv_heads, m] ascending per row, and which of them each row reads (None: all)."""
+        state = self.layers[layer]
+        chosen, valid, newest = state.chosen, state.chosen_valid, state.newest
+        if state.slots.n == state.seen:  # nothing evicted: the newest slot is the last, after all chosen
+            index = torch.cat([chosen, newest], dim=2)
+            if valid is not None:
+                valid = torch.cat([valid, torch.ones_like(newest, dtype=torch.bool)], dim=2)
+            return index, valid
+        # eviction may have stored the newest token over a chosen slot: the union, in slot order
+        held = torch.ones_like(chosen, dtype=torch.int) if valid is None else valid.int()
+        marked = torch.zeros(*chosen.shape[:2], state.slots.n, dtype=torch.int, device=chosen.device)
+        marked = marked.scatter_add_(2, chosen, held) > 0
+        marked.scatter_(2, newest, True)
+        counts = marked.sum(dim=-1, keepdim=True)
+        width = int(counts.max())
+        index = first_slots(marked, width)
+        ragged = bool((counts < width).any())
+        return index, (torch.arange(width, device=index.device) < counts) if ragged else None
 
     def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Fetch:
         """Decide what ``layer`` reads this step and start copying it from the pool. Without an input ``x`` a
@@ -386,11 +439,11 @@ class InfiniGenPolicy(HostPoolPolicy):
         else:
             transfer, copied = self.host_pool.fetch(layer, index, extra=1), index
         self._count_bytes(layer, copied)
-        self._count_use(layer, index)
-        if index is not None and self.config.own_query_prefetch and layer in self.own_query():
-            state.chosen = index  # what the next step prefetches for it
-        with self.counting:
-            self._offload_h2d += self._row_bytes(layer) * slots.pos.shape[0] * slots.pos.shape[1] * state.seen
+        self._count_use(layer, index, self._step)
+        reread = self.config.select_every > 1 and self.managed(layer)
+        if index is not None and (reread or (self.config.own_query_prefetch and layer in self.own_query())):
+            state.chosen, state.chosen_valid = index, valid  # what the next step prefetches or reads again
+        self._count_offload(layer)
         positions = slots.view("pos").clone() if index is None else torch.gather(slots.view("pos"), 2, index)
         return Fetch(transfer, index, positions, valid)
 
@@ -435,16 +488,23 @@ class InfiniGenPolicy(HostPoolPolicy):
         with self.counting:
             self._decode_h2d += self._row_bytes(layer) * rows
 
-    def _count_use(self, layer: int, index: Tensor | None) -> None:
-        """For eviction, each slot ``layer`` reads this step (``index``; None: every slot): its fetch count
-        and last use. A narrower row's padding repeats a slot it reads."""
+    def _count_use(self, layer: int, index: Tensor | None, step: int) -> None:
+        """For eviction, each slot ``layer`` reads at decode step ``step`` (``index``; None: every slot): its
+        fetch count and last use. A narrower row's padding repeats a slot it reads."""
         slots = self.layers[layer].slots
         if index is None:
             slots.view("fetches").add_(1)
-            slots.view("last").fill_(self._step)
+            slots.view("last").fill_(step)
             return
         slots.fetches.scatter_add_(2, index, torch.ones_like(index))
-        slots.last.scatter_(2, index, torch.full_like(index, self._step))
+        slots.last.scatter_(2, index, torch.full_like(index, step))
+
+    def _count_offload(self, layer: int) -> None:
+        """What full offload would move for ``layer`` this step: every slot seen, K and V."""
+        state = self.layers[layer]
+        batch, heads = state.slots.pos.shape[:2]
+        with self.counting:
+            self._offload_h2d += self._row_bytes(layer) * batch * heads * state.seen
 
     def _row_bytes(self, layer: int) -> int:
         """Bytes of one token's K and V in one KV head of ``layer``'s pool."""
@@ -473,7 +533,14 @@ class InfiniGenPolicy(HostPoolPolicy):
             query = self._rehearsal_query(layer, x, position_ids)  # settles columns and count rules
             real_tokens = self._real_tokens(layer)
             floor = self.config.min_tokens
-            budgets = [resolve_budget(self.config.budget, max(n, 1), floor=floor) for n in real_tokens]
+            # room for the tokens the steps until the next choice add to what it reads (select_every)
+            budgets = [
+                min(
+                    resolve_budget(self.config.budget, max(n + added, 1), floor=floor) - added
+                    for added in range(self.config.select_every)
+                )
+                for n in real_tokens
+            ]
             whole = [n <= floor for n in real_tokens]  # within the floor: everything, whatever alpha counts
             alpha = self._row_alphas(layer, torch.float32)
             takes = self._candidate_blocks(layer, budgets, whole)
@@ -729,14 +796,19 @@ class InfiniGenPolicy(HostPoolPolicy):
     def _store(self, layer: int, k: Tensor, v: Tensor, position: int) -> None:
         slots = self.layers[layer].slots
         partial, scale = self._partial_keys(layer, k)
+        state = self.layers[layer]
         if slots.n < self.limit(layer, position + 1):
             self.host_pool.append(layer, k, v)
             positions = torch.full_like(k[:, :, :, 0], position, dtype=torch.long)
             slots.append(positions, partial, self._step, scale)
+            if self.config.select_every > 1:
+                state.newest = torch.full_like(positions, slots.n - 1)
             if slots.bounds is not None and slots.bounds.size > 1:  # its block's bounds widen to it
                 slots.bounds.extend(slots.n - 1, dequantized(partial, scale))
             return
         victims = self._eviction_keys(layer).argmin(dim=-1)  # [batch, kv_heads]
+        if self.config.select_every > 1:
+            state.newest = victims[..., None]
         self.host_pool.write_slots(layer, victims, k, v)
         slots.write(victims, position, partial, self._step, scale)
         self._evicted += victims.numel()
@@ -762,7 +834,11 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     # -- reporting -------------------------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        return sum(state.slots.nbytes() for state in self.layers)
+        """The partial keys (and block bounds) of every layer, and the slots kept from the step before
+        (own_query_prefetch, select_every)."""
+        kept = [state.chosen for state in self.layers if state.chosen is not None]
+        held = sum(state.slots.nbytes() for state in self.layers)
+        return held + sum(index.numel() * index.element_size() for index in kept)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
