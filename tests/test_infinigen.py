@@ -314,6 +314,22 @@ def test_select_every_at_full_budget_equals_dense(every, tiny, tiny_gemma, calib
         assert torch.allclose(same, _decode_logits(loaded, "dense"), atol=1e-4, rtol=1e-4)
 
 
+def test_select_every_copies_nothing_on_demand_between_choices(tiny, calibrated):
+    """select_every 2: a step between choices starts every layer's copy ahead, own-query layers' (0, 1 and 3
+    here; layer 0's beside the step before's last layers) included, so decode step 6 (a step between) adds
+    no bytes on demand, where a choosing step 6 does."""
+    knobs = dict(budget=0.5, dense_layers=2, own_query_layers="3")
+    for every, expected in ((2, 0), (1, None)):
+        on_demand = [
+            _tokens(tiny, "infinigen", new=new, select_every=every, **knobs)[1]["bytes_h2d_on_demand"]
+            for new in (6, 7)  # 5 and 6 decode steps
+        ]
+        if expected is None:
+            assert on_demand[1] > on_demand[0] > 0
+        else:
+            assert on_demand[1] == on_demand[0] > 0
+
+
 def _reads(spy: _Spy, layer: int) -> list[list[list[set[int]]]]:
     """Per decode step, sequence and KV head: the positions ``layer`` attended to (its new token included)."""
     steps = []
@@ -324,7 +340,7 @@ def _reads(spy: _Spy, layer: int) -> list[list[list[set[int]]]]:
         steps.append(
             [
                 [set(p[v].tolist()) for p, v in zip(rows, seen, strict=True)]
-                for rows, seen in zip(positions, shown)
+                for rows, seen in zip(positions, shown, strict=True)
             ]
         )
     return steps

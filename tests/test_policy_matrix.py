@@ -427,6 +427,7 @@ CALIBRATED = {"alpha": 0.0, "partial_ratio": 0.0}  # InfiniGen's calibrated coun
 VARIANTS = [pytest.param(policy, policy, {}, id=policy) for policy in POLICIES]
 VARIANTS.append(pytest.param("quant-kivi", "quant", KIVI, id="quant-kivi"))
 VARIANTS.append(pytest.param("infinigen-calibrated", "infinigen", CALIBRATED, id="infinigen-calibrated"))
+VARIANTS.append(pytest.param("infinigen-every-3", "infinigen", {"select_every": 3}, id="infinigen-every-3"))
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -85,6 +85,16 @@ measures the trade). Sliding-window layers (Gemma-3) attend to
 their window, fetched from the pool; the policy rehearses the other global layers, each in the hook of
 the layer before it whatever that layer's type.
 
+``select_every`` N (1 by default, the paper: every step chooses) spends the selector's work at one decode
+step in N: steps 1, N + 1, 2N + 1, ... choose as above, and at the steps between each managed layer reads
+what it read at the step before plus the slot of the token it stored then (``_with_newest``; where a full
+pool wrote that token over a slot it read, the union). Nothing is rehearsed then, and every such copy,
+own-query layers' included, starts one layer ahead on the decode thread (layer 0's beside the step before's
+last layers), so none is on demand. A choice takes at most its budget less the tokens the steps until the
+next choice add, so every step reads within its budget; at full budget the steps between read everything,
+as dense does. The paper has no such schedule; consecutive steps choose mostly the same tokens, and
+docs/results-infinigen.md measures what reading the step before's choice costs in accuracy.
+
 Where this differs from the paper's artifact: one skewing matrix per KV head (grouped-query attention);
 scores use the layer's own attention scale (1/√d for Llama); with grouped-query attention each query head's
 scores are taken relative to its own best before the group's heads are combined by max (the KV head is
