@@ -348,10 +348,11 @@ def _reads(spy: _Spy, layer: int) -> list[list[list[set[int]]]]:
 
 @pytest.mark.parametrize("evicting", [False, True])
 def test_select_every_chooses_every_nth_step_and_reads_again_between(evicting, tiny, calibrated, monkeypatch):
-    """select_every 3: layers rehearse at decode steps 1, 4 and 7 only; at the steps between, each layer
-    attends to what it attended to at the step before (that step's new token included), less at most the
-    one token a full pool evicted; and a choice leaves room for the tokens added until the next one, so the
-    budget holds at every step."""
+    """select_every 3: layers rehearse at decode steps 1, 4 and 7 only. At the steps between, each layer
+    attends to what it attended to at the step before (that step's new token included) and, with nothing
+    evicted, to at most a group's worth of tokens more, each the one after a token it attended to then (its
+    heads' best, followed); with eviction, less at most the one token evicted. A choice leaves room for what
+    the steps until the next one add, so the budget holds at every step."""
     knobs = dict(budget=0.4, select_every=3)
     if evicting:
         knobs.update(budget=0.5, capacity=0.7, eviction="counter")
@@ -359,10 +360,13 @@ def test_select_every_chooses_every_nth_step_and_reads_again_between(evicting, t
         spy = _Spy(patched)
         _tokens(tiny, "infinigen", new=8, **knobs)
     assert {record.step for record in spy.records} == {1, 4, 7}
+    group = tiny.spec.group_size
     for record in spy.records:
         for count, real in zip(record.counts.tolist(), record.real_tokens, strict=True):
-            for added in range(3):
-                assert count + added <= resolve_budget(knobs["budget"], real + added, floor=0)
+            budget = functools.partial(resolve_budget, knobs["budget"], floor=0)
+            if budget(real) < real:
+                assert all(count + added * (group + 1) <= budget(real + added) for added in range(3))
+    followed = 0
     for layer in range(tiny.spec.num_layers):
         reads = _reads(spy, layer)
         assert len(reads) == 7
@@ -373,7 +377,11 @@ def test_select_every_chooses_every_nth_step_and_reads_again_between(evicting, t
                     if evicting:
                         assert read <= held and len(held - read) <= 1
                     else:
-                        assert read == held
+                        more = read - held
+                        assert held <= read and len(more) <= group
+                        assert all(position - 1 in held for position in more)
+                        followed += len(more)
+    assert evicting or followed > 0
 
 
 def test_calibrated_own_query_layers_are_used_by_default_and_flags_override(tiny, skews, monkeypatch):

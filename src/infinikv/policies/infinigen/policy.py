@@ -410,25 +410,38 @@ class InfiniGenPolicy(HostPoolPolicy):
         self.hold(layer, Fetch(self.host_pool.fetch(layer, index, extra=1), index, positions, valid))
 
     def _with_newest(self, layer: int) -> tuple[Tensor, Tensor | None]:
-        """What ``layer`` read at the step before with the slot of the token it stored then: slots
-        [batch, kv_heads, m] ascending per row, and which of them each row reads (None: all)."""
+        """What ``layer`` reads at a step between choices: what it read at the step before, the slot of the
+        token it stored then and, where nothing was evicted (slot i holds position i), the token after each
+        of the tokens it follows (its heads' best at the last choice, one further at each step). Slots
+        [batch, kv_heads, m] ascending per row, and which of them each row reads (None: all); a slot
+        listed twice is read once (the repeat hidden)."""
         state = self.layers[layer]
-        chosen, valid, newest = state.chosen, state.chosen_valid, state.newest
-        if state.slots.n == state.seen:  # nothing evicted: the newest slot is the last, after all chosen
-            index = torch.cat([chosen, newest], dim=2)
-            if valid is not None:
-                valid = torch.cat([valid, torch.ones_like(newest, dtype=torch.bool)], dim=2)
-            return index, valid
-        # eviction may have stored the newest token over a chosen slot: the union, in slot order
-        held = torch.ones_like(chosen, dtype=torch.int) if valid is None else valid.int()
-        marked = torch.zeros(*chosen.shape[:2], state.slots.n, dtype=torch.int, device=chosen.device)
-        marked = marked.scatter_add_(2, chosen, held) > 0
-        marked.scatter_(2, newest, True)
-        counts = marked.sum(dim=-1, keepdim=True)
-        width = int(counts.max())
-        index = first_slots(marked, width)
-        ragged = bool((counts < width).any())
-        return index, (torch.arange(width, device=index.device) < counts) if ragged else None
+        parts = [(state.chosen, state.chosen_valid), (state.newest, None)]
+        if state.slots.n == state.seen and state.followed is not None:
+            followed, valid = state.followed
+            state.followed = ((followed + 1).clamp(max=state.slots.n - 1), valid)
+            parts.append(state.followed)
+        index = torch.cat([slots for slots, _ in parts], dim=2)
+        valid = torch.cat([torch.ones_like(s, dtype=torch.bool) if v is None else v for s, v in parts], dim=2)
+        # in slot order, a read copy of a slot before a hidden one; then each slot's first copy is read
+        keyed, _ = (index * 2 + (~valid).long()).sort(dim=-1)
+        index, valid = keyed // 2, keyed % 2 == 0
+        valid[..., 1:] &= index[..., 1:] != index[..., :-1]
+        return index, None if bool(valid.all()) else valid
+
+    def _choice_budget(self, real: int) -> int:
+        """A choosing step's budget for a sequence of ``real`` tokens: its budget; with ``select_every``
+        N > 1, less the room for what the N - 1 steps until the next choice add to what it reads (the token
+        each stores and those its heads follow, ``_with_newest``), unless the budget holds every token."""
+        floor = self.config.min_tokens
+        budget = resolve_budget(self.config.budget, max(real, 1), floor=floor)
+        if budget >= real:
+            return budget
+        room = self.spec.group_size + 1  # per step between: the tokens followed and the one stored
+        return min(
+            resolve_budget(self.config.budget, real + added, floor=floor) - added * room
+            for added in range(self.config.select_every)
+        )
 
     def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Fetch:
         """Decide what ``layer`` reads this step and start copying it from the pool. Without an input ``x`` a
@@ -542,16 +555,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         with self.selecting():
             query = self._rehearsal_query(layer, x, position_ids)  # settles columns and count rules
             real_tokens = self._real_tokens(layer)
-            floor = self.config.min_tokens
-            # room for the tokens the steps until the next choice add to what it reads (select_every)
-            budgets = [
-                min(
-                    resolve_budget(self.config.budget, max(n + added, 1), floor=floor) - added
-                    for added in range(self.config.select_every)
-                )
-                for n in real_tokens
-            ]
-            whole = [n <= floor for n in real_tokens]  # within the floor: everything, whatever alpha counts
+            budgets = [self._choice_budget(n) for n in real_tokens]
+            # within the floor: everything, whatever alpha counts
+            whole = [n <= self.config.min_tokens for n in real_tokens]
             alpha = self._row_alphas(layer, torch.float32)
             takes = self._candidate_blocks(layer, budgets, whole)
             if takes is None:
@@ -565,6 +571,15 @@ class InfiniGenPolicy(HostPoolPolicy):
                 )
         state = self.layers[layer]
         state.selected.append(counts.float().mean())
+        if self.config.select_every > 1:  # each head's best read tokens: the steps between read the next ones
+            takes = [min(self.spec.group_size, count) for count in counts.tolist()]
+            picked = scores.gather(2, index)
+            picked = picked if valid is None else picked.masked_fill(~valid, -math.inf)
+            read = torch.full_like(scores, -math.inf).scatter_reduce(2, index, picked, "amax")
+            best, shown = pick_top(read, takes)
+            held = read.gather(2, best) > -math.inf  # a token read (not padding, nor a row's hidden extra)
+            held = held if shown is None else held & shown
+            state.followed = (best, None if bool(held.all()) else held)
         if self.observer is not None:
             self.observer(
                 Rehearsal(
