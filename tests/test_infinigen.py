@@ -17,6 +17,7 @@ from infinikv.generate import GenerationConfig, Generator
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, resolve_budget
 from infinikv.policies.base import pick_top
 from infinikv.policies.infinigen import blocks, calibration, rehearsal, skewfile
+from infinikv.policies.infinigen.policy import FOLLOWED_SHARE
 from infinikv.policies.infinigen.rehearsal import Rehearsal
 from infinikv.policies.infinigen.skewfile import RatioAtLength
 from infinikv.testing import tiny_model
@@ -350,9 +351,9 @@ def _reads(spy: _Spy, layer: int) -> list[list[list[set[int]]]]:
 def test_select_every_chooses_every_nth_step_and_reads_again_between(evicting, tiny, calibrated, monkeypatch):
     """select_every 3: layers rehearse at decode steps 1, 4 and 7 only. At the steps between, each layer
     attends to what it attended to at the step before (that step's new token included) and, with nothing
-    evicted, to at most a group's worth of tokens more, each the one after a token it attended to then (its
-    heads' best, followed); with eviction, less at most the one token evicted. A choice leaves room for what
-    the steps until the next one add, so the budget holds at every step."""
+    evicted, to at most FOLLOWED_SHARE of its budget more, each the one after a token it attended to then
+    (its best read tokens, followed); with eviction, less at most the one token evicted. A choice leaves
+    room for what the steps until the next one add, so the budget holds at every step."""
     knobs = dict(budget=0.4, select_every=3)
     if evicting:
         knobs.update(budget=0.5, capacity=0.7, eviction="counter")
@@ -360,12 +361,14 @@ def test_select_every_chooses_every_nth_step_and_reads_again_between(evicting, t
         spy = _Spy(patched)
         _tokens(tiny, "infinigen", new=8, **knobs)
     assert {record.step for record in spy.records} == {1, 4, 7}
-    group = tiny.spec.group_size
+    budget = functools.partial(resolve_budget, knobs["budget"], floor=0)
+    follows = [0]
     for record in spy.records:
         for count, real in zip(record.counts.tolist(), record.real_tokens, strict=True):
-            budget = functools.partial(resolve_budget, knobs["budget"], floor=0)
             if budget(real) < real:
-                assert all(count + added * (group + 1) <= budget(real + added) for added in range(3))
+                follow = math.ceil(budget(real) * FOLLOWED_SHARE)
+                assert all(count + added * (follow + 1) <= budget(real + added) for added in range(3))
+                follows.append(follow)
     followed = 0
     for layer in range(tiny.spec.num_layers):
         reads = _reads(spy, layer)
@@ -378,7 +381,7 @@ def test_select_every_chooses_every_nth_step_and_reads_again_between(evicting, t
                         assert read <= held and len(held - read) <= 1
                     else:
                         more = read - held
-                        assert held <= read and len(more) <= group
+                        assert held <= read and len(more) <= max(follows)
                         assert all(position - 1 in held for position in more)
                         followed += len(more)
     assert evicting or followed > 0

@@ -124,10 +124,10 @@ class InfiniGenConfig(PolicyConfig):
     select_every: int = knob(
         1,
         "decode steps per choice: 1 = every layer chooses at every step (the paper); N > 1 = a layer chooses "
-        "at every N-th step and, at the steps between, reads what it read at the step before plus the token "
-        "it stored then (consecutive steps choose mostly the same tokens): 1/N of the selector's work, and "
-        "own-query layers copy ahead at those steps; a choice leaves room for the tokens added until the "
-        "next, so the budget holds at every step",
+        "at every N-th step and, at the steps between, reads what it read at the step before, the token it "
+        "stored then and the token after each of its best read tokens (a 32nd of its budget, one further per "
+        "step): 1/N of the selector's work, and own-query layers copy ahead at those steps; a choice leaves "
+        "room for what the steps until the next add, so the budget holds at every step",
         low=1,
         neutral=True,
     )

@@ -87,13 +87,19 @@ the layer before it whatever that layer's type.
 
 ``select_every`` N (1 by default, the paper: every step chooses) spends the selector's work at one decode
 step in N: steps 1, N + 1, 2N + 1, ... choose as above, and at the steps between each managed layer reads
-what it read at the step before plus the slot of the token it stored then (``_with_newest``; where a full
-pool wrote that token over a slot it read, the union). Nothing is rehearsed then, and every such copy,
-own-query layers' included, starts one layer ahead on the decode thread (layer 0's beside the step before's
-last layers), so none is on demand. A choice takes at most its budget less the tokens the steps until the
-next choice add, so every step reads within its budget; at full budget the steps between read everything,
-as dense does. The paper has no such schedule; consecutive steps choose mostly the same tokens, and
-docs/results-infinigen.md measures what reading the step before's choice costs in accuracy.
+what it read at the step before, plus the slot of the token it stored then, plus the token after each token
+it follows: the best-scored of the tokens it read at the last choice (``FOLLOWED_SHARE`` of its budget),
+one position further at each step (``_with_newest``). Reading the step before's choice alone kept
+perplexity but lost retrieval: a model that reads out a number from its context attends to the next digit
+at each step, and the step before chose the one before it; following the best tokens' successors reads
+the next one (following only 3 per KV head still lost it). Nothing is rehearsed at those
+steps, and every copy, own-query layers' included, starts one layer ahead on the decode thread (layer 0's
+beside the step before's last layers), so none is on demand. A choice takes at most its budget less the room
+the steps until the next choice need (the followed and stored tokens), so every step reads within its
+budget; a budget that holds every token reads everything, as dense does. Where a full pool evicts, slots are
+not positions: the steps between read the step before's slots and the new token (the union, where it was
+written over a slot read), and follow nothing. The paper has no such schedule; docs/results-infinigen.md
+measures what it costs in accuracy and buys in speed.
 
 Where this differs from the paper's artifact: one skewing matrix per KV head (grouped-query attention);
 scores use the layer's own attention scale (1/√d for Llama); with grouped-query attention each query head's
@@ -150,6 +156,9 @@ from .skewfile import Skew
 
 Tensor = torch.Tensor
 _SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 2**21
+# select_every: the share of a choice's budget whose next tokens the steps between read (its best read
+# tokens; on SmolLM2-135M at 4k, following 3 per KV head lost the needle, 16 found it)
+FOLLOWED_SHARE = 1 / 32
 
 
 @register("infinigen")
@@ -412,7 +421,7 @@ class InfiniGenPolicy(HostPoolPolicy):
     def _with_newest(self, layer: int) -> tuple[Tensor, Tensor | None]:
         """What ``layer`` reads at a step between choices: what it read at the step before, the slot of the
         token it stored then and, where nothing was evicted (slot i holds position i), the token after each
-        of the tokens it follows (its heads' best at the last choice, one further at each step). Slots
+        of the tokens it follows (its best read at the last choice, one further at each step). Slots
         [batch, kv_heads, m] ascending per row, and which of them each row reads (None: all); a slot
         listed twice is read once (the repeat hidden)."""
         state = self.layers[layer]
@@ -429,19 +438,34 @@ class InfiniGenPolicy(HostPoolPolicy):
         valid[..., 1:] &= index[..., 1:] != index[..., :-1]
         return index, None if bool(valid.all()) else valid
 
-    def _choice_budget(self, real: int) -> int:
-        """A choosing step's budget for a sequence of ``real`` tokens: its budget; with ``select_every``
-        N > 1, less the room for what the N - 1 steps until the next choice add to what it reads (the token
-        each stores and those its heads follow, ``_with_newest``), unless the budget holds every token."""
+    @staticmethod
+    def _best_read(
+        scores: Tensor, index: Tensor, valid: Tensor | None, takes: list[int]
+    ) -> tuple[Tensor, Tensor | None]:
+        """Of the slots ``index`` a choice reads (``valid``: None = all), each row's ``takes`` best by
+        ``scores`` ([batch, kv_heads, max(takes)]), and which of them hold a token read (None: all)."""
+        picked = scores.gather(2, index)
+        picked = picked if valid is None else picked.masked_fill(~valid, -math.inf)
+        read = torch.full_like(scores, -math.inf).scatter_reduce(2, index, picked, "amax")
+        best, shown = pick_top(read, takes)
+        held = read.gather(2, best) > -math.inf  # a token read (not padding, nor a row's hidden extra)
+        held = held if shown is None else held & shown
+        return best, None if bool(held.all()) else held
+
+    def _choice_budget(self, real: int) -> tuple[int, int]:
+        """A choosing step's budget for a sequence of ``real`` tokens, and how many of the tokens it reads
+        the steps until the next choice follow (``select_every`` N > 1: :data:`FOLLOWED_SHARE` of its
+        budget; 0 when the budget holds every token, or N is 1). The budget is the sequence's, less the room
+        for what those N - 1 steps add to what it reads (per step the tokens followed and the one stored)."""
         floor = self.config.min_tokens
         budget = resolve_budget(self.config.budget, max(real, 1), floor=floor)
-        if budget >= real:
-            return budget
-        room = self.spec.group_size + 1  # per step between: the tokens followed and the one stored
+        if budget >= real or self.config.select_every == 1:
+            return budget, 0
+        follow = math.ceil(budget * FOLLOWED_SHARE)
         return min(
-            resolve_budget(self.config.budget, real + added, floor=floor) - added * room
+            resolve_budget(self.config.budget, real + added, floor=floor) - added * (follow + 1)
             for added in range(self.config.select_every)
-        )
+        ), follow
 
     def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Fetch:
         """Decide what ``layer`` reads this step and start copying it from the pool. Without an input ``x`` a
@@ -555,7 +579,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         with self.selecting():
             query = self._rehearsal_query(layer, x, position_ids)  # settles columns and count rules
             real_tokens = self._real_tokens(layer)
-            budgets = [self._choice_budget(n) for n in real_tokens]
+            budgets, follows = zip(*(self._choice_budget(n) for n in real_tokens), strict=True)
             # within the floor: everything, whatever alpha counts
             whole = [n <= self.config.min_tokens for n in real_tokens]
             alpha = self._row_alphas(layer, torch.float32)
@@ -571,15 +595,9 @@ class InfiniGenPolicy(HostPoolPolicy):
                 )
         state = self.layers[layer]
         state.selected.append(counts.float().mean())
-        if self.config.select_every > 1:  # each head's best read tokens: the steps between read the next ones
-            takes = [min(self.spec.group_size, count) for count in counts.tolist()]
-            picked = scores.gather(2, index)
-            picked = picked if valid is None else picked.masked_fill(~valid, -math.inf)
-            read = torch.full_like(scores, -math.inf).scatter_reduce(2, index, picked, "amax")
-            best, shown = pick_top(read, takes)
-            held = read.gather(2, best) > -math.inf  # a token read (not padding, nor a row's hidden extra)
-            held = held if shown is None else held & shown
-            state.followed = (best, None if bool(held.all()) else held)
+        if self.config.select_every > 1:  # the steps between read the tokens after these
+            takes = [min(follow, count) for follow, count in zip(follows, counts.tolist(), strict=True)]
+            state.followed = self._best_read(scores, index, valid, takes)
         if self.observer is not None:
             self.observer(
                 Rehearsal(
