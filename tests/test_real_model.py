@@ -82,6 +82,7 @@ BATCH_CASES = sorted(
         pytest.param(
             "infinigen", {**TIGHT["infinigen"], "own_query_prefetch": True}, id="infinigen-own-query-prefetch"
         ),
+        pytest.param("infinigen", {**TIGHT["infinigen"], "select_every": 2}, id="infinigen-select-every"),
     ],
     key=lambda case: str(POLICIES[case.values[0]].prefill_family),  # a family's cases in a row (prefills)
 )

@@ -38,8 +38,8 @@ class LayerState:
     chosen: Tensor | None = None
     chosen_valid: Tensor | None = None
     newest: Tensor | None = None  # [batch, kv_heads, 1]: the slot its last token was stored in (select_every)
-    # select_every: the slots whose next token the steps between read ([batch, kv_heads, group] and which
-    # of them hold one: None = all), the heads' best at the last choice, one further at each step
+    # select_every: the slots whose next token the steps between read ([batch, kv_heads, f] and which of
+    # them hold one: None = all), the best read at the last choice, one further at each step
     followed: tuple[Tensor, Tensor | None] | None = None
 
     def in_store(self, wide: Tensor) -> Tensor:

@@ -398,15 +398,15 @@ class InfiniGenPolicy(HostPoolPolicy):
                 self._prefetch_previous(0)
 
     def _reads_again(self, layer: int, step: int) -> bool:
-        """Whether managed ``layer`` reads at decode step ``step`` what it read at the step before, plus the
-        token it stored then, instead of choosing (``select_every``: steps 1, N + 1, 2N + 1, ... choose)."""
+        """Whether managed ``layer`` reads again at decode step ``step`` (``_with_newest``) instead of
+        choosing (``select_every``: steps 1, N + 1, 2N + 1, ... choose)."""
         between = (step - 1) % self.config.select_every != 0
         return between and self.managed(layer) and self.layers[layer].chosen is not None
 
     def _fetch_reused(self, layer: int, step: int) -> None:
-        """A step between choices (``select_every``): start copying what ``layer`` read at the step before
-        plus the slot of the token it stored then, on the decode thread (nothing is chosen; the copy itself
-        is queued on the pool's worker like any other)."""
+        """A step between choices (``select_every``): start copying what ``layer`` reads again
+        (``_with_newest``), on the decode thread (nothing is chosen; the copy itself is queued on the pool's
+        worker like any other)."""
         state = self.layers[layer]
         index, valid = self._with_newest(layer)
         state.chosen, state.chosen_valid = index, valid
@@ -837,9 +837,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         return Selection(keys, values, torch.cat([positions, newest], dim=2), valid)
 
     def _store(self, layer: int, k: Tensor, v: Tensor, position: int) -> None:
-        slots = self.layers[layer].slots
-        partial, scale = self._partial_keys(layer, k)
         state = self.layers[layer]
+        slots = state.slots
+        partial, scale = self._partial_keys(layer, k)
         if slots.n < self.limit(layer, position + 1):
             self.host_pool.append(layer, k, v)
             positions = torch.full_like(k[:, :, :, 0], position, dtype=torch.long)
