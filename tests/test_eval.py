@@ -158,9 +158,10 @@ def test_every_policy_reports_its_three_costs(tiny, monkeypatch):
 
 
 def test_the_front_is_drawn_over_accuracy_and_all_three_costs():
-    def record(policy, budget, ppl_value, moved, resident, selector):
+    def record(policy, budget, ppl_value, moved, resident, selector, buffer=0.01):
         result = {"ppl": ppl_value, "kv_fraction": moved, "kv_fetched_fraction": moved}
         result |= {"device_resident_fraction": resident, "selector_fraction": selector}
+        result |= {"fetch_buffer_fraction": buffer}
         cell = {"model": "m", "context": 4096, "kind": "ppl", "target": "austen", "policy": policy}
         return {"cell": cell | {"knobs": {"budget": budget} if budget else {}}, "result": result}
 
@@ -170,13 +171,15 @@ def test_the_front_is_drawn_over_accuracy_and_all_three_costs():
         cheap,
         record("infinigen", 0.2, 20.4, 0.2, 0.1, 0.05),
         record("oracle", 0.1, 20.2, 0.1, 0.0, 0.5),  # more accurate, holds less, but reads every key
-        record("h2o", 0.1, 20.5, 0.1, 0.0, 0.05),  # as accurate as cheap, holds less, reads as much
+        # as accurate as cheap, holds less, reads as much; its larger fetch buffer is shown, not an axis
+        record("h2o", 0.1, 20.5, 0.1, 0.0, 0.05, buffer=0.5),
         record("quest", 0.1, 20.6, 0.1, 0.1, None),  # a cost not recorded: left out
     ]
     assert report.dominates(
         report.costs([records[4]["result"]]) | {"accuracy": -20.5},
         report.costs([cheap["result"]]) | {"accuracy": -20.5},
     )
+    assert report.costs([records[4]["result"]])["buffer"] == 0.5
     (line,) = report.front_lines(records)
     assert line.startswith("m, 4096 tokens, perplexity on austen: front dense, infinigen budget=0.2, oracle")
     assert "InfiniGen points dominated: infinigen budget=0.1 (by h2o budget=0.1)" in line

@@ -85,8 +85,8 @@ def _footer(env: dict[str, Any]) -> str:
 def summary_table(result: dict[str, Any]) -> str:
     header = (
         "| batch | context | cache | tok/s | × dense | × offload | TTFT s | TPOT p50 ms | TPOT p99 ms | "
-        "MiB h2d/token | KV moved | on demand | resident | selector reads | selector time | of it inline | "
-        "KV attended | prefetch wait | peak RSS MiB |"
+        "MiB h2d/token | KV moved | on demand | resident | fetch buffer | selector reads | selector time | "
+        "of it inline | KV attended | prefetch wait | peak RSS MiB |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for cell in result["cells"]:
@@ -97,7 +97,8 @@ def summary_table(result: dict[str, Any]) -> str:
                 f"{r['tpot_p50_s'] * 1e3:.1f} | {r['tpot_p99_s'] * 1e3:.1f} | "
                 f"{r['bytes_h2d_per_token'] / MIB:.2f} | {r['kv_fraction_moved']:.1%} | "
                 f"{r['on_demand_fraction']:.1%} | "
-                f"{fmt(r['device_resident_fraction'], 1, scale=100)} % | {r['selector_fraction']:.1%} | "
+                f"{fmt(r['device_resident_fraction'], 1, scale=100)} % | {r['fetch_buffer_fraction']:.1%} | "
+                f"{r['selector_fraction']:.1%} | "
                 f"{r['selector_time_fraction']:.1%} | {r['selector_inline_fraction']:.1%} | "
                 f"{r['kv_fraction_attended']:.1%} | "
                 f"{r['prefetch_wait_fraction']:.1%} | {r['peak_host_rss_bytes'] / MIB:.0f} |"
@@ -305,7 +306,8 @@ def write_bench_report(result: dict[str, Any], path: Path) -> None:
         "(started by the layer that reads them, once its own query exists), as a share of them; KV attended "
         "= tokens each layer attended as a share of the cached "
         "tokens; resident = bytes the policy keeps on the compute device (partial keys, page summaries, the "
-        "whole cache for dense) as a share of the dense KV cache; selector reads = bytes its selector read "
+        "whole cache for dense) as a share of the dense KV cache; fetch buffer = the largest single copy "
+        "(one layer's fetched rows) on the same scale; selector reads = bytes its selector read "
         "to choose (InfiniGen's partial keys and look-ahead query projection, Quest's page summaries, the "
         "oracle's keys) on the scale of KV moved; selector time (all of it; of it inline: the part the "
         "decode thread ran itself, the rest ran ahead on the pool's worker thread, beside the previous "

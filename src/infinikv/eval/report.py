@@ -81,21 +81,24 @@ def costs(results: list[dict]) -> dict[str, float | None]:
     """A point's three costs (fractions of the dense KV cache), averaged over ``results`` (its cells'):
     ``moved`` (bytes fetched during decode; 0 for a policy that keeps its cache on the device), ``resident``
     (bytes kept on the compute device) and ``selector`` (bytes its selector read, on the scale of ``moved``);
-    None where a cell did not record it. ``shown`` is the tables' "KV fetched" column (``kv_fraction``)."""
+    None where a cell did not record it. ``shown`` is the tables' "KV fetched" column (``kv_fraction``) and
+    ``buffer`` their "fetch buffer" (the largest single copy, shown beside the costs but not one of them)."""
     moved = [(r["kv_fetched_fraction"] or 0.0) if "kv_fetched_fraction" in r else None for r in results]
     return {
         "shown": _mean([r["kv_fraction"] for r in results]),
         "moved": _mean(moved),
         "resident": _mean([r.get("device_resident_fraction") for r in results]),
         "selector": _mean([r.get("selector_fraction") for r in results]),
+        "buffer": _mean([r.get("fetch_buffer_fraction") for r in results]),
     }
 
 
 def _cost_cells(point: dict[str, float | None]) -> str:
-    return f"{fmt(point['shown'], 3)} | {fmt(point['resident'], 3)} | {fmt(point['selector'], 3)}"
+    shown = (point["shown"], point["resident"], point["buffer"], point["selector"])
+    return " | ".join(fmt(value, 3) for value in shown)
 
 
-COST_HEADER = "KV fetched | resident | selector reads"
+COST_HEADER = "KV fetched | resident | fetch buffer | selector reads"
 
 
 def retrieval_table(records: list[dict]) -> str:
@@ -423,7 +426,8 @@ METHOD = """
   (dense = 1).
 - **Resident.** Bytes the policy keeps on the compute device at the end of the run (its KV cache, partial
   keys, page summaries, scores) divided by the dense KV cache of the same tokens (dense = 1). The largest
-  single copy (the fetch buffer) is recorded apart in each cell (`fetch_buffer_fraction`).
+  single copy (the fetch buffer: one layer's fetched rows, on the same scale) is shown in its own column
+  (`fetch_buffer_fraction`); it is not an axis of the front.
 - **Selector reads.** Bytes the policy's selector read to choose what to fetch during decode (InfiniGen: its
   partial keys and the look-ahead query projection; Quest: page summaries; the oracle: every key; H2O: its
   accumulated scores), on the scale of KV fetched. Its share of the decode time is `selector_time_fraction`.
