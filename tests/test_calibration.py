@@ -202,6 +202,12 @@ def test_calibrated_knobs_are_stored_with_the_skew_and_reloaded(tiny, tmp_path, 
     # each layer's alpha at the defaults is the one scored as it chooses there: the first two by their
     # own query, the others rehearsed (no own-query layer among two)
     assert per_layer == tuned.alpha_per_layer_own[:2] + tuned.alpha_per_layer_rehearsed[2:]
+    # per window, each rehearsed layer's own recall curve, whose mean is the window's curve
+    for entry in tuned.ratio_by_length:
+        layers = [layer for layer, _ in entry.layer_curves]
+        assert layers == [point.layer for point in tuned.own_query_curve]
+        mean = torch.tensor([curve for _, curve in entry.layer_curves]).mean(0)
+        assert torch.allclose(mean, torch.tensor(entry.curve), atol=1e-3)
     reloaded = skewfile.cached_skew(tiny.spec)
     assert reloaded.tuned == tuned  # the record, field for field, types included
 
@@ -270,6 +276,26 @@ def test_pick_ratio_takes_the_smallest_share_close_enough_to_full_width():
     assert calibration.tuning.pick_ratio([0.5, 0.7, 0.78, 0.8], ratios, target=0.9) == 0.5
     assert calibration.tuning.pick_ratio([0.5, 0.73, 0.78, 0.8], ratios, target=0.9) == 0.2
     assert calibration.tuning.pick_ratio([0.1, 0.2, 0.3, 0.8], ratios, target=0.9) == 1.0
+
+
+def test_allocate_ratios_gives_the_columns_where_recall_gains_most_within_the_total():
+    allocate = calibration.tuning.allocate_ratios
+    ratios = (0.25, 0.5, 0.75, 1.0)  # 2, 4, 6 and 8 of 8 columns
+    easy, hard = (0.9, 0.91, 0.915, 0.92), (0.4, 0.7, 0.85, 0.9)
+    # the uniform ratio 0.5's total (4 columns each): the hard layer takes columns from the easy one
+    assert allocate({2: easy, 3: hard}, 8, 8, ratios) == {2: 0.25, 3: 0.75}
+    assert allocate({2: easy, 3: hard}, 16, 8, ratios) == {2: 1.0, 3: 1.0}  # room for all: every gain taken
+    # equal curves share the total equally; a total below the narrowest keeps the narrowest
+    assert allocate({2: hard, 3: hard}, 8, 8, ratios) == {2: 0.5, 3: 0.5}
+    assert allocate({2: hard, 3: hard}, 1, 8, ratios) == {2: 0.25, 3: 0.25}
+    # a widening that loses recall is never taken, even with room for it
+    assert allocate({2: (0.9, 0.8, 0.85, 0.86)}, 8, 8, ratios) == {2: 0.25}
+    # no layer wider than ``most`` allows (a longer window's allocation, whose columns must hold these)
+    assert allocate({2: easy, 3: hard}, 16, 8, ratios, most={2: 0.5, 3: 0.75}) == {2: 0.5, 3: 0.75}
+    # never more columns than the total (once the narrowest fit)
+    for total in range(6, 25):
+        got = allocate({2: easy, 3: hard, 4: (0.6, 0.8, 0.85, 0.87)}, total, 8, ratios)
+        assert sum(math.ceil(r * 8) for r in got.values()) <= total
 
 
 def test_pick_own_query_takes_the_worst_rehearsed_layers_below_the_target_up_to_the_share():

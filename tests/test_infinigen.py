@@ -712,10 +712,12 @@ def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrat
     expected = list(tuned.alpha_per_layer)
     assert None not in expected
     assert stats["alpha_used"] == expected and stats["alpha_source"].startswith("calibrated")
-    assert tuned.ratio_by_length[0] == RatioAtLength(  # the calibration text's window first
+    first = tuned.ratio_by_length[0]  # the calibration text's window first
+    assert first == RatioAtLength(
         tokens=256,
         partial_ratio=tuned.partial_ratio,
         curve=tuple(point.recall for point in tuned.ratio_curve),
+        layer_curves=first.layer_curves,
     )
     assert stats["partial_ratio_used"] == [tuned.partial_ratio]  # a prompt shorter than 256 tokens
     assert stats["partial_ratio_source"].startswith("calibrated at 256 tokens")
@@ -895,6 +897,58 @@ def test_the_device_budget_bounds_the_partial_keys_held(
             assert 0 < stats["kv_bytes_device"] <= device_budget * dense
             if loaded is tiny:  # every layer managed: all columns would not fit, so the budget bound them
                 assert stats["partial_columns_cap"] < spec.head_dim
+
+
+def _allocating(skew, curves: dict[int, tuple[float, ...]], ratio: float):
+    """``skew`` whose calibration has one window, at ``ratio``, with per-layer recall ``curves``."""
+    entry = RatioAtLength(4096, ratio, (), tuple(curves.items()))
+    return dataclasses.replace(skew, tuned=dataclasses.replace(skew.tuned, ratio_by_length=(entry,)))
+
+
+def test_columns_allocated_per_layer_go_where_recall_gains_most_within_the_uniform_total(
+    tiny, skews, monkeypatch
+):
+    """column_allocation per_layer: each rehearsed layer's partial key cache is as wide as the ratio
+    calibration's curves allocate it, a layer whose recall gains more per column wider than the uniform
+    ratio and one that gains less narrower, the columns together no more than the uniform ratio's, within
+    the device budget; every sequence is counted by its budget."""
+    spec, d = tiny.spec, tiny.spec.head_dim
+    easy = (0.9, 0.91, 0.915, 0.92, 0.925, 0.93, 0.935)  # recall per tuning.RATIOS
+    hard = (0.2, 0.4, 0.55, 0.65, 0.7, 0.85, 0.9)
+    skew = _allocating(skews[tiny.weights_id], {2: easy, 3: hard}, 0.5)
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
+    spy, held = _Spy(monkeypatch), {}
+    for allocation in ("uniform", "per_layer"):
+        _, stats = _tokens(
+            tiny, "infinigen", prompts=[TEXT[:400]], new=4, budget=0.3, column_allocation=allocation
+        )
+        policy = spy.policies[-1]
+        held[allocation] = {layer: policy.layers[layer].slots.view("partial").shape[2] for layer in (2, 3)}
+        element = next(tiny.model.parameters()).element_size()
+        dense = 2 * spec.num_layers * spec.num_kv_heads * d * element * (stats["prompt_tokens"] + 3)
+        assert stats["kv_bytes_device"] <= 0.125 * dense
+    uniform, allocated = held["uniform"], held["per_layer"]
+    assert uniform == {2: d // 2, 3: d // 2}
+    assert allocated[3] > d // 2 > allocated[2] and sum(allocated.values()) <= sum(uniform.values())
+    by_layer = stats["partial_ratio_by_layer"]
+    assert [math.ceil(by_layer[0][layer] * d) for layer in (2, 3)] == [allocated[2], allocated[3]]
+    assert set(stats["count_rule_used"]) == {"budget (columns allocated per layer)"}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_columns_allocated_per_layer_at_full_budget_equal_dense(kind, tiny, tiny_gemma, calibrated):
+    loaded = tiny if kind == "llama" else tiny_gemma
+    dense, _ = _tokens(loaded, "dense")
+    full, stats = _tokens(loaded, "infinigen", budget=1.0, column_allocation="per_layer")
+    assert full == dense and stats["selected_tokens_mean"] > 0
+
+
+def test_columns_allocated_per_layer_need_a_calibration_with_curves(tiny, skews, monkeypatch):
+    skew = _allocating(skews[tiny.weights_id], {}, 0.5)  # a record written before the curves were kept
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
+    with pytest.raises(PolicyError, match="run `infinikv calibrate"):
+        _tokens(tiny, "infinigen", new=2, column_allocation="per_layer")
+    _tokens(tiny, "infinigen", new=2)  # uniform columns need no curves
 
 
 def test_partial_keys_quantized_at_16_bits_select_what_unquantized_ones_select(tiny, calibrated, monkeypatch):

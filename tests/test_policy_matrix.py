@@ -428,6 +428,8 @@ VARIANTS = [pytest.param(policy, policy, {}, id=policy) for policy in POLICIES]
 VARIANTS.append(pytest.param("quant-kivi", "quant", KIVI, id="quant-kivi"))
 VARIANTS.append(pytest.param("infinigen-calibrated", "infinigen", CALIBRATED, id="infinigen-calibrated"))
 VARIANTS.append(pytest.param("infinigen-every-3", "infinigen", {"select_every": 3}, id="infinigen-every-3"))
+PER_LAYER = {**CALIBRATED, "column_allocation": "per_layer"}
+VARIANTS.append(pytest.param("infinigen-per-layer", "infinigen", PER_LAYER, id="infinigen-per-layer"))
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -345,7 +345,15 @@ def tune(
         ),
         # the ratio the same rule picks at the end of each window
         ratio_by_length=tuple(
-            RatioAtLength(end, ratio_of[end], tuple(round(m, 4) for m in recalls.mean(0).tolist()))
+            RatioAtLength(
+                end,
+                ratio_of[end],
+                tuple(round(m, 4) for m in recalls.mean(0).tolist()),
+                tuple(
+                    (layer, tuple(round(r, 4) for r in curve))
+                    for layer, curve in zip(rehearsed, recalls.tolist(), strict=True)
+                ),
+            )
             for end, recalls in by_length.items()
         ),
         alpha_per_layer=tuple(by_query["defaults"]),

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from ...errors import PolicyError
 from ...spec import ModelSpec
 from ..config import PolicyConfig, knob, min_tokens_knob
+from . import tuning
 from .blocks import bound_bytes_per_token
-from .skewfile import Skew
+from .skewfile import RatioAtLength, Skew, Tuned
 
 EVICTIONS = ("fifo", "lru", "counter")
 FIRST_LAYERS = ("dense", "own")
+COLUMN_ALLOCATIONS = ("uniform", "per_layer")
 # How the partial key cache is stored on the device, and its bits per value: integers with one 16-bit float
 # scale per token and KV head, or the model's own dtype (the paper's; its bits depend on the model).
 PARTIAL_KEYS = {"int8": 8, "int16": 16, "model": None}
@@ -57,6 +59,15 @@ class InfiniGenConfig(PolicyConfig):
         "how the partial key cache is stored on the device: int8 or int16 with one scale per token and KV "
         "head (symmetric, the scale's max), or model = the model's dtype (the paper)",
         choices=tuple(PARTIAL_KEYS),
+    )
+    column_allocation: str = knob(
+        "uniform",
+        "how a calibrated partial_ratio's columns are spread over the rehearsed layers: uniform = each takes "
+        "the ratio; per_layer = the same total columns, allocated to the layers whose recall of the real "
+        "top-k gains most per column (calibration's per-layer curves at the prompt's length; the budget then "
+        "counts every sequence); a given partial_ratio is uniform",
+        choices=COLUMN_ALLOCATIONS,
+        neutral=True,
     )
     device_budget: float = knob(
         0.125,
@@ -233,9 +244,8 @@ class InfiniGenConfig(PolicyConfig):
             paper = {"alpha": PAPER_ALPHA, "partial_ratio": PAPER_PARTIAL_RATIO}[name]
             return paper, "paper (this calibration has none)"
         if name == "partial_ratio":
-            by_length = tuned.ratio_by_length
-            if tokens is not None and by_length:
-                entry = next((e for e in by_length if e.tokens >= tokens), by_length[-1])
+            entry = _length_entry(tuned, tokens) if tokens is not None else None
+            if entry is not None:
                 ratio, source = (
                     entry.partial_ratio,
                     f"calibrated at {entry.tokens} tokens: {tuned.ratio_rule}",
@@ -261,6 +271,8 @@ class InfiniGenConfig(PolicyConfig):
         tuned = skew.tuned if skew is not None else None
         if self.alpha or tuned is None:
             return True, "alpha"
+        if self.allocates_columns():
+            return False, "budget (columns allocated per layer)"
         calibrated_at = tuned.partial_ratio
         if tuned.partial_keys != self.partial_keys:
             return False, f"budget (alphas calibrated with {tuned.partial_keys} partial keys)"
@@ -268,11 +280,66 @@ class InfiniGenConfig(PolicyConfig):
             return True, "alpha"
         return False, f"budget (alphas calibrated at partial ratio {calibrated_at:g}, this one's {ratio:g})"
 
-    def widest_ratio(self, skew: Skew | None, cap: tuple[int, int] | None = None) -> float:
-        """The widest partial ratio any prompt length resolves to (``cap`` as in :meth:`resolve`): the
-        prompt's partial keys are computed with it before its length is known."""
+    def widest_ratio(
+        self, skew: Skew | None, cap: tuple[int, int] | None = None, layer: int | None = None
+    ) -> float:
+        """The widest partial ratio any prompt length resolves to (``cap`` as in :meth:`resolve`), on
+        ``layer`` where columns are allocated per layer: the prompt's partial keys are computed with it
+        before its length is known."""
         ratio = self.resolve("partial_ratio", skew, cap=cap)[0]
         tuned = skew.tuned if skew is not None and not self.partial_ratio else None
         by_length = tuned.ratio_by_length if tuned is not None else ()
         calibrated = max([entry.partial_ratio for entry in by_length], default=0.0)
-        return max(ratio, calibrated if cap is None else min(calibrated, cap[0] / cap[1]))
+        widest = max(ratio, calibrated if cap is None else min(calibrated, cap[0] / cap[1]))
+        if layer is None or not self.allocates_columns():
+            return widest
+        longest = self.layer_ratios(skew, by_length[-1].tokens, cap) if by_length else {}
+        return longest.get(layer, widest)
+
+    def allocates_columns(self) -> bool:
+        """Whether calibrated columns are allocated per layer (``column_allocation``; a given
+        ``partial_ratio`` is uniform)."""
+        return self.column_allocation == "per_layer" and not self.partial_ratio
+
+    def layer_ratios(
+        self, skew: Skew | None, tokens: int | None, cap: tuple[int, int] | None = None
+    ) -> dict[int, float]:
+        """Columns allocated per layer for a prompt of ``tokens`` (None: the calibration text's length): per
+        rehearsed layer of the calibration's curves at that length (``RatioAtLength.layer_curves``), its
+        ratio, the layers' columns adding up to at most what the ratio :meth:`resolve` gives (``cap`` as
+        there) gives them all (``tuning.allocate_ratios``); empty where columns are uniform (every layer
+        takes :meth:`resolve`'s ratio) or nothing was calibrated. The windows are allocated from the longest
+        down, each layer no wider than at the window after it, so the longest's allocation holds every
+        window's columns: the prompt's partial keys, computed before its length is known, are kept in those
+        (:meth:`widest_ratio`), within the device budget."""
+        tuned = skew.tuned if skew is not None else None
+        entry = _length_entry(tuned, tokens) if tuned is not None else None
+        if not self.allocates_columns() or entry is None:
+            return {}
+        if not all(e.layer_curves for e in tuned.ratio_by_length):
+            raise PolicyError(
+                "infinigen: column_allocation per_layer needs the per-layer recall curves that this "
+                "calibration predates; run `infinikv calibrate --model …` again"
+            )
+        head_dim = skew.matrices.shape[-1]
+        allocated: dict[int, dict[int, float]] = {}
+        most = None
+        for window in reversed(tuned.ratio_by_length):  # the longest first
+            ratio = self.resolve("partial_ratio", skew, tokens=window.tokens, cap=cap)[0]
+            columns = max(1, math.ceil(round(ratio * head_dim, 6)))  # as Skew.columns counts them
+            curves = dict(window.layer_curves)
+            most = allocated[window.tokens] = tuning.allocate_ratios(
+                curves, columns * len(curves), head_dim, most=most
+            )
+        return allocated[entry.tokens]
+
+
+def _length_entry(tuned: Tuned | None, tokens: int | None) -> RatioAtLength | None:
+    """The calibration window a prompt of ``tokens`` takes (the shortest at least as long, else the longest;
+    None: the calibration text's, the first), or None without ratios per length."""
+    by_length = tuned.ratio_by_length if tuned is not None else ()
+    if not by_length:
+        return None
+    if tokens is None:
+        return by_length[0]
+    return next((e for e in by_length if e.tokens >= tokens), by_length[-1])

@@ -55,6 +55,12 @@ the widest calibrated columns (the prompt length is not known while its chunks a
 widest the batch needs when decoding starts. Column sets are nested, so a sequence of the batch that needs
 fewer columns reads its own from that store, and its scores are those it would get alone.
 
+Columns allocated per layer (``column_allocation`` per_layer; off by default): the uniform ratio's total,
+spread by calibration's per-layer recall curves at the prompt's length (``tuning.allocate_ratios``: the
+widening that buys the most recall per added column first), so a layer whose rehearsal needs more columns
+takes them from one that does not; the device bytes do not grow. The alphas were calibrated at the uniform
+ratio, so every sequence is then counted by its budget.
+
 A calibrated alpha is a threshold on scores over the columns it was calibrated with (the calibration text's
 ratio): with more columns the scores spread further, fewer tokens come within the same alpha, and the count
 stops following the budget (SmolLM2-135M at 8k: +1.6 % perplexity at budgets 20 % and 40 % alike). A
@@ -199,6 +205,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         # whether the alpha counts it (else its budget does) with the rule's name
         self._ratios: list[tuple[float, str]] | None = None
         self._count_rules: list[tuple[bool, str]] = []
+        # per sequence: the ratio of each rehearsed layer where columns are allocated per layer (else empty)
+        self._layer_ratios: list[dict[int, float]] = []
         self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
         self._padding: list[int] = []  # left-padding tokens per sequence, kept on the host (no sync per step)
         self._step = 0
@@ -282,7 +290,8 @@ class InfiniGenPolicy(HostPoolPolicy):
             self._cap = (self.config.column_cap(self.spec, k.element_size()), self.spec.head_dim)
         if state.projection is None:
             skew = self.skew()
-            projection = skew.projection(layer, self.config.widest_ratio(skew, self._cap), self.config.skew)
+            widest = self.config.widest_ratio(skew, self._cap, layer)
+            projection = skew.projection(layer, widest, self.config.skew)
             state.projection = projection.to(k.device, k.dtype)
         if self._step:
             self._settle_columns(layer)
@@ -290,22 +299,27 @@ class InfiniGenPolicy(HostPoolPolicy):
         return state.in_store(partial), scale
 
     def _settle_columns(self, layer: int) -> None:
-        """At the first decode step: each sequence's ratio by its prompt length, and the store of ``layer``
-        cut to the columns of the widest of them."""
+        """At the first decode step: each sequence's ratio by its prompt length (on this layer, where columns
+        are allocated per layer), and the store of ``layer`` cut to the columns of the widest of them."""
         state = self.layers[layer]
         if state.row_columns is not None:
             return
         skew, flag = self.skew(), self.config.skew
         if self._ratios is None:
-            self._ratios = [
-                self.config.resolve("partial_ratio", skew, tokens=n, cap=self._cap)
-                for n in self._real_tokens(layer)
-            ]
+            tokens = self._real_tokens(layer)
+            resolve = self.config.resolve
+            self._ratios = [resolve("partial_ratio", skew, tokens=n, cap=self._cap) for n in tokens]
             head_dim = self.spec.head_dim
             self._count_rules = [self.config.alpha_holds(skew, r, head_dim) for r, _ in self._ratios]
-        ratios = sorted({ratio for ratio, _ in self._ratios})
+            by_length = {n: self.config.layer_ratios(skew, n, self._cap) for n in set(tokens)}
+            self._layer_ratios = [by_length[n] for n in tokens]
+        row_ratios = [
+            allocated.get(layer, ratio)
+            for allocated, (ratio, _) in zip(self._layer_ratios, self._ratios, strict=True)
+        ]
+        ratios = sorted(set(row_ratios))
         device = state.projection.device
-        widest = skew.columns(layer, self.config.widest_ratio(skew, self._cap), flag)
+        widest = skew.columns(layer, self.config.widest_ratio(skew, self._cap, layer), flag)
         stored = skew.columns(layer, ratios[-1], flag)
         if stored.shape[1] < widest.shape[1]:
             state.stored = _positions(widest, stored).to(device)
@@ -318,7 +332,7 @@ class InfiniGenPolicy(HostPoolPolicy):
                 slots.bounds.keep(state.stored)
         groups = []
         for ratio in ratios[:-1]:  # the widest rows score with every stored column
-            rows = torch.tensor([b for b, (r, _) in enumerate(self._ratios) if r == ratio], device=device)
+            rows = torch.tensor([b for b, r in enumerate(row_ratios) if r == ratio], device=device)
             groups.append((rows, _positions(stored, skew.columns(layer, ratio, flag)).to(device)))
         state.row_columns = tuple(groups)
 
@@ -930,6 +944,12 @@ class InfiniGenPolicy(HostPoolPolicy):
                 # per sequence: "alpha", or "budget (why)" where the calibrated alphas do not hold
                 count_rule_used=[rule for _, rule in self._count_rules],
             )
+        if any(self._layer_ratios):
+            # per sequence, per layer: its allocated ratio (None where the layer takes the uniform one)
+            out["partial_ratio_by_layer"] = [
+                [allocated.get(layer) for layer in range(self.spec.num_layers)]
+                for allocated in self._layer_ratios
+            ]
         return out
 
 

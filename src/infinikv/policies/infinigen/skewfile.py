@@ -73,6 +73,10 @@ class RatioAtLength:
     """The ratio the rule (``Tuned.ratio_rule``) picks at that window's end."""
     curve: tuple[float, ...]
     """The recall per ratio of ``tuning.RATIOS`` it was picked from (as :attr:`RatioPoint.recall`)."""
+    layer_curves: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    """Per rehearsed layer, (layer, its own recall per ratio of ``tuning.RATIOS``): what columns allocated
+    per layer (``InfiniGenConfig.column_allocation``) are chosen from. Empty in a record written before
+    they were kept."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,12 @@ class Tuned:
                 ratio_rule=data["ratio_rule"],
                 ratio_curve=tuple(RatioPoint(**point) for point in data["ratio_curve"]),
                 ratio_by_length=tuple(
-                    RatioAtLength(entry["tokens"], entry["partial_ratio"], tuple(entry["curve"]))
+                    RatioAtLength(
+                        entry["tokens"],
+                        entry["partial_ratio"],
+                        tuple(entry["curve"]),
+                        tuple((layer, tuple(c)) for layer, c in entry.get("layer_curves", ())),
+                    )
                     for entry in data["ratio_by_length"]
                 ),
                 alpha_per_layer=tuple(data["alpha_per_layer"]),

@@ -254,6 +254,39 @@ def pick_ratio(
     return next(ratio for ratio, recall in zip(ratios, recalls, strict=True) if recall >= target * full)
 
 
+def allocate_ratios(
+    curves: dict[int, tuple[float, ...]],
+    total: int,
+    head_dim: int,
+    ratios: tuple[float, ...] = RATIOS,
+    most: dict[int, float] | None = None,
+) -> dict[int, float]:
+    """Columns allocated per layer within a total: per layer of ``curves`` (its recall per ratio of
+    ``ratios``), a ratio such that the layers' columns (⌈ratio·``head_dim``⌉ each) add up to at most
+    ``total``, maximising the summed recall. Greedy on the marginal gain: every layer starts at the narrowest
+    ratio, then the widening that buys the most recall per added column and still fits is taken, until none
+    does (a widening that loses recall is never taken; every layer keeps at least the narrowest ratio).
+    ``most``: per layer, the widest ratio it may take (another allocation's, so that this one's columns are
+    among that one's)."""
+    width = [max(1, math.ceil(round(r * head_dim, 6))) for r in ratios]
+    widest = {layer: len(ratios) - 1 if most is None else ratios.index(most[layer]) for layer in curves}
+    at = dict.fromkeys(curves, 0)
+    used = width[0] * len(curves)
+    while True:
+        best, best_gain = None, 0.0
+        for layer, step in at.items():
+            for nxt in range(step + 1, widest[layer] + 1):  # the next wider ratio, or one past a flat part
+                added = width[nxt] - width[step]
+                gain = (curves[layer][nxt] - curves[layer][step]) / added
+                if used + added <= total and gain > best_gain:
+                    best, best_gain = (layer, nxt), gain
+        if best is None:
+            return {layer: ratios[step] for layer, step in at.items()}
+        layer, nxt = best
+        used += width[nxt] - width[at[layer]]
+        at[layer] = nxt
+
+
 def pick_own_query(
     kept: dict[int, float], target: float = OWN_TARGET, most_share: float = OWN_MAX_SHARE
 ) -> list[int]:
