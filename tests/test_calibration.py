@@ -172,6 +172,10 @@ def test_calibrate_command(tiny, tmp_path, monkeypatch, capsys):
     assert [row["layer"] for row in report["own_query_curve"]] == [2, 3]  # the rehearsed layers
     assert report["own_query_layers"] == []  # at most an eighth of two layers
     assert report["partial_ratio"] in calibration.tuning.RATIOS
+    # per window, the per-layer allocation within the device budget and the recall it buys
+    (window,) = report["columns_per_layer"]
+    assert [layer for layer, _ in window["ratio_by_layer"]] == [2, 3]
+    assert window["recall_allocated"] >= window["recall_uniform"] > 0
     assert main([*args, "--tokens", "96"]) == 0
     err = capsys.readouterr().err
     assert "calibrated alpha per layer" in err and "layers choosing with their own query none" in err

@@ -193,6 +193,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "own_query_rule": tuned.own_query_rule,
         "own_query_curve": [asdict(point) for point in tuned.own_query_curve],
     }
+    # what column_allocation per_layer would give each rehearsed layer within this model's device budget
+    report["columns_per_layer"] = _columns_per_layer(skew, loaded)
     ratio = report["partial_ratio"]
     report["partial_share_skewed"] = round(concentration(skew, ratio), 4)
     report["partial_share_identity"] = round(concentration(skew, ratio, skewed=False), 4)
@@ -211,6 +213,37 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _columns_per_layer(skew, loaded) -> list[dict[str, Any]]:
+    """Per calibration window: each rehearsed layer's ratio under ``column_allocation`` per_layer within the
+    model's device budget, and the mean recall of the real top-k the calibration measured at those ratios
+    and at the uniform ratio (None where the budget cuts it between the measured ratios)."""
+    from .policies import InfiniGenConfig
+    from .policies.infinigen.tuning import RATIOS
+
+    config = InfiniGenConfig(column_allocation="per_layer")
+    element = next(loaded.model.parameters()).element_size()
+    cap = (config.column_cap(loaded.spec, element), loaded.spec.head_dim)
+    out = []
+    for window in skew.tuned.ratio_by_length:
+        curves = dict(window.layer_curves)
+        allocated = config.layer_ratios(skew, window.tokens, cap)
+        uniform = config.resolve("partial_ratio", skew, tokens=window.tokens, cap=cap)[0]
+        at_uniform = (
+            [curve[RATIOS.index(uniform)] for curve in curves.values()] if uniform in RATIOS else None
+        )
+        at_allocated = [curves[layer][RATIOS.index(ratio)] for layer, ratio in allocated.items()]
+        out.append(
+            {
+                "tokens": window.tokens,
+                "uniform_ratio": uniform,
+                "recall_uniform": None if at_uniform is None else round(sum(at_uniform) / len(curves), 4),
+                "recall_allocated": round(sum(at_allocated) / len(curves), 4),
+                "ratio_by_layer": sorted(allocated.items()),
+            }
+        )
+    return out
 
 
 def _by_length(entries: list[dict[str, Any]]) -> str:
