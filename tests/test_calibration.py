@@ -217,7 +217,9 @@ def test_calibrated_knobs_are_stored_with_the_skew_and_reloaded(tiny, tmp_path, 
 
 
 def test_an_own_query_layer_is_calibrated_with_its_own_query(tiny, monkeypatch):
-    """A layer the calibration names an own-query layer gets the alpha scored with its own query."""
+    """A layer the calibration names an own-query layer gets the alpha scored with its own query, and its
+    recall curve (for columns allocated per layer) is its own query's; the ratio is picked as before."""
+    rehearsed_only = calibration.calibrate(tiny, text=TEXT, tokens=128, save=False).tuned
     monkeypatch.setattr(calibration.tuning, "pick_own_query", lambda kept: [3])
     made = calibration.calibrate(tiny, text=TEXT, tokens=128, save=False)
     tuned = made.tuned
@@ -226,6 +228,10 @@ def test_an_own_query_layer_is_calibrated_with_its_own_query(tiny, monkeypatch):
         tuned.alpha_per_layer_rehearsed[2],
         tuned.alpha_per_layer_own[3],
     )
+    (before,), (after,) = rehearsed_only.ratio_by_length, tuned.ratio_by_length
+    assert after.partial_ratio == before.partial_ratio and after.curve == before.curve
+    assert after.layer_curves[0] == before.layer_curves[0]  # layer 2, rehearsed either way
+    assert after.layer_curves[1][0] == 3 and after.layer_curves[1] != before.layer_curves[1]
 
 
 def _save_with_tuned(skew: skewfile.Skew, path, tuned: str | None) -> None:

@@ -221,12 +221,14 @@ def _tuned_layers(spec: ModelSpec, present: Callable[[int], bool]) -> tuple[list
 
 def tune_cost(spec: ModelSpec, ends: tuple[int, ...]) -> float:
     """:func:`tune`'s work for windows ending at ``ends`` (the shortest first), in the progress bar's units:
-    per rehearsed layer and window, the real top-k, one scoring per candidate ratio and one by its own query;
-    per calibrated layer, its coverage at each alpha by both queries on the shortest window."""
+    per rehearsed layer and window, the real top-k, one scoring per candidate ratio and one by its own query,
+    and for as many own-query layers as may be named, a scoring per ratio by their own query; per calibrated
+    layer, its coverage at each alpha by both queries on the shortest window."""
     calibrated, rehearsed = _tuned_layers(spec, lambda layer: True)
     if not rehearsed:
         return 0.0
-    per_window = len(rehearsed) * (len(tuning.RATIOS) + 2)
+    most_own = int(tuning.OWN_MAX_SHARE * len(rehearsed))
+    per_window = len(rehearsed) * (len(tuning.RATIOS) + 2) + most_own * len(tuning.RATIOS)
     return sum(per_window * end / 1024 for end in ends) + len(calibrated) * 2 * 2 * ends[0] / 1024
 
 
@@ -311,6 +313,17 @@ def tune(
     kept_by_layer = dict(zip(rehearsed, torch.tensor(shares).mean(0).tolist(), strict=True))
     own_query = tuning.pick_own_query(kept_by_layer)
 
+    # Each layer's recall curve as it chooses, for columns allocated per layer: an own-query layer's is its
+    # own query's (the ratio above was picked on the rehearsal's, as the own-query layers were not known).
+    layer_curves = {end: recalls.clone() for end, recalls in by_length.items()}
+    most_own = int(tuning.OWN_MAX_SHARE * len(rehearsed))
+    for end, curves in layer_curves.items():
+        for layer in own_query:
+            curves[rehearsed.index(layer)] = torch.tensor(
+                recall(end, layer, windows[end][layer][0], tuning.RATIOS)
+            )
+        progress((most_own - len(own_query)) * len(tuning.RATIOS) * end / 1024)  # budgeted, not needed
+
     # Each layer's alpha scored both ways, by its own query and rehearsed: a run whose own-query set differs
     # from the defaults' (a given list, none, another dense_layers) takes the one for how the layer chooses.
     ratio = ratio_of[shortest]
@@ -351,7 +364,7 @@ def tune(
                 tuple(round(m, 4) for m in recalls.mean(0).tolist()),
                 tuple(
                     (layer, tuple(round(r, 4) for r in curve))
-                    for layer, curve in zip(rehearsed, recalls.tolist(), strict=True)
+                    for layer, curve in zip(rehearsed, layer_curves[end].tolist(), strict=True)
                 ),
             )
             for end, recalls in by_length.items()
