@@ -56,10 +56,10 @@ widest the batch needs when decoding starts. Column sets are nested, so a sequen
 fewer columns reads its own from that store, and its scores are those it would get alone.
 
 Columns allocated per layer (``column_allocation`` per_layer; off by default): the uniform ratio's total,
-spread by calibration's per-layer recall curves at the prompt's length (``tuning.allocate_ratios``: the
-widening that buys the most recall per added column first), so a layer whose rehearsal needs more columns
-takes them from one that does not; the device bytes do not grow. The alphas were calibrated at the uniform
-ratio, so every sequence is then counted by its budget.
+spread by calibration's per-layer recall curves at the prompt's length (an own-query layer's by its own
+query; ``tuning.allocate_ratios``: the widening that buys the most recall per added column first), so a
+layer whose choice needs more columns takes them from one that does not; the device bytes do not grow.
+The alphas were calibrated at the uniform ratio, so every sequence is then counted by its budget.
 
 A calibrated alpha is a threshold on scores over the columns it was calibrated with (the calibration text's
 ratio): with more columns the scores spread further, fewer tokens come within the same alpha, and the count
