@@ -33,7 +33,9 @@ Llama; 20 % of the columns). What they cost depends on the model:
 The columns a rehearsal needs grow with the context: among more past tokens, more are mistaken for the
 real top-k (SmolLM2-135M: 0.3 holds the target at 2k tokens, 0.75 at 4k and 8k). The ratio is therefore
 picked again, by the same rule, at the end of longer windows of the text (:data:`LENGTHS`, within the
-model's context), and a prompt takes the ratio of its length. The alphas are calibrated at the calibration
+model's context), and a prompt takes the ratio of its length. Each rehearsed layer's own curve is kept
+too (an own-query layer's by its own query), from which :func:`allocate_ratios` spreads the same total
+columns over the layers where ``column_allocation`` is per_layer. The alphas are calibrated at the calibration
 text's ratio only, and only sequences that rehearse at that ratio are counted with them (the policy's module
 docstring says why the others fetch their budget).
 
