@@ -262,6 +262,12 @@ def test_sweep_resumes_without_recomputing(tiny, tmp_path, monkeypatch):
     assert summary["unavailable_policies"] == ["no_such_policy"]
     for name in ("cells.jsonl", "summary.json", "tables.md", "accuracy_vs_kv.png", "ppl_vs_kv.png"):
         assert (config.out / name).exists()
+    # every table's separator row has as many cells as its header (else Markdown draws no table)
+    tables = (config.out / "tables.md").read_text().splitlines()
+    headers = [i for i, line in enumerate(tables) if line.startswith("| model |")]
+    assert len(headers) == 2  # retrieval and perplexity
+    for i in headers:
+        assert tables[i + 1].startswith("|---") and tables[i].count("|") == tables[i + 1].count("|")
 
     # Interrupted during the last cell: its line is torn. A restart measures only that cell.
     log = config.out / "cells.jsonl"

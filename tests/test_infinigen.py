@@ -935,6 +935,26 @@ def test_columns_allocated_per_layer_go_where_recall_gains_most_within_the_unifo
     assert set(stats["count_rule_used"]) == {"budget (columns allocated per layer)"}
 
 
+def test_columns_allocated_per_layer_nest_across_windows_and_batch_rows(tiny, skews, monkeypatch):
+    """Two calibration windows that allocate differently: a batch whose prompts fall in either gets, row by
+    row, the tokens each gets alone (a row's columns are among the store's, the longer window's)."""
+    easy = (0.9, 0.91, 0.915, 0.92, 0.925, 0.93, 0.935)
+    hard = (0.2, 0.4, 0.55, 0.65, 0.7, 0.85, 0.9)
+    windows = (
+        RatioAtLength(200, 0.3, (), ((2, hard), (3, easy))),
+        RatioAtLength(4096, 0.5, (), ((2, easy), (3, hard))),
+    )
+    skew = skews[tiny.weights_id]
+    skew = dataclasses.replace(skew, tuned=dataclasses.replace(skew.tuned, ratio_by_length=windows))
+    monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
+    prompts = [TEXT[:100], TEXT[:400]]  # 100 and 400 tokens: one in each window
+    knobs = dict(new=8, budget=0.3, column_allocation="per_layer")
+    batch, stats = _tokens(tiny, "infinigen", prompts=prompts, **knobs)
+    assert batch == [_tokens(tiny, "infinigen", prompts=[prompt], **knobs)[0][0] for prompt in prompts]
+    short, long = stats["partial_ratio_by_layer"]
+    assert short != long and all(short[layer] <= long[layer] for layer in (2, 3))
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_columns_allocated_per_layer_at_full_budget_equal_dense(kind, tiny, tiny_gemma, calibrated):
     loaded = tiny if kind == "llama" else tiny_gemma

@@ -225,10 +225,11 @@ def _columns_per_layer(skew, loaded) -> list[dict[str, Any]]:
     config = InfiniGenConfig(column_allocation="per_layer")
     element = next(loaded.model.parameters()).element_size()
     cap = (config.column_cap(loaded.spec, element), loaded.spec.head_dim)
+    allocations = config.allocations(skew, cap)
     out = []
-    for window in skew.tuned.ratio_by_length:
+    for window in skew.tuned.ratio_by_length if allocations else ():
         curves = dict(window.layer_curves)
-        allocated = config.layer_ratios(skew, window.tokens, cap)
+        allocated = allocations[window.tokens]
         uniform = config.resolve("partial_ratio", skew, tokens=window.tokens, cap=cap)[0]
         at_uniform = (
             [curve[RATIOS.index(uniform)] for curve in curves.values()] if uniform in RATIOS else None

@@ -99,6 +99,7 @@ def _cost_cells(point: dict[str, float | None]) -> str:
 
 
 COST_HEADER = "KV fetched | resident | fetch buffer | selector reads"
+COST_ALIGN = "---:|" * (COST_HEADER.count("|") + 1)  # the cost columns' separator cells
 
 
 def retrieval_table(records: list[dict]) -> str:
@@ -114,7 +115,7 @@ def retrieval_table(records: list[dict]) -> str:
         grouped.setdefault(row, {})[c["target"]] = r
     lines = [
         "| model | context | policy | " + " | ".join(tasks) + f" | mean | {COST_HEADER} |",
-        "|---|---:|---|" + "---:|" * (len(tasks) + 4),
+        "|---|---:|---|" + "---:|" * (len(tasks) + 1) + COST_ALIGN,
     ]
     for (model, context, label), by_task in grouped.items():
         scores = [by_task[t]["result"]["score"] if t in by_task else None for t in tasks]
@@ -132,7 +133,7 @@ def ppl_table(records: list[dict]) -> str:
         return ""
     lines = [
         f"| model | text | context | policy | ppl | dense ppl | Δ ppl | last-block ppl | {COST_HEADER} |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---|---:|---:|---:|---:|" + COST_ALIGN,
     ]
     for r in rows:
         c, res = r["cell"], r["result"]

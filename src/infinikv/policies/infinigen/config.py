@@ -281,57 +281,75 @@ class InfiniGenConfig(PolicyConfig):
         return False, f"budget (alphas calibrated at partial ratio {calibrated_at:g}, this one's {ratio:g})"
 
     def widest_ratio(
-        self, skew: Skew | None, cap: tuple[int, int] | None = None, layer: int | None = None
+        self,
+        skew: Skew | None,
+        cap: tuple[int, int] | None = None,
+        layer: int | None = None,
+        allocations: dict[int, dict[int, float]] | None = None,
     ) -> float:
         """The widest partial ratio any prompt length resolves to (``cap`` as in :meth:`resolve`), on
-        ``layer`` where columns are allocated per layer: the prompt's partial keys are computed with it
-        before its length is known."""
+        ``layer`` where columns are allocated per layer (``allocations``, :meth:`allocations`'): the prompt's
+        partial keys are computed with it before its length is known."""
         ratio = self.resolve("partial_ratio", skew, cap=cap)[0]
         tuned = skew.tuned if skew is not None and not self.partial_ratio else None
         by_length = tuned.ratio_by_length if tuned is not None else ()
         calibrated = max([entry.partial_ratio for entry in by_length], default=0.0)
         widest = max(ratio, calibrated if cap is None else min(calibrated, cap[0] / cap[1]))
-        if layer is None or not self.allocates_columns():
+        if layer is None or not allocations:
             return widest
-        longest = self.layer_ratios(skew, by_length[-1].tokens, cap) if by_length else {}
-        return longest.get(layer, widest)
+        return allocations[by_length[-1].tokens].get(layer, widest)  # the longest window holds the others
 
     def allocates_columns(self) -> bool:
         """Whether calibrated columns are allocated per layer (``column_allocation``; a given
         ``partial_ratio`` is uniform)."""
         return self.column_allocation == "per_layer" and not self.partial_ratio
 
-    def layer_ratios(
-        self, skew: Skew | None, tokens: int | None, cap: tuple[int, int] | None = None
-    ) -> dict[int, float]:
-        """Columns allocated per layer for a prompt of ``tokens`` (None: the calibration text's length): per
-        rehearsed layer of the calibration's curves at that length (``RatioAtLength.layer_curves``), its
-        ratio, the layers' columns adding up to at most what the ratio :meth:`resolve` gives (``cap`` as
-        there) gives them all (``tuning.allocate_ratios``); empty where columns are uniform (every layer
-        takes :meth:`resolve`'s ratio) or nothing was calibrated. The windows are allocated from the longest
-        down, each layer no wider than at the window after it, so the longest's allocation holds every
-        window's columns: the prompt's partial keys, computed before its length is known, are kept in those
-        (:meth:`widest_ratio`), within the device budget."""
+    def calibration_window(self, skew: Skew | None, tokens: int) -> int | None:
+        """The calibration window (its tokens) a prompt of ``tokens`` takes, or None without ratios per
+        length."""
+        entry = _length_entry(skew.tuned if skew is not None else None, tokens)
+        return None if entry is None else entry.tokens
+
+    def allocations(
+        self, skew: Skew | None, cap: tuple[int, int] | None = None
+    ) -> dict[int, dict[int, float]]:
+        """Columns allocated per layer, per calibration window (by its tokens): per rehearsed layer this run
+        manages, of the calibration's curves at that window (``RatioAtLength.layer_curves``), its ratio, the
+        layers' columns adding up to at most what the ratio :meth:`resolve` gives (``cap`` as there) gives
+        each of them (``tuning.allocate_ratios``). The windows are allocated from the longest down, each
+        layer no wider than at the window after it, so the longest's allocation holds every window's
+        columns: the prompt's partial keys, computed before its length is known, are kept in those
+        (:meth:`widest_ratio`), within the device budget. Empty where columns are uniform (every layer
+        takes :meth:`resolve`'s ratio), nothing was calibrated, or the budget leaves a layer fewer columns
+        than the narrowest ratio gives (the allocation starts there)."""
         tuned = skew.tuned if skew is not None else None
-        entry = _length_entry(tuned, tokens) if tuned is not None else None
-        if not self.allocates_columns() or entry is None:
+        if not self.allocates_columns() or tuned is None or not tuned.ratio_by_length:
             return {}
-        if not all(e.layer_curves for e in tuned.ratio_by_length):
+        if not all(window.layer_curves for window in tuned.ratio_by_length):
             raise PolicyError(
                 "infinigen: column_allocation per_layer needs the per-layer recall curves that this "
                 "calibration predates; run `infinikv calibrate --model …` again"
             )
         head_dim = skew.matrices.shape[-1]
+        narrowest = max(1, math.ceil(round(tuning.RATIOS[0] * head_dim, 6)))
         allocated: dict[int, dict[int, float]] = {}
         most = None
         for window in reversed(tuned.ratio_by_length):  # the longest first
             ratio = self.resolve("partial_ratio", skew, tokens=window.tokens, cap=cap)[0]
             columns = max(1, math.ceil(round(ratio * head_dim, 6)))  # as Skew.columns counts them
-            curves = dict(window.layer_curves)
+            if columns < narrowest:
+                return {}
+            # the curves' layers are the global ones from the calibration's dense_layers; of those, the
+            # ones this run manages (as selects()), so that their columns stay within its device budget
+            curves = {
+                layer: curve
+                for layer, curve in window.layer_curves
+                if layer >= self.dense_layers or self.first_layers == "own"
+            }
             most = allocated[window.tokens] = tuning.allocate_ratios(
                 curves, columns * len(curves), head_dim, most=most
             )
-        return allocated[entry.tokens]
+        return allocated
 
 
 def _length_entry(tuned: Tuned | None, tokens: int | None) -> RatioAtLength | None:

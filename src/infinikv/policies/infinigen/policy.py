@@ -205,7 +205,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         # whether the alpha counts it (else its budget does) with the rule's name
         self._ratios: list[tuple[float, str]] | None = None
         self._count_rules: list[tuple[bool, str]] = []
-        # per sequence: the ratio of each rehearsed layer where columns are allocated per layer (else empty)
+        # columns allocated per layer, per calibration window (empty: uniform), set with the first partial
+        # keys; and per sequence, the ratio of each allocated layer (else empty)
+        self._allocations: dict[int, dict[int, float]] | None = None
         self._layer_ratios: list[dict[int, float]] = []
         self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
         self._padding: list[int] = []  # left-padding tokens per sequence, kept on the host (no sync per step)
@@ -290,7 +292,9 @@ class InfiniGenPolicy(HostPoolPolicy):
             self._cap = (self.config.column_cap(self.spec, k.element_size()), self.spec.head_dim)
         if state.projection is None:
             skew = self.skew()
-            widest = self.config.widest_ratio(skew, self._cap, layer)
+            if self._allocations is None:
+                self._allocations = self.config.allocations(skew, self._cap)
+            widest = self.config.widest_ratio(skew, self._cap, layer, self._allocations)
             projection = skew.projection(layer, widest, self.config.skew)
             state.projection = projection.to(k.device, k.dtype)
         if self._step:
@@ -311,15 +315,19 @@ class InfiniGenPolicy(HostPoolPolicy):
             self._ratios = [resolve("partial_ratio", skew, tokens=n, cap=self._cap) for n in tokens]
             head_dim = self.spec.head_dim
             self._count_rules = [self.config.alpha_holds(skew, r, head_dim) for r, _ in self._ratios]
-            by_length = {n: self.config.layer_ratios(skew, n, self._cap) for n in set(tokens)}
-            self._layer_ratios = [by_length[n] for n in tokens]
+            allocations = self._allocations or {}
+            self._layer_ratios = [
+                allocations.get(self.config.calibration_window(skew, n), {}) for n in tokens
+            ]
         row_ratios = [
             allocated.get(layer, ratio)
             for allocated, (ratio, _) in zip(self._layer_ratios, self._ratios, strict=True)
         ]
         ratios = sorted(set(row_ratios))
         device = state.projection.device
-        widest = skew.columns(layer, self.config.widest_ratio(skew, self._cap, layer), flag)
+        widest = skew.columns(
+            layer, self.config.widest_ratio(skew, self._cap, layer, self._allocations), flag
+        )
         stored = skew.columns(layer, ratios[-1], flag)
         if stored.shape[1] < widest.shape[1]:
             state.stored = _positions(widest, stored).to(device)

@@ -265,9 +265,10 @@ def allocate_ratios(
 ) -> dict[int, float]:
     """Columns allocated per layer within a total: per layer of ``curves`` (its recall per ratio of
     ``ratios``), a ratio such that the layers' columns (⌈ratio·``head_dim``⌉ each) add up to at most
-    ``total``, maximising the summed recall. Greedy on the marginal gain: every layer starts at the narrowest
-    ratio, then the widening that buys the most recall per added column and still fits is taken, until none
-    does (a widening that loses recall is never taken; every layer keeps at least the narrowest ratio).
+    ``total``, for a large summed recall (greedy, so not always the largest): every layer starts at the
+    narrowest ratio, then the widening that buys the most recall per added column and still fits is taken,
+    until none does (a widening that loses recall is never taken; every layer keeps at least the narrowest
+    ratio).
     ``most``: per layer, the widest ratio it may take (another allocation's, so that this one's columns are
     among that one's)."""
     width = [max(1, math.ceil(round(r * head_dim, 6))) for r in ratios]
