@@ -20,6 +20,7 @@ from infinikv.policies.infinigen import blocks, calibration, rehearsal, skewfile
 from infinikv.policies.infinigen.policy import FOLLOWED_SHARE
 from infinikv.policies.infinigen.rehearsal import Rehearsal
 from infinikv.policies.infinigen.skewfile import RatioAtLength
+from infinikv.policies.infinigen.slots import SlotTable
 from infinikv.testing import tiny_model
 
 TEXT = "She had a lively, playful disposition, which delighted in anything ridiculous. " * 12
@@ -75,7 +76,7 @@ class _Spy:
         # The partial key cache is the policy's live store: keep it as it was at this step, with its strides
         # (the buffer behind the view, copied), so that scores recomputed from it are computed the same way.
         slots, n = policy.layers[record.layer].slots, record.partial_keys.shape[-1]
-        buffer = slots.partial.clone()
+        buffer = slots.unpacked(slots.partial.clone())  # 4-bit keys: one integer per column, as scored
         scale = None if slots.scale is None else slots.scale.clone()[..., :n]
         key = (self.policies.index(policy), record.step, record.layer)
         with self.inserting:
@@ -149,7 +150,13 @@ def _decode_logits(loaded, policy, steps: int = 12, **knobs) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 @pytest.mark.parametrize(
     ("dense_layers", "first_layers", "partial_keys"),
-    [(0, "dense", "int8"), (2, "dense", "model"), (2, "own", "int8"), (2, "own", "int16")],
+    [
+        (0, "dense", "int8"),
+        (2, "dense", "model"),
+        (2, "own", "int8"),
+        (2, "own", "int16"),
+        (2, "own", "int4"),
+    ],
 )
 @pytest.mark.parametrize("block_size", [0, 1, 16])
 def test_full_budget_equals_dense(
@@ -863,7 +870,7 @@ def test_the_calibrated_ratio_sets_the_partial_key_columns(tiny, calibrated, ske
         assert policy.partial_query(2, keys).shape[-1] == width
 
 
-@pytest.mark.parametrize("partial_keys", ["int8", "int16", "model"])
+@pytest.mark.parametrize("partial_keys", ["int4", "int8", "int16", "model"])
 @pytest.mark.parametrize("device_budget", [0.125, 0.04])
 @pytest.mark.parametrize("block_size", [0, 16])
 def test_the_device_budget_bounds_the_partial_keys_held(
@@ -895,8 +902,13 @@ def test_the_device_budget_bounds_the_partial_keys_held(
             element = next(loaded.model.parameters()).element_size()
             dense = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element * tokens
             assert 0 < stats["kv_bytes_device"] <= device_budget * dense
-            if loaded is tiny:  # every layer managed: all columns would not fit, so the budget bound them
-                assert stats["partial_columns_cap"] < spec.head_dim
+            if loaded is tiny:  # every layer managed: the budget bounds the columns where all would not fit
+                config = InfiniGenConfig(
+                    partial_keys=partial_keys, device_budget=device_budget, block_size=block_size
+                )
+                whole = config.bytes_per_token(spec.head_dim, element)
+                fits = whole <= device_budget * 2 * spec.head_dim * element
+                assert (stats["partial_columns_cap"] == spec.head_dim) == fits
 
 
 def _allocating(skew, curves: dict[int, tuple[float, ...]], ratio: float):
@@ -975,9 +987,9 @@ def test_partial_keys_quantized_at_16_bits_select_what_unquantized_ones_select(t
     """int16 partial keys (a scale per token) choose, layer by layer and step by step, the slots that partial
     keys in the model's dtype choose, until the first pick where two scores tie at the cut within int16's
     resolution (after it the runs attend differently); int8 ones hold 1/4 of the bytes (float32 model) plus
-    the scales."""
+    the scales, int4 ones half int8's (two to a byte)."""
     spy, runs, held = _Spy(monkeypatch), {}, {}
-    for partial_keys in ("model", "int16", "int8"):
+    for partial_keys in ("model", "int16", "int8", "int4"):
         first = len(spy.records)
         _, stats = _tokens(
             tiny, "infinigen", new=16, partial_keys=partial_keys, budget=0.3, partial_ratio=0.5
@@ -1000,6 +1012,27 @@ def test_partial_keys_quantized_at_16_bits_select_what_unquantized_ones_select(t
     assert same >= len(runs["model"]) // 2 > 0
     columns = math.ceil(0.5 * tiny.spec.head_dim)
     assert held["int8"] == held["model"] * (columns + 2) // (4 * columns)
+    assert held["int4"] == held["model"] * (math.ceil(columns / 2) + 2) // (4 * columns)
+
+
+@pytest.mark.parametrize("columns", [1, 6, 7])
+def test_4_bit_partial_keys_are_stored_two_to_a_byte_and_read_back_exactly(columns):
+    """int4 partial keys: the packed table holds ⌈columns/2⌉ bytes per slot, reads back the integers
+    quantize gave, and keeps a subset of its columns as a table of those columns alone would."""
+    values = torch.randn(2, 3, 5, columns)
+    integers, scale = rehearsal.quantize(values, 4)
+    assert int(integers.abs().max()) <= 7
+    packed, plain = SlotTable(packed=True), SlotTable()
+    for table in (packed, plain):
+        table.append(torch.zeros(2, 3, 5, dtype=torch.long), integers, 0, scale)
+    assert packed.view("partial").shape == (2, 3, math.ceil(columns / 2), 5)
+    assert packed.view("partial").dtype == torch.uint8
+    assert torch.equal(packed.unpacked(packed.view("partial")), plain.view("partial"))
+    assert packed.nbytes() == 2 * 3 * 5 * (math.ceil(columns / 2) + 2)
+    kept = torch.tensor([[columns - 1, 0]] * 3) if columns > 1 else torch.zeros(3, 1, dtype=torch.long)
+    for table in (packed, plain):
+        table.keep_columns(kept)
+    assert torch.equal(packed.unpacked(packed.view("partial")), plain.view("partial"))
 
 
 def test_a_context_within_the_floor_attends_everything_whatever_alpha_counts(tiny, calibrated):

@@ -430,6 +430,8 @@ VARIANTS.append(pytest.param("infinigen-calibrated", "infinigen", CALIBRATED, id
 VARIANTS.append(pytest.param("infinigen-every-3", "infinigen", {"select_every": 3}, id="infinigen-every-3"))
 PER_LAYER = {**CALIBRATED, "column_allocation": "per_layer"}
 VARIANTS.append(pytest.param("infinigen-per-layer", "infinigen", PER_LAYER, id="infinigen-per-layer"))
+INT4 = {**CALIBRATED, "partial_keys": "int4"}  # packed two to a byte, cut to each row's columns
+VARIANTS.append(pytest.param("infinigen-int4", "infinigen", INT4, id="infinigen-int4"))
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -25,8 +25,9 @@ EVICTIONS = ("fifo", "lru", "counter")
 FIRST_LAYERS = ("dense", "own")
 COLUMN_ALLOCATIONS = ("uniform", "per_layer")
 # How the partial key cache is stored on the device, and its bits per value: integers with one 16-bit float
-# scale per token and KV head, or the model's own dtype (the paper's; its bits depend on the model).
-PARTIAL_KEYS = {"int8": 8, "int16": 16, "model": None}
+# scale per token and KV head (4-bit ones two to a byte), or the model's own dtype (the paper's; its bits
+# depend on the model).
+PARTIAL_KEYS = {"int4": 4, "int8": 8, "int16": 16, "model": None}
 SCALE_BYTES = 2  # the per-token scale of integer partial keys (float16)
 PAPER_ALPHA = 5.0  # the paper's and artifact's threshold for Llama-family models
 PAPER_PARTIAL_RATIO = 0.2  # the paper's share of key columns
@@ -56,8 +57,9 @@ class InfiniGenConfig(PolicyConfig):
     )
     partial_keys: str = knob(
         "int8",
-        "how the partial key cache is stored on the device: int8 or int16 with one scale per token and KV "
-        "head (symmetric, the scale's max), or model = the model's dtype (the paper)",
+        "how the partial key cache is stored on the device: int4, int8 or int16 with one scale per token "
+        "and KV head (symmetric, the scale's max; int4 two to a byte, so the device budget holds twice "
+        "int8's columns, each coarser), or model = the model's dtype (the paper)",
         choices=tuple(PARTIAL_KEYS),
     )
     column_allocation: str = knob(
@@ -204,7 +206,7 @@ class InfiniGenConfig(PolicyConfig):
         """Device bytes of one token's partial key, one KV head, at ``columns`` columns (``element_size``:
         the model dtype's, for ``partial_keys`` model), its share of its block's bounds included."""
         bits = PARTIAL_KEYS[self.partial_keys]
-        key = columns * element_size if bits is None else columns * bits / 8 + SCALE_BYTES
+        key = columns * element_size if bits is None else math.ceil(columns * bits / 8) + SCALE_BYTES
         return key + bound_bytes_per_token(columns, self.block_size)
 
     def column_cap(self, spec: ModelSpec, element_size: int) -> int:

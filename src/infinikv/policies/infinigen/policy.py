@@ -159,6 +159,7 @@ from .rehearsal import (
     wanted_per_head,
 )
 from .skewfile import Skew
+from .slots import SlotTable
 
 Tensor = torch.Tensor
 _SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 2**21
@@ -196,7 +197,11 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._skew = skew
         config.check_spec(spec)
         self.observer = observer
-        self.layers = [LayerState(config.selects(spec, layer)) for layer in range(spec.num_layers)]
+        self._bits = PARTIAL_KEYS[config.partial_keys]
+        packed = self._bits == 4  # 4-bit partial keys are stored two to a byte
+        self.layers = [
+            LayerState(config.selects(spec, layer), SlotTable(packed)) for layer in range(spec.num_layers)
+        ]
         # managed layers that choose with their own input (before_attention), not one layer ahead (plan);
         # settled with the calibration at the first decode step (own_query)
         self._own_query: frozenset[int] | None = None
@@ -212,7 +217,6 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
         self._padding: list[int] = []  # left-padding tokens per sequence, kept on the host (no sync per step)
         self._step = 0
-        self._bits = PARTIAL_KEYS[config.partial_keys]
         # (most partial columns within the device budget, head_dim), set by the first prompt chunk's dtype
         self._cap: tuple[int, int] | None = None
         # statistics
@@ -278,7 +282,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         ends = bounds.block_of(torch.tensor([start, start + count - 1], device=slots.pos.device))
         touched = torch.arange(int(ends.min()), int(ends.max()) + 1, device=slots.pos.device)
         touched = touched.expand(*slots.pos.shape[:2], -1)
-        bounds.refresh(touched, slots.partial, slots.scale, slots.n, functools.partial(self._real_at, layer))
+        reals = functools.partial(self._real_at, layer)
+        bounds.refresh(touched, slots.unpacked(slots.partial), slots.scale, slots.n, reals)
 
     def _partial_keys(self, layer: int, k: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The partial skewed keys of ``k`` [batch, kv_heads, tokens, k'] in the columns the store keeps, and
@@ -332,10 +337,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if stored.shape[1] < widest.shape[1]:
             state.stored = _positions(widest, stored).to(device)
             slots = state.slots
-            kept = state.stored[None, :, :, None]
-            slots.partial = torch.gather(
-                slots.partial, 2, kept.expand(*slots.partial.shape[:2], -1, slots.partial.shape[3])
-            )
+            slots.keep_columns(state.stored)
             if slots.bounds is not None and slots.bounds.bounds is not None:
                 slots.bounds.keep(state.stored)
         groups = []
@@ -632,7 +634,7 @@ class InfiniGenPolicy(HostPoolPolicy):
                     index=index,
                     valid=valid,
                     real_slots=self.real_slots(layer),
-                    partial_keys=state.slots.view("partial"),
+                    partial_keys=state.slots.unpacked(state.slots.view("partial")),
                     scale=self._scales(layer),
                     to_partial=functools.partial(self.partial_query, layer),
                 )
@@ -657,9 +659,10 @@ class InfiniGenPolicy(HostPoolPolicy):
         (:func:`~.rehearsal.speculative_scores`, -inf on left padding)."""
         state = self.layers[layer]
         real = self.real_slots(layer) if self._has_padding() else None
-        partial_keys, scale = state.slots.view("partial"), self._scales(layer)
+        slots, scale = state.slots, self._scales(layer)
+        partial_keys = slots.view("partial")
         self.selector_read(partial_keys, *([] if scale is None else [scale]))
-        return speculative_scores(query, partial_keys, state.row_columns, real, scale)
+        return speculative_scores(query, slots.unpacked(partial_keys), state.row_columns, real, scale)
 
     def _candidate_blocks(self, layer: int, budgets: list[int], whole: list[bool]) -> list[int] | None:
         """Per sequence, the candidate blocks coarse-to-fine speculation keeps (all its blocks for a row
@@ -720,7 +723,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         else:
             keys, scale = gather_slots(slots.partial, slots.scale, candidates)
             self.selector_read(keys, *([] if scale is None else [scale]))
-            fine = speculative_scores(query, keys, state.row_columns, present, scale)
+            fine = speculative_scores(query, slots.unpacked(keys), state.row_columns, present, scale)
         fine_reserved = self._reserved(layer, candidates)
         if fine_reserved is not None:
             fine_reserved &= present
@@ -755,7 +758,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             slots.bounds = BlockBounds(self.config.block_size, padding, slots.pos.device)
             if self.config.block_size > 1:
                 reals = functools.partial(self._real_at, layer)
-                slots.bounds.build(slots.partial, slots.scale, slots.n, reals)
+                slots.bounds.build(slots.unpacked(slots.partial), slots.scale, slots.n, reals)
         return slots.bounds
 
     def _scales(self, layer: int) -> Tensor | None:
@@ -880,7 +883,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         bounds = slots.bounds
         if bounds is not None and bounds.size > 1:  # the blocks written to: their bounds again
             reals = functools.partial(self._real_at, layer)
-            bounds.refresh(bounds.block_of(victims[..., None]), slots.partial, slots.scale, slots.n, reals)
+            touched = bounds.block_of(victims[..., None])
+            bounds.refresh(touched, slots.unpacked(slots.partial), slots.scale, slots.n, reals)
 
     def _eviction_keys(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: lower = evicted first. Tier (padding < older half < newest half), then

@@ -1,7 +1,8 @@
 """InfiniGen's rehearsal as pure functions: partial query and partial keys in, scores and counts out.
 
 :func:`quantize` and :func:`dequantized` are how the partial key cache is stored on the device (integers
-with a per-token scale) and read back for diagnostics.
+with a per-token scale) and read back for diagnostics (4-bit integers are stored two to a byte:
+``slots.pack_nibbles``).
 
 :func:`speculative_scores` is step 2 of the policy's decode step (``policy.py``): the speculated logits of a
 layer, from its partial (skewed, few-column) query against its partial key cache. :func:`count_within` is
@@ -58,9 +59,10 @@ def speculative_scores(
     in the same k columns. ``row_columns``: (rows, columns [kv_heads, k']) for sequences that score with
     fewer of the k columns, as they would alone. ``real_slots`` [batch, kv_heads, slots]: False hides a slot
     (left padding) at -inf. ``scale`` [batch, kv_heads, 1, slots]: the per-token scale of integer
-    ``partial_keys`` (:func:`quantize`); 8-bit ones are multiplied in bfloat16, which holds them exactly and
-    reads half the bytes of float32, the scores then rounded to bfloat16's 8 bits (top-k on low-precision
-    scores); int16 ones in float32 (which holds them exactly); unquantized ones in the query's dtype."""
+    ``partial_keys`` (:func:`quantize`; 4-bit ones unpacked); int8 ones are multiplied in bfloat16, which
+    holds them exactly and reads half the bytes of float32, the scores then rounded to bfloat16's 8 bits
+    (top-k on low-precision scores); int16 ones in float32 (which holds them exactly); unquantized ones in
+    the query's dtype."""
     if scale is None:
         compute = partial_query.dtype
     else:

@@ -3,7 +3,8 @@
 With a capacity below the tokens seen, the pool overwrites slots in place (eviction), so a slot is not a
 position: the table keeps, per (sequence, KV head) and slot, the token position (mask column) it holds,
 how often and when it was last fetched (the ``counter`` and ``lru`` eviction rules), and, for layers the
-policy rehearses, the token's partial skewed key.
+policy rehearses, the token's partial skewed key (4-bit ones packed two columns to a byte: readers take
+them through :meth:`SlotTable.unpacked`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,32 @@ import torch
 Tensor = torch.Tensor
 
 
+def pack_nibbles(integers: Tensor) -> Tensor:
+    """4-bit integers ``integers`` [..., k] (int8 within -7..7, as ``rehearsal.quantize`` gives them) two to
+    a byte: uint8 [..., ⌈k/2⌉], column 2i in the low nibble and 2i + 1 in the high one, each offset by 8
+    (an odd k is padded with a zero column)."""
+    if integers.shape[-1] % 2:
+        integers = torch.nn.functional.pad(integers, (0, 1))
+    offset = (integers + 8).to(torch.uint8)
+    return offset[..., 0::2] | (offset[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: Tensor, columns: int) -> Tensor:
+    """The int8 integers [..., columns, slots] of a store of :func:`pack_nibbles`' bytes kept slots last,
+    ``packed`` [..., ⌈columns/2⌉, slots]."""
+    low = (packed & 15).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-2).flatten(-3, -2)[..., :columns, :]
+
+
 class SlotTable:
     """Per layer: what each pool slot holds (position, fetch count, last use) and its partial key."""
 
-    def __init__(self):
+    def __init__(self, packed: bool = False):
         self.n = 0
+        # 4-bit partial keys: stored packed (``partial`` then holds ⌈columns/2⌉ rows), ``columns`` of them
+        self.packed = packed
+        self.columns = 0
         self.pos: Tensor | None = None  # [batch, kv_heads, cap] mask column of the token in each slot
         self.fetches: Tensor | None = None  # [batch, kv_heads, cap] times the slot was fetched
         self.last: Tensor | None = None  # [batch, kv_heads, cap] step of the last fetch or store
@@ -34,6 +56,7 @@ class SlotTable:
     def append(self, pos: Tensor, partial: Tensor | None, step: int, scale: Tensor | None = None) -> None:
         """Add tokens at ``pos`` [batch, kv_heads, q] with their partial keys [batch, kv_heads, q, k] (and
         scales [batch, kv_heads, q, 1] when quantized)."""
+        partial = self._packed(partial)
         q = pos.shape[2]
         if self.pos is None or self.pos.shape[2] < self.n + q:
             self._grow(pos, partial, scale, max(self.n + q, 2 * self.n, 256))
@@ -51,6 +74,7 @@ class SlotTable:
         self, slots: Tensor, pos: int, partial: Tensor | None, step: int, scale: Tensor | None = None
     ) -> None:
         """Overwrite slot ``slots[b, h]`` of every (sequence, KV head) with a new token."""
+        partial = self._packed(partial)
         index = slots[..., None]
         self.pos.scatter_(2, index, torch.full_like(index, pos))
         self.fetches.scatter_(2, index, torch.zeros_like(index))
@@ -72,11 +96,32 @@ class SlotTable:
         self.n = index.shape[2]
         self.bounds = None  # slots moved: the bounds are taken again
 
+    def unpacked(self, keys: Tensor) -> Tensor:
+        """``keys`` (the partial key table, a view of it or slots gathered from it) with one integer per
+        column: 4-bit ones unpacked, the others as they are."""
+        return unpack_nibbles(keys, self.columns) if self.packed else keys
+
+    def keep_columns(self, kept: Tensor) -> None:
+        """Keep only the partial key columns ``kept`` [kv_heads, k'] (positions among the stored ones)."""
+        table = self.unpacked(self.partial)
+        table = torch.gather(table, 2, kept[None, :, :, None].expand(table.shape[0], -1, -1, table.shape[3]))
+        self.columns = kept.shape[1]
+        if self.packed:
+            table = pack_nibbles(table.transpose(2, 3)).transpose(2, 3).contiguous()
+        self.partial = table
+
     def nbytes(self) -> int:
         """Device bytes of the partial keys (and their scales) in use, and of their block bounds."""
         tables = [self.view(name) for name in ("partial", "scale") if getattr(self, name) is not None]
         held = sum(table.numel() * table.element_size() for table in tables)
         return held + (0 if self.bounds is None else self.bounds.nbytes())
+
+    def _packed(self, partial: Tensor | None) -> Tensor | None:
+        """New tokens' partial keys [batch, kv_heads, q, k] as the table stores them."""
+        if partial is None or not self.packed:
+            return partial
+        self.columns = partial.shape[-1]
+        return pack_nibbles(partial)
 
     def _grow(self, pos: Tensor, partial: Tensor | None, scale: Tensor | None, cap: int) -> None:
         batch, heads = pos.shape[:2]
