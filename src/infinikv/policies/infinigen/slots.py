@@ -15,21 +15,20 @@ Tensor = torch.Tensor
 
 
 def pack_nibbles(integers: Tensor) -> Tensor:
-    """4-bit integers ``integers`` [..., k] (int8 within -7..7, as ``rehearsal.quantize`` gives them) two to
-    a byte: uint8 [..., ⌈k/2⌉], column 2i in the low nibble and 2i + 1 in the high one, each offset by 8
-    (an odd k is padded with a zero column)."""
+    """4-bit integers ``integers`` [..., k] (int8 within -8..7, as ``rehearsal.quantize`` gives them) two to
+    a byte: int8 [..., ⌈k/2⌉], byte i holding column i in its low nibble and column ⌈k/2⌉ + i in its high
+    one, both two's complement (an odd k is padded with a zero column). Halves rather than neighbours, so
+    that :func:`unpack_nibbles` is two shifts and a concatenation."""
     if integers.shape[-1] % 2:
         integers = torch.nn.functional.pad(integers, (0, 1))
-    offset = (integers + 8).to(torch.uint8)
-    return offset[..., 0::2] | (offset[..., 1::2] << 4)
+    half = integers.shape[-1] // 2
+    return (integers[..., :half] & 15) | (integers[..., half:] << 4)
 
 
 def unpack_nibbles(packed: Tensor, columns: int) -> Tensor:
     """The int8 integers [..., columns, slots] of a store of :func:`pack_nibbles`' bytes kept slots last,
-    ``packed`` [..., ⌈columns/2⌉, slots]."""
-    low = (packed & 15).to(torch.int8) - 8
-    high = (packed >> 4).to(torch.int8) - 8
-    return torch.stack((low, high), dim=-2).flatten(-3, -2)[..., :columns, :]
+    ``packed`` [..., ⌈columns/2⌉, slots] (arithmetic shifts restore each nibble's sign)."""
+    return torch.cat(((packed << 4) >> 4, packed >> 4), dim=-2)[..., :columns, :]
 
 
 class SlotTable:
