@@ -36,7 +36,8 @@ calibrated columns, so a row's integers do not depend on its batch), a quarter o
 bounds add 4 bytes per column and block, and a calibrated ratio is cut to the columns that fit
 (``InfiniGenConfig.column_cap``, from the model's dtype: the same budget allows fewer columns for a 16-bit
 model). int8 keys are scored in bfloat16, which holds them exactly; the paper
-stores them in the model's dtype (``--partial-keys model``). Calibration measures its ratios and alphas on
+stores them in the model's dtype (``--partial-keys model``). ``--partial-keys int4`` stores two to a byte
+(``slots.pack_nibbles``), twice int8's columns in the same bytes, each coarser, unpacked for the product. Calibration measures its ratios and alphas on
 int8-quantised keys (scales over each candidate's columns, float32 scores), and on SmolLM2-135M picks the
 ratios and own-query layers it picked on unquantised keys.
 
