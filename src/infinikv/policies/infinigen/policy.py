@@ -35,11 +35,12 @@ float16 scale per token and KV head (``partial_keys``; ``rehearsal.quantize``, t
 calibrated columns, so a row's integers do not depend on its batch), a quarter of float32's bytes, block
 bounds add 4 bytes per column and block, and a calibrated ratio is cut to the columns that fit
 (``InfiniGenConfig.column_cap``, from the model's dtype: the same budget allows fewer columns for a 16-bit
-model). int8 keys are scored in bfloat16, which holds them exactly; the paper
-stores them in the model's dtype (``--partial-keys model``). ``--partial-keys int4`` stores two to a byte
-(``slots.pack_nibbles``), twice int8's columns in the same bytes, each coarser, unpacked for the product. Calibration measures its ratios and alphas on
-int8-quantised keys (scales over each candidate's columns, float32 scores), and on SmolLM2-135M picks the
-ratios and own-query layers it picked on unquantised keys.
+model). int8 keys are scored in bfloat16, which holds them exactly; the paper stores them in the model's
+dtype (``--partial-keys model``). ``--partial-keys int4`` stores them two to a byte (``slots.pack_nibbles``):
+twice int8's columns in the same bytes, each coarser, unpacked for the product (off by default:
+docs/results-infinigen.md measures it). Calibration measures its ratios and alphas on int8-quantised keys
+(scales over each candidate's columns, float32 scores), and on SmolLM2-135M picks the ratios and own-query
+layers it picked on unquantised keys.
 
 ``alpha`` 0 and ``partial_ratio`` 0 (the defaults) use the model's calibrated values, stored with its skew
 (``tuning.py``: the smallest share of columns whose speculated top-k holds 90 % of what full-width
