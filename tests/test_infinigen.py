@@ -903,12 +903,37 @@ def test_the_device_budget_bounds_the_partial_keys_held(
             dense = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element * tokens
             assert 0 < stats["kv_bytes_device"] <= device_budget * dense
             if loaded is tiny:  # every layer managed: the budget bounds the columns where all would not fit
+                stored = stats["partial_keys_stored"]  # int8 that would be cut is stored as int4
                 config = InfiniGenConfig(
-                    partial_keys=partial_keys, device_budget=device_budget, block_size=block_size
+                    partial_keys=stored, device_budget=device_budget, block_size=block_size
                 )
                 whole = config.bytes_per_token(spec.head_dim, element)
                 fits = whole <= device_budget * 2 * spec.head_dim * element
                 assert (stats["partial_columns_cap"] == spec.head_dim) == fits
+
+
+def test_int8_keys_the_budget_would_cut_are_stored_as_int4(tiny, skews, monkeypatch):
+    """keys_when_cut int4 (the default): where the device budget holds fewer of a calibrated ratio's columns
+    as int8 than as int4, the keys are stored as int4 with more columns, and select as int4 keys asked for
+    select; where int8 holds them all, or with keys_when_cut cut, they stay int8."""
+    spec = tiny.spec
+    for ratio, expected in ((1.0, "int4"), (0.5, "int8")):  # 16 columns do not fit as int8, 8 do
+        skew = skews[tiny.weights_id]
+        wide = (RatioAtLength(40, ratio, ()), RatioAtLength(4096, ratio, ()))
+        tuned = dataclasses.replace(skew.tuned, partial_ratio=ratio, ratio_by_length=wide)
+        monkeypatch.setattr(
+            skewfile, "cached_skew", lambda spec, s=skew, t=tuned: dataclasses.replace(s, tuned=t)
+        )
+        knobs = dict(prompts=[TEXT[:300]], new=6, budget=0.3)
+        tokens, stats = _tokens(tiny, "infinigen", **knobs)
+        assert stats["partial_keys_stored"] == expected
+        cut_tokens, cut = _tokens(tiny, "infinigen", keys_when_cut="cut", **knobs)
+        assert cut["partial_keys_stored"] == "int8"
+        if expected == "int4":
+            assert stats["partial_columns_cap"] == spec.head_dim > cut["partial_columns_cap"]
+            assert tokens == _tokens(tiny, "infinigen", partial_keys="int4", **knobs)[0]
+        else:
+            assert (tokens, stats["kv_bytes_device"]) == (cut_tokens, cut["kv_bytes_device"])
 
 
 def _allocating(skew, curves: dict[int, tuple[float, ...]], ratio: float):

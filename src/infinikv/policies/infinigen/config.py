@@ -12,7 +12,7 @@ policy's module docstring (``policy.py``) says why each knob is what it is.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...errors import PolicyError
 from ...spec import ModelSpec
@@ -28,6 +28,7 @@ COLUMN_ALLOCATIONS = ("uniform", "per_layer")
 # scale per token and KV head (4-bit ones two to a byte), or the model's own dtype (the paper's; its bits
 # depend on the model).
 PARTIAL_KEYS = {"int4": 4, "int8": 8, "int16": 16, "model": None}
+KEYS_WHEN_CUT = ("int4", "cut")
 SCALE_BYTES = 2  # the per-token scale of integer partial keys (float16)
 PAPER_ALPHA = 5.0  # the paper's and artifact's threshold for Llama-family models
 PAPER_PARTIAL_RATIO = 0.2  # the paper's share of key columns
@@ -62,6 +63,15 @@ class InfiniGenConfig(PolicyConfig):
         "int8's columns, each coarser), or model = the model's dtype (the paper)",
         choices=tuple(PARTIAL_KEYS),
     )
+    keys_when_cut: str = knob(
+        "int4",
+        "where the device budget cannot hold a calibrated ratio's columns as int8 partial keys (a 16-bit "
+        "model at 4k and 8k: 30 of SmolLM2-135M's 48), store them as int4 instead, twice the columns in the "
+        "same bytes, if that holds more of them; cut = keep int8 and cut the columns. A float32 model at "
+        "the default budget holds every calibrated column as int8, so there it never acts",
+        choices=KEYS_WHEN_CUT,
+        neutral=True,
+    )
     column_allocation: str = knob(
         "uniform",
         "how a calibrated partial_ratio's columns are spread over the rehearsed layers: uniform = each takes "
@@ -74,8 +84,8 @@ class InfiniGenConfig(PolicyConfig):
     device_budget: float = knob(
         0.125,
         "most device memory the partial key cache may hold, as a fraction of the dense KV cache of the same "
-        "tokens in the model's dtype; a calibrated partial_ratio is cut to the widest that fits (a given "
-        "one is kept, and stats report what it holds)",
+        "tokens in the model's dtype; a calibrated partial_ratio is cut to the widest that fits, after "
+        "keys_when_cut (a given one is kept, and stats report what it holds and how it was stored)",
         low=0,
         high=1,
         open_low=True,
@@ -219,6 +229,16 @@ class InfiniGenConfig(PolicyConfig):
         fits = [c for c in range(1, spec.head_dim + 1) if self.bytes_per_token(c, element_size) <= allowed]
         return max(fits, default=1)
 
+    def stored_keys(self, skew: Skew | None, spec: ModelSpec, element_size: int) -> str:
+        """How the partial keys are stored: ``partial_keys``, or int4 where ``keys_when_cut`` says so (int8
+        keys, calibrated ratios, and the budget holds fewer of the widest's columns than int4 would)."""
+        if self.keys_when_cut == "cut" or self.partial_keys != "int8" or self.partial_ratio:
+            return self.partial_keys
+        wanted = math.ceil(self.widest_ratio(skew) * spec.head_dim)
+        cap = self.column_cap(spec, element_size)
+        narrow = replace(self, partial_keys="int4").column_cap(spec, element_size)
+        return "int4" if cap < wanted and narrow > cap else self.partial_keys
+
     def selects(self, spec: ModelSpec, layer: int) -> bool:
         """Whether ``layer`` fetches selected tokens (the others load their full KV or their window)."""
         return not spec.is_sliding(layer) and (layer >= self.dense_layers or self.first_layers == "own")
@@ -266,17 +286,20 @@ class InfiniGenConfig(PolicyConfig):
             return per_layer[layer], f"calibrated: {tuned.layer_rule}"
         return tuned.alpha, f"calibrated: {tuned.rule}"
 
-    def alpha_holds(self, skew: Skew | None, ratio: float, head_dim: int) -> tuple[bool, str]:
+    def alpha_holds(
+        self, skew: Skew | None, ratio: float, head_dim: int, stored_keys: str | None = None
+    ) -> tuple[bool, str]:
         """Whether the alpha in use counts a sequence that rehearses with ``ratio`` of the columns, and why:
         a given alpha, or the paper's, always; calibrated alphas only at as many columns, stored as they
-        were calibrated with."""
+        were calibrated with (``stored_keys``: how they are stored, :meth:`stored_keys`; None:
+        ``partial_keys``)."""
         tuned = skew.tuned if skew is not None else None
         if self.alpha or tuned is None:
             return True, "alpha"
         if self.allocates_columns():
             return False, "budget (columns allocated per layer)"
         calibrated_at = tuned.partial_ratio
-        if tuned.partial_keys != self.partial_keys:
+        if tuned.partial_keys != (stored_keys or self.partial_keys):
             return False, f"budget (alphas calibrated with {tuned.partial_keys} partial keys)"
         if math.ceil(ratio * head_dim) == math.ceil(calibrated_at * head_dim):
             return True, "alpha"

@@ -36,9 +36,12 @@ calibrated columns, so a row's integers do not depend on its batch), a quarter o
 bounds add 4 bytes per column and block, and a calibrated ratio is cut to the columns that fit
 (``InfiniGenConfig.column_cap``, from the model's dtype: the same budget allows fewer columns for a 16-bit
 model). int8 keys are scored in bfloat16, which holds them exactly; the paper stores them in the model's
-dtype (``--partial-keys model``). ``--partial-keys int4`` stores them two to a byte (``slots.pack_nibbles``):
-twice int8's columns in the same bytes, each coarser, unpacked for the product (off by default:
-docs/results-infinigen.md measures it). Calibration measures its ratios and alphas on int8-quantised keys
+dtype (``--partial-keys model``). int4 keys are stored two to a byte (``slots.pack_nibbles``): twice int8's
+columns in the same bytes, each coarser, unpacked for the product. By default (``keys_when_cut`` int4) int8
+keys that the budget would cut below the calibrated columns are stored as int4 instead
+(``InfiniGenConfig.stored_keys``, settled with the first prompt chunk's dtype): on a 16-bit model at 4k and
+8k that keeps SmolLM2-135M's 48 columns where int8 holds 30, and found the 4k needle that the cut missed; a
+float32 model holds every calibrated column as int8, so there nothing changes (docs/results-infinigen.md). Calibration measures its ratios and alphas on int8-quantised keys
 (scales over each candidate's columns, float32 scores), and on SmolLM2-135M picks the ratios and own-query
 layers it picked on unquantised keys.
 
@@ -132,6 +135,7 @@ them (the two share slot numbers). Sliding-window layers keep at most their wind
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import sys
@@ -161,7 +165,6 @@ from .rehearsal import (
     wanted_per_head,
 )
 from .skewfile import Skew
-from .slots import SlotTable
 
 Tensor = torch.Tensor
 _SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 2**21
@@ -199,11 +202,10 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._skew = skew
         config.check_spec(spec)
         self.observer = observer
+        self.layers = [LayerState(config.selects(spec, layer)) for layer in range(spec.num_layers)]
+        # how the partial keys are stored and their bits, settled with the first prompt chunk's dtype
+        self._stored_keys = config.partial_keys
         self._bits = PARTIAL_KEYS[config.partial_keys]
-        packed = self._bits == 4  # 4-bit partial keys are stored two to a byte
-        self.layers = [
-            LayerState(config.selects(spec, layer), SlotTable(packed)) for layer in range(spec.num_layers)
-        ]
         # managed layers that choose with their own input (before_attention), not one layer ahead (plan);
         # settled with the calibration at the first decode step (own_query)
         self._own_query: frozenset[int] | None = None
@@ -296,7 +298,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if not state.managed:
             return None, None
         if self._cap is None:
-            self._cap = (self.config.column_cap(self.spec, k.element_size()), self.spec.head_dim)
+            self._settle_storage(k.element_size())
         if state.projection is None:
             skew = self.skew()
             if self._allocations is None:
@@ -308,6 +310,16 @@ class InfiniGenPolicy(HostPoolPolicy):
             self._settle_columns(layer)
         partial, scale = quantize(torch.matmul(k, state.projection), self._bits)
         return state.in_store(partial), scale
+
+    def _settle_storage(self, element_size: int) -> None:
+        """At the first prompt chunk: how the partial keys are stored (``InfiniGenConfig.stored_keys``;
+        4-bit ones two to a byte) and the most columns the device budget holds in that form."""
+        self._stored_keys = self.config.stored_keys(self.skew(), self.spec, element_size)
+        self._bits = PARTIAL_KEYS[self._stored_keys]
+        for state in self.layers:
+            state.slots.packed = self._bits == 4
+        storage = dataclasses.replace(self.config, partial_keys=self._stored_keys)
+        self._cap = (storage.column_cap(self.spec, element_size), self.spec.head_dim)
 
     def _settle_columns(self, layer: int) -> None:
         """At the first decode step: each sequence's ratio by its prompt length (on this layer, where columns
@@ -321,7 +333,9 @@ class InfiniGenPolicy(HostPoolPolicy):
             resolve = self.config.resolve
             self._ratios = [resolve("partial_ratio", skew, tokens=n, cap=self._cap) for n in tokens]
             head_dim = self.spec.head_dim
-            self._count_rules = [self.config.alpha_holds(skew, r, head_dim) for r, _ in self._ratios]
+            self._count_rules = [
+                self.config.alpha_holds(skew, r, head_dim, self._stored_keys) for r, _ in self._ratios
+            ]
             allocations = self._allocations or {}
             self._layer_ratios = [
                 allocations.get(self.config.calibration_window(skew, n), {}) for n in tokens
@@ -932,6 +946,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             block_recounts=self._block_recounts,
             # the most partial columns the device budget allows (of head_dim), for calibrated ratios
             partial_columns_cap=None if self._cap is None else self._cap[0],
+            partial_keys_stored=self._stored_keys,
             skew_source=None if self._skew is None else f"{self._skew.source} ({self._skew.tokens} tokens)",
         )
         alphas = [state.alpha for state in self.layers]
