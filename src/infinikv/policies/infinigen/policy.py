@@ -41,7 +41,8 @@ columns in the same bytes, each coarser, unpacked for the product. By default (`
 keys that the budget would cut below the calibrated columns are stored as int4 instead
 (``InfiniGenConfig.stored_keys``, settled with the first prompt chunk's dtype): on a 16-bit model at 4k and
 8k that keeps SmolLM2-135M's 48 columns where int8 holds 30, and found the 4k needle that the cut missed; a
-float32 model holds every calibrated column as int8, so there nothing changes (docs/results-infinigen.md). Calibration measures its ratios and alphas on int8-quantised keys
+float32 model holds every calibrated column as int8, so there nothing changes (docs/results-infinigen.md).
+Calibration measures its ratios and alphas on int8-quantised keys
 (scales over each candidate's columns, float32 scores), and on SmolLM2-135M picks the ratios and own-query
 layers it picked on unquantised keys.
 
