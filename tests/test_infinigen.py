@@ -511,7 +511,7 @@ def test_counter_eviction_keeps_pool_within_capacity(tiny, calibrated, monkeypat
         if policy.managed(layer):  # evicted tokens left the partial key cache with the pool
             keys = policy.host_pool.keys(layer)
             expected = policy.partial_query(layer, keys).transpose(2, 3)  # the keys in the partial columns
-            stored = rehearsal.dequantized(slots.view("partial"), slots.view("scale"))
+            stored = rehearsal.dequantized(slots.unpacked(slots.view("partial")), slots.view("scale"))
             assert torch.allclose(stored, expected, atol=expected.abs().max().item() / 100)
 
 
@@ -799,7 +799,8 @@ def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny,
     skew = dataclasses.replace(skews[tiny.weights_id], tuned=tuned)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
     spy = _Spy(monkeypatch)
-    knobs = dict(new=8, budget=0.5, window=0)
+    # int8 keys kept (the budget cuts the 1.0 ratio's columns): int4 ones would count every row by its budget
+    knobs = dict(new=8, budget=0.5, window=0, keys_when_cut="cut")
     alone = []
     for prompt, rule in ((short, "alpha"), (long, "budget")):
         tokens, stats = _tokens(tiny, "infinigen", prompts=[prompt], **knobs)
@@ -1197,7 +1198,8 @@ def test_block_bounds_follow_a_pool_that_evicts(tiny, calibrated, monkeypatch):
         if not policy.managed(layer) or slots.bounds is None:
             continue
         bounds, n = slots.bounds, slots.n
-        values = rehearsal.dequantized(slots.view("partial"), slots.view("scale")).transpose(2, 3)
+        keys = slots.unpacked(slots.view("partial"))
+        values = rehearsal.dequantized(keys, slots.view("scale")).transpose(2, 3)
         every = torch.arange(n).expand(*values.shape[:2], n)
         block = bounds.block_of(every)
         real = policy.real_slots(layer)
