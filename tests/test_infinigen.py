@@ -20,7 +20,7 @@ from infinikv.policies.infinigen import blocks, calibration, rehearsal, skewfile
 from infinikv.policies.infinigen.policy import FOLLOWED_SHARE
 from infinikv.policies.infinigen.rehearsal import Rehearsal
 from infinikv.policies.infinigen.skewfile import RatioAtLength
-from infinikv.policies.infinigen.slots import SlotTable
+from infinikv.policies.infinigen.slots import SlotTable, pack_nibbles, unpack_nibbles
 from infinikv.testing import tiny_model
 
 TEXT = "She had a lively, playful disposition, which delighted in anything ridiculous. " * 12
@@ -1137,24 +1137,27 @@ def test_block_speculation_chooses_within_the_budget_among_candidate_blocks(tiny
     assert batched == alone
 
 
-def test_block_bounds_bound_every_token_of_their_block():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_block_bounds_bound_every_token_of_their_block(bits):
     """Each block's stored max (min) is at least (at most) every value of its tokens' partial keys, after the
     bounds are built, widened by new tokens and taken again after an overwrite; rows with different
-    padding start their blocks at their first real token."""
+    padding start their blocks at their first real token. 4-bit keys are read from a packed store."""
     torch.manual_seed(0)
-    batch, heads, n, k, size = 2, 2, 45, 6, 8
+    batch, heads, n, k, size = 2, 2, 45, 7, 8
     padding = [0, 11]
-    keys, scale = rehearsal.quantize(torch.randn(batch, heads, n + 4, k) * 3, 8)
+    keys, scale = rehearsal.quantize(torch.randn(batch, heads, n + 4, k) * 3, bits)
     slots = torch.arange(n + 4)
+    unpack = None if bits == 8 else functools.partial(unpack_nibbles, columns=k)
 
     def real_at(index):
         return index >= torch.tensor(padding)[:, None, None]
 
-    def store():  # as the policy stores them: slots last
-        return keys.transpose(2, 3).contiguous(), scale.transpose(2, 3).contiguous()
+    def store():  # as the policy stores them: slots last, 4-bit ones two to a byte
+        stored = keys if bits == 8 else pack_nibbles(keys)
+        return stored.transpose(2, 3).contiguous(), scale.transpose(2, 3).contiguous()
 
     bounds = blocks.BlockBounds(size, padding, torch.device("cpu"))
-    bounds.build(*store(), n, real_at)
+    bounds.build(*store(), n, real_at, unpack)
     for extra in range(4):  # new tokens, one slot each
         bounds.extend(
             n + extra,
@@ -1162,8 +1165,8 @@ def test_block_bounds_bound_every_token_of_their_block():
                 keys[:, :, n + extra : n + extra + 1], scale[:, :, n + extra : n + extra + 1]
             ),
         )
-    keys[0, 1, 20] = 100  # an overwrite, then its block again
-    bounds.refresh(bounds.block_of(torch.full((batch, heads, 1), 20)), *store(), n + 4, real_at)
+    keys[0, 1, 20] = 7  # an overwrite (the largest 4-bit value), then its block again
+    bounds.refresh(bounds.block_of(torch.full((batch, heads, 1), 20)), *store(), n + 4, real_at, unpack)
     values = rehearsal.dequantized(keys, scale)
     for row in range(batch):
         first = bounds.block_of(torch.tensor([[[padding[row]]]]))[0, 0, 0]

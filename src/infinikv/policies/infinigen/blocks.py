@@ -80,13 +80,21 @@ class BlockBounds:
         """Blocks needed to cover ``slots`` slots in every row."""
         return (slots + self.size - 1) // self.size + 1
 
-    def build(self, keys: Tensor, scale: Tensor | None, n: int, real_at: Callable[[Tensor], Tensor]) -> None:
+    def build(
+        self,
+        keys: Tensor,
+        scale: Tensor | None,
+        n: int,
+        real_at: Callable[[Tensor], Tensor],
+        unpack: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
         """All bounds, from the first ``n`` slots (those in use) of the partial key store ``keys`` [batch,
         kv_heads, k, slots] (``scale`` [..., 1, slots]). ``real_at(slots)``: bool, whether each slot of
-        ``slots`` [batch, kv_heads, m] holds a real token."""
+        ``slots`` [batch, kv_heads, m] holds a real token. ``unpack``: a packed store's slots as one integer
+        per column (``SlotTable.unpacked``), applied to the slots read only (None: one to a column)."""
         batch, heads = keys.shape[:2]
         every = torch.arange(self.count(n), device=keys.device).expand(batch, heads, -1)
-        self.refresh(every, keys, scale, n, real_at)
+        self.refresh(every, keys, scale, n, real_at, unpack)
 
     def refresh(
         self,
@@ -95,16 +103,20 @@ class BlockBounds:
         scale: Tensor | None,
         n: int,
         real_at: Callable[[Tensor], Tensor],
+        unpack: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         """Take the bounds of ``blocks`` [batch, kv_heads, m] again from their tokens (after a store or an
         overwrite; arguments as :meth:`build`), growing the table when a block is new."""
-        batch, heads, k = keys.shape[:3]
-        self._grow(int(blocks.max()) + 1, batch, heads, k, keys.device)
         slots = self.slots_of(blocks)
         inside = (slots >= 0) & (slots < n)
         slots = slots.clamp(0, max(n - 1, 0))
         present = inside & real_at(slots)
-        values = dequantized(*gather_slots(keys, scale, slots)).transpose(2, 3)  # [batch, heads, m·size, k]
+        integers, scales = gather_slots(keys, scale, slots)
+        if unpack is not None:
+            integers = unpack(integers)
+        values = dequantized(integers, scales).transpose(2, 3)  # [batch, heads, m·size, k]
+        batch, heads, _, k = values.shape
+        self._grow(int(blocks.max()) + 1, batch, heads, k, keys.device)
         present = present.view(batch, heads, -1, self.size, 1)
         values = values.reshape(batch, heads, -1, self.size, k)
         high = values.masked_fill(~present, -math.inf).amax(dim=3)

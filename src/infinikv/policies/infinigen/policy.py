@@ -288,7 +288,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         touched = torch.arange(int(ends.min()), int(ends.max()) + 1, device=slots.pos.device)
         touched = touched.expand(*slots.pos.shape[:2], -1)
         reals = functools.partial(self._real_at, layer)
-        bounds.refresh(touched, slots.unpacked(slots.partial), slots.scale, slots.n, reals)
+        bounds.refresh(touched, slots.partial, slots.scale, slots.n, reals, slots.unpacked)
 
     def _partial_keys(self, layer: int, k: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The partial skewed keys of ``k`` [batch, kv_heads, tokens, k'] in the columns the store keeps, and
@@ -775,7 +775,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             slots.bounds = BlockBounds(self.config.block_size, padding, slots.pos.device)
             if self.config.block_size > 1:
                 reals = functools.partial(self._real_at, layer)
-                slots.bounds.build(slots.unpacked(slots.partial), slots.scale, slots.n, reals)
+                slots.bounds.build(slots.partial, slots.scale, slots.n, reals, slots.unpacked)
         return slots.bounds
 
     def _scales(self, layer: int) -> Tensor | None:
@@ -901,7 +901,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if bounds is not None and bounds.size > 1:  # the blocks written to: their bounds again
             reals = functools.partial(self._real_at, layer)
             touched = bounds.block_of(victims[..., None])
-            bounds.refresh(touched, slots.unpacked(slots.partial), slots.scale, slots.n, reals)
+            bounds.refresh(touched, slots.partial, slots.scale, slots.n, reals, slots.unpacked)
 
     def _eviction_keys(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: lower = evicted first. Tier (padding < older half < newest half), then
