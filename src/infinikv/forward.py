@@ -50,7 +50,7 @@ class RecordedPrefill:
 
     calls: list[tuple[int, Tensor, Tensor, Tensor | None]]
     state: Any
-    logits: Tensor
+    logits: Tensor | None  # None: a prefix restored by the engine, which keeps its own
     forward_s: float
 
 
@@ -220,6 +220,34 @@ class Driver:
         bar.close()
         return logits
 
+    # -- one sequence, chunk by chunk (the engine) ---------------------------------------------------------
+    @torch.inference_mode()
+    def extend(self, input_ids: Tensor, record: bool = False) -> tuple[Tensor, list | None]:
+        """Feed the next prompt chunk of one unpadded sequence (``input_ids``: [1, tokens], at least two
+        tokens unless the cache is empty, so the chunk is a prefill); return its last position's logits
+        [1, vocab] and, when ``record``, every ``Cache.update`` call the chunk made (layer, K, V,
+        key_valid), for the engine's prefix cache."""
+        start, tokens = self.length, input_ids.shape[1]
+        device = self.loaded.device
+        self.attention_mask = torch.ones(1, start + tokens, dtype=torch.long, device=device)
+        positions = torch.arange(start, start + tokens, device=device)[None]
+        self._next_positions = positions[:, -1:] + 1
+        self.cache.prefill_log = [] if record else None
+        try:
+            logits = self._forward(input_ids.to(device), self.attention_mask, positions)
+            return logits, self.cache.prefill_log
+        finally:
+            self.cache.prefill_log = None
+
+    def restore(
+        self, calls: list[tuple[int, Tensor, Tensor, Tensor | None]], state: Any, tokens: int
+    ) -> None:
+        """Hand the cache a prefix's recorded calls and the policy the ``prefill_state`` after them, as
+        that prefix's prefill would have (``tokens``: its length); the next ``extend`` continues from it."""
+        self._replay(RecordedPrefill(calls, state, logits=None, forward_s=0.0), repeat=1)
+        self.attention_mask = torch.ones(1, tokens, dtype=torch.long, device=self.loaded.device)
+        self._next_positions = self.attention_mask.new_full((1, 1), tokens)
+
     # -- decode --------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, tokens: Tensor) -> Tensor:
@@ -241,3 +269,18 @@ class Driver:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
+
+
+@torch.inference_mode()
+def decode_rows(loaded: LoadedModel, cache: Cache, tokens: Tensor, positions: Tensor) -> Tensor:
+    """One decode step of rows that need not share a length (the engine's ``RaggedCache``): ``tokens`` and
+    ``positions`` [rows], each row's new token and its position; returns the next-token logits [rows, vocab].
+    No mask is passed: each row's cache masks its own attention."""
+    device = loaded.device
+    return loaded.model(
+        input_ids=tokens.reshape(-1, 1).to(device),
+        position_ids=positions.reshape(-1, 1).to(device),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]

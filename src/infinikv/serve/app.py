@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import InfinikvError
+from ..engine import EngineConfig
+from ..errors import InfinikvError, InputError
 from ..models import LoadedModel
 from ..policies import make_config
 from . import answers
@@ -38,7 +40,7 @@ from .kv_policy import PolicyDefaults, kv_report, resolve_policy
 from .metrics import NO_POLICY, ServerMetrics
 from .openai_shapes import ApiError, answer_meta, completion
 from .sampling import prompt_ids, sampling_config
-from .scheduler import QueueFull, Scheduler, ShuttingDown
+from .scheduler import ContinuousScheduler, QueueFull, ShuttingDown, StaticScheduler
 from .schemas import ChatRequest, CompletionRequest, SamplingRequest, parse
 
 log = logging.getLogger("infinikv.serve")
@@ -48,8 +50,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completi
 
 @dataclass
 class ServerSettings:
-    max_batch: int = 8
+    max_batch: int = 8  # requests decoded together (static: requests per generate call)
     max_queue: int = 64
+    scheduler: str = "continuous"  # or "static": one batch of compatible requests at a time
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the continuous scheduler's engine
     default_max_tokens: int = 256  # chat requests without max_tokens (capped by the context left)
     served_name: str | None = None  # the model id clients send; default: the loaded model's name
 
@@ -62,7 +66,7 @@ class _State:
         self.defaults = defaults
         self.metrics = ServerMetrics()
         self.loaded: LoadedModel | None = None
-        self.scheduler: Scheduler | None = None
+        self.scheduler: ContinuousScheduler | StaticScheduler | None = None
         self.tokenizer: Any = None  # a copy: the worker thread uses the model's own, and a fast tokenizer
         # must not be used from two threads at once
         self.load_error: str | None = None
@@ -71,7 +75,12 @@ class _State:
     def ready(self, loaded: LoadedModel) -> None:
         default = make_config(self.defaults.name, **dict(self.defaults.knobs))
         default.check_spec(loaded.spec)  # the operator's knob the model cannot take: fail the load
-        scheduler = Scheduler(loaded, self.metrics, self.settings.max_batch, self.settings.max_queue)
+        settings = self.settings
+        if settings.scheduler == "static":
+            scheduler = StaticScheduler(loaded, self.metrics, settings.max_batch, settings.max_queue)
+        else:
+            engine = dataclasses.replace(settings.engine, max_running=settings.max_batch)
+            scheduler = ContinuousScheduler(loaded, self.metrics, engine, settings.max_queue)
         scheduler.prepare(default)
         scheduler.start()
         self.tokenizer = copy.deepcopy(loaded.tokenizer)
@@ -259,6 +268,8 @@ async def _generate(
         ) from None
     except ShuttingDown:
         raise ApiError("the server is shutting down", 503, type="server_error") from None
+    except InputError as exc:  # it could never fit the KV pool
+        raise ApiError(str(exc), 400, param=param, code="context_length_exceeded") from None
 
     def record(status: int) -> None:
         state.metrics.record_request(policy_name, status)

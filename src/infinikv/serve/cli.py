@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 
 from ..errors import InputError, ModelError
 from ..models import DEFAULT_MODEL
@@ -16,6 +17,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'")
+    return value
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got '{text}'") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got '{text}'")
     return value
 
 
@@ -53,9 +64,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         serve_forever(options, spread.address, args.host, args.port)
         return 0
+    from ..engine import EngineConfig
+
+    engine = EngineConfig(
+        block_tokens=args.block_tokens,
+        step_tokens=args.step_tokens,
+        kv_memory=None if args.kv_memory is None else int(args.kv_memory * 2**30),
+        prefix_cache=not args.no_prefix_cache,
+    )
     settings = ServerSettings(
         max_batch=args.max_batch,
         max_queue=args.max_queue,
+        scheduler=args.scheduler,
+        engine=engine,
         default_max_tokens=args.default_max_tokens,
         served_name=args.served_model_name,
     )
@@ -108,7 +129,34 @@ def register_cli(subparsers) -> None:
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it; see docs)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-batch", type=_positive, default=8, help="requests per generate call")
+    serve.add_argument(
+        "--max-batch", type=_positive, default=8, help="requests decoded together (static: per generate call)"
+    )
+    serve.add_argument(
+        "--scheduler",
+        choices=("continuous", "static"),
+        default="continuous",
+        help="continuous: requests join and leave the running batch at every step (docs/serving.md); "
+        "static: one batch of requests with equal policy and sampling at a time, each waiting for the last",
+    )
+    serve.add_argument(
+        "--block-tokens", type=_positive, default=128, help="tokens per block of the KV pool and prompt chunk"
+    )
+    serve.add_argument(
+        "--step-tokens",
+        type=_positive,
+        default=384,
+        help="tokens one engine step feeds: one per running request, the rest to prompt chunks",
+    )
+    serve.add_argument(
+        "--kv-memory",
+        type=_gib,
+        default=None,
+        help="GiB the KV pool may hold (default: half the memory free at start); requests wait beyond it",
+    )
+    serve.add_argument(
+        "--no-prefix-cache", action="store_true", help="prefill every prompt in full (no prefix sharing)"
+    )
     serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before 429")
     serve.add_argument(
         "--default-max-tokens", type=_positive, default=256, help="chat requests without max_tokens"

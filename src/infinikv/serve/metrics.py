@@ -33,7 +33,8 @@ class ServerMetrics:
         self.running = Gauge("infinikv_requests_running", "Requests in the running batch", registry=registry)
         self.batch_size = Histogram(
             "infinikv_batch_size",
-            "Requests per generate call",
+            "Rows of the decode steps a finished request took part in, its mean (static scheduler: requests "
+            "per generate call)",
             ["policy"],
             buckets=(1, 2, 4, 8, 16, 32, 64),
             registry=registry,
@@ -50,6 +51,21 @@ class ServerMetrics:
             ["policy", "where"],
             registry=registry,
         )
+        self.prefix_tokens = Counter(
+            "infinikv_prefix_cache_tokens",
+            "Prompt tokens found in the prefix cache (hit) and prefilled (miss)",
+            ["result"],
+            registry=registry,
+        )
+        self.kv_blocks = Gauge(
+            "infinikv_kv_blocks",
+            "Blocks of the KV pool: total, used (sequences and cached prefixes), cached (prefixes)",
+            ["state"],
+            registry=registry,
+        )
+        self.preemptions = Counter(
+            "infinikv_preemptions", "Running requests preempted for blocks (recomputed)", registry=registry
+        )
         self.bytes_h2d = Counter(
             "infinikv_bytes_h2d", "KV bytes moved host -> device", ["policy"], registry=registry
         )
@@ -60,7 +76,7 @@ class ServerMetrics:
     def record_batch(
         self, policy: str, rows: int, prompt_tokens: int, new_tokens: int, stats: dict[str, Any]
     ) -> None:
-        """One finished generate call; ``stats``: any row's statistics (the cache's figures are per batch)."""
+        """One finished request (static scheduler: one generate call); ``stats``: its statistics."""
         self.batch_size.labels(policy=policy).observe(rows)
         self.prompt_tokens.labels(policy=policy).inc(prompt_tokens)
         self.generation_tokens.labels(policy=policy).inc(new_tokens)

@@ -2,11 +2,16 @@
 
 The HTTP layer ``submit``s a :class:`Job` (a prompt's token ids, a policy config, sampling settings) and
 reads its events from an asyncio queue: ``("text", piece)`` while it streams, then ``("done",
-RequestResult)`` or ``("error", message)``. The worker takes the oldest waiting job plus every other
-waiting job with the same policy config and sampling settings (up to ``max_batch``) and runs them as one
-``Generator.generate`` call; rows finish independently, and a job whose client went away is cancelled at
-the next decode step. Jobs with different policies never share a batch, so each batch's cache and policy
-instance is its own. A new job waits for the running batch to end (no joining a batch mid-flight).
+RequestResult)`` or ``("error", message)``. A job whose client went away is cancelled at the next step.
+
+:class:`ContinuousScheduler` (the default) steps an :class:`~infinikv.engine.Engine`: a job joins the
+running batch at the next step, whatever its policy and sampling settings, and leaves it when it is done;
+long prompts are read in chunks between decode steps; admission goes by the pool's blocks, and the prefix
+cache (on unless ``--no-prefix-cache``) lets a prompt that starts like an earlier one prefill only the rest.
+
+:class:`StaticScheduler` (``--scheduler static``, kept to measure against) takes the oldest waiting job plus
+every other waiting job with the same policy config and sampling settings (up to ``max_batch``) and runs
+them as one ``Generator.generate`` call; a new job waits for the running batch to end.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine import Engine, EngineConfig
+from ..errors import InfinikvError
 from ..generate import GenerationConfig, Generator, RequestResult
 from ..models import LoadedModel
 from ..policies import PolicyConfig
@@ -52,6 +59,7 @@ class Job:
 
     @property
     def batch_key(self) -> tuple:
+        """Which jobs the static scheduler may run in one batch."""
         # Seeded sampling runs alone: rows of a batch draw from one random generator, so a batchmate
         # would change which numbers this request gets.
         if self.sampling.seed is not None and self.sampling.temperature > 0:
@@ -69,7 +77,7 @@ class Job:
         self.cancelled.set()
 
 
-class Scheduler:
+class StaticScheduler:
     def __init__(self, loaded: LoadedModel, metrics: ServerMetrics, max_batch: int = 8, max_queue: int = 64):
         self.loaded = loaded
         self.metrics = metrics
@@ -198,3 +206,142 @@ class Scheduler:
         log.info("batch of %d (%s) done in %.2f s", len(batch), name, time.perf_counter() - started)
         for job, result in zip(batch, results, strict=True):
             job.emit("done", result)
+
+
+class ContinuousScheduler:
+    """Jobs in and out of one engine between its steps, on one worker thread."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        metrics: ServerMetrics,
+        engine: EngineConfig = EngineConfig(),
+        max_queue: int = 64,
+    ):
+        self.engine = Engine(loaded, engine)
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._inbox: deque[Job] = deque()
+        self._jobs: dict[int, Job] = {}  # engine sequence id -> job (touched by the worker only)
+        self._lock = threading.Condition()
+        self._stopping = False
+        self._serials = itertools.count()
+        self._thread = threading.Thread(target=self._work, name="infinikv-engine", daemon=True)
+        self._counted = {"prefix_hit_tokens": 0, "prefix_miss_tokens": 0, "preemptions": 0}
+        self.metrics.kv_blocks.labels(state="total").set(self.engine.pool.total)
+
+    # -- the HTTP side ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(
+        self, prompt: list[int], policy: PolicyConfig, sampling: GenerationConfig, stream: bool
+    ) -> Job:
+        """Queue a job; an InputError (before anything is queued) when it could never fit the pool."""
+        self.engine.check(prompt, sampling)
+        job = Job(prompt, policy, sampling, stream, asyncio.get_running_loop(), serial=next(self._serials))
+        with self._lock:
+            if self._stopping:
+                raise ShuttingDown
+            if len(self._inbox) + len(self.engine.waiting) >= self.max_queue:
+                raise QueueFull
+            self._inbox.append(job)
+            self._lock.notify()
+        return job
+
+    def prepare(self, policy: PolicyConfig) -> None:
+        """A policy's model-level work (InfiniGen's calibration) ahead of its first request."""
+        self.engine.prepare(policy)
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._inbox) + len(self._jobs)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new jobs, end the waiting and running ones, and wait for the worker to finish."""
+        with self._lock:
+            self._stopping = True
+            waiting, self._inbox = list(self._inbox), deque()
+            self._lock.notify_all()
+        for job in waiting:
+            job.emit("error", "the server is shutting down")
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the worker ---------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._inbox and not self.engine.has_work and not self._stopping:
+                    self._lock.wait()
+                if self._stopping:
+                    break
+                arrived, self._inbox = list(self._inbox), deque()
+            for job in arrived:
+                self._add(job)
+            self._cancel_departed()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step must not stop the server: its requests fail
+                log.exception("an engine step failed")
+                self._fail_all(f"generation failed: {exc}")
+                continue
+            for out in outputs:
+                job = self._jobs[out.seq]
+                if out.text and job.stream:
+                    job.emit("text", out.text)
+                if out.result is not None:
+                    self._done(out.seq, out.result)
+            self._record_engine()
+        for seq in list(self._jobs):
+            self._jobs[seq].emit("error", "the server is shutting down")
+            self.engine.abort(seq)
+        self._jobs.clear()
+
+    def _add(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            return
+        try:
+            self._jobs[self.engine.add(job.prompt, job.policy, job.sampling)] = job
+        except InfinikvError as exc:
+            job.emit("error", str(exc))
+
+    def _cancel_departed(self) -> None:
+        for seq, job in list(self._jobs.items()):
+            if job.cancelled.is_set():
+                result = self.engine.abort(seq)
+                if result is not None:
+                    self._done(seq, result)
+
+    def _done(self, seq: int, result: RequestResult) -> None:
+        job = self._jobs.pop(seq)
+        stats = result.stats
+        self.metrics.record_batch(
+            stats.get("policy", type(job.policy).__name__),
+            rows=stats.get("batch_size", 1),
+            prompt_tokens=stats.get("prompt_tokens", len(job.prompt)),
+            new_tokens=len(result.token_ids),
+            stats=stats,
+        )
+        job.emit("done", result)
+
+    def _fail_all(self, message: str) -> None:
+        for seq, job in list(self._jobs.items()):
+            self.engine.abort(seq)
+            job.emit("error", message)
+        self._jobs.clear()
+
+    def _record_engine(self) -> None:
+        stats = self.engine.stats()
+        self.metrics.queue_length.set(len(self.engine.waiting))
+        self.metrics.running.set(len(self.engine.running))
+        for state in ("used", "cached"):
+            self.metrics.kv_blocks.labels(state=state).set(stats[f"blocks_{state}"])
+        for name, counter in (
+            ("prefix_hit_tokens", self.metrics.prefix_tokens.labels(result="hit")),
+            ("prefix_miss_tokens", self.metrics.prefix_tokens.labels(result="miss")),
+            ("preemptions", self.metrics.preemptions),
+        ):
+            counter.inc(stats[name] - self._counted[name])
+            self._counted[name] = stats[name]

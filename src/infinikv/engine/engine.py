@@ -1,0 +1,344 @@
+"""The engine: requests come and go between steps; each step feeds every running sequence one token and
+reads new prompts in block-sized chunks, under a token budget.
+
+``add`` queues a request (its prompt's token ids, its KV policy, its sampling settings) and returns its id;
+``abort`` ends one; ``step`` runs one scheduler step and returns what each sequence produced:
+
+1. **Room for the decode rows.** Every decoding sequence needs its cache to hold one more position; when the
+   pool has no block left for it (after evicting unheld prefix blocks), the most recently admitted sequence
+   is preempted: its cache is dropped, its blocks freed, and it goes back to the front of the queue with the
+   tokens it had generated, which are fed again through decode steps after its prompt is prefilled again
+   (recompute), so it resumes in the very state it left.
+2. **Decode.** One forward pass over all decoding sequences (``ragged.RaggedCache``: batched projections
+   and MLPs, each row's attention through its own policy), one token sampled per row, on each row's own
+   random generator, with its own sampling settings.
+3. **Prefill.** What is left of ``step_tokens`` goes to prompts, one block per chunk (at least one chunk a
+   step): first the admitted sequences still reading their prompt, oldest first, then waiting sequences,
+   admitted in order while the pool has blocks for their prompt. A new sequence first takes the blocks of
+   its prompt that the prefix cache holds (``blocks.PrefixCache``) and prefills only the rest. When the last
+   chunk is read, the sequence samples its first token.
+
+Chunks start at multiples of ``block_tokens`` (a one-token tail joins the chunk before it, so no chunk looks
+like a decode step), whatever else runs, so a sequence's prefill is the same computation alone, batched,
+preempted or after a prefix hit, and a cached block's K/V is bit-identical to a fresh prefill's.
+
+Each sequence has its own cache and policy instance: requests with different policies run in the same
+steps, and nothing a policy chooses for a row depends on the other rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import InfinikvCache
+from ..clock import now
+from ..errors import InputError
+from ..forward import Driver, decode_rows
+from ..models import LoadedModel
+from ..policies import PolicyConfig, policy_of, prepare
+from .blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes, free_memory_bytes, snapshot
+from .ragged import RaggedCache
+from .requests import GenerationConfig, RequestResult, sample
+from .sequence import Phase, Sequence
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_tokens: int = 128  # tokens per block of the pool, and per prefill chunk
+    step_tokens: int = 384  # tokens one step feeds at most: one per decode row, the rest to prompt chunks
+    max_running: int = 16  # sequences admitted at once
+    kv_memory: int | None = None  # the pool's bytes (None: half the memory free when the engine starts)
+    prefix_cache: bool = True
+
+    def __post_init__(self):
+        for name, low in (("block_tokens", 2), ("step_tokens", 1), ("max_running", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InputError(f"{name} must be a whole number of at least {low}, got {value!r}")
+        if self.kv_memory is not None and (not isinstance(self.kv_memory, int) or self.kv_memory < 1):
+            raise InputError(f"kv_memory must be a positive number of bytes, got {self.kv_memory!r}")
+
+
+@dataclass
+class StepOutput:
+    """What one sequence produced in a step: its new token (None for a cancelled one), the text that can be
+    shown now, and its result once it is finished."""
+
+    seq: int
+    token: int | None
+    text: str
+    result: RequestResult | None = None
+
+
+def prompt_chunks(length: int, block: int) -> list[tuple[int, int]]:
+    """(begin, end) of each prefill chunk of a ``length``-token prompt: whole blocks from the start, the last
+    one shorter; a one-token tail joins the chunk before it (a lone token after others would be a decode
+    step)."""
+    bounds = list(range(0, length, block)) + [length]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+class Engine:
+    """Continuous batching over ``loaded``'s model. Not thread-safe: one thread calls add, abort and step."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig()):
+        self.loaded = loaded
+        self.config = config
+        dtype = next(loaded.model.parameters()).dtype
+        per_block = block_bytes(loaded.spec, dtype, config.block_tokens)
+        memory = config.kv_memory if config.kv_memory is not None else free_memory_bytes() // 2
+        self.pool = BlockPool(memory // per_block, config.block_tokens)
+        self.block_bytes = per_block
+        self.prefixes = PrefixCache(self.pool) if config.prefix_cache else None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted, in admission order
+        self._sequences: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+        self._admissions = itertools.count()
+        self._prepared: set[PolicyConfig] = set()
+        eos = loaded.model.generation_config.eos_token_id
+        if eos is None:
+            eos = loaded.tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.preemptions = 0
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def prepare(self, policy: PolicyConfig) -> None:
+        """The policy's model-level work (InfiniGen's calibration), once per configuration."""
+        if policy not in self._prepared:
+            prepare(policy, self.loaded)
+            self._prepared.add(policy)
+
+    def check(self, prompt: list[int], sampling: GenerationConfig) -> None:
+        """An InputError when the request can never run: empty, past the model's context, or more blocks
+        than the whole pool."""
+        if not prompt:
+            raise InputError("the prompt is empty")
+        total = len(prompt) + sampling.max_new_tokens
+        if total > self.loaded.max_context:
+            raise InputError(
+                f"the prompt has {len(prompt)} tokens; with {sampling.max_new_tokens} new tokens it exceeds "
+                f"the model's context of {self.loaded.max_context} tokens"
+            )
+        if self.pool.blocks_for(total) > self.pool.total:
+            raise InputError(
+                f"the prompt has {len(prompt)} tokens; with {sampling.max_new_tokens} new tokens it needs "
+                f"{self.pool.blocks_for(total)} blocks of {self.pool.block_tokens} tokens, and the KV memory "
+                f"budget holds {self.pool.total}"
+            )
+
+    def add(self, prompt: list[int], policy: PolicyConfig, sampling: GenerationConfig) -> int:
+        """Queue a request; it is admitted at a coming step. Returns its id."""
+        self.check(prompt, sampling)
+        self.prepare(policy)
+        generator = torch.Generator(device="cpu")
+        if sampling.seed is not None:
+            generator.manual_seed(sampling.seed)
+        else:
+            generator.seed()
+        family = policy_of(policy).prefill_family or (type(policy).__name__, policy)
+        root = PrefixCache.root(self.loaded.weights_id, family, self.config.block_tokens)
+        seq = Sequence(next(self._ids), list(prompt), policy, sampling, generator, root)
+        self._sequences[seq.id] = seq
+        self.waiting.append(seq)
+        return seq.id
+
+    def abort(self, seq_id: int) -> RequestResult | None:
+        """End a request that has not finished ("cancelled"); returns its result (None if it had ended)."""
+        seq = self._sequences.get(seq_id)
+        if seq is None or seq.phase is Phase.FINISHED:
+            return None
+        seq.finish = "cancelled"
+        if seq.phase is Phase.WAITING:
+            self.waiting.remove(seq)
+        return self._finish(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> dict[str, int]:
+        """The pool and the prefix cache, for the server's metrics."""
+        prefixes = self.prefixes
+        return {
+            "blocks_total": self.pool.total,
+            "blocks_used": self.pool.used,
+            "blocks_cached": self.pool.cached,
+            "blocks_peak": self.pool.peak,
+            "block_bytes": self.block_bytes,
+            "prefix_hit_tokens": prefixes.hit_tokens if prefixes else 0,
+            "prefix_miss_tokens": prefixes.miss_tokens if prefixes else 0,
+            "preemptions": self.preemptions,
+        }
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        decoding = self._make_room([s for s in self.running if s.phase is Phase.DECODING])
+        if decoding:
+            self._decode(decoding, outputs)
+        self._prefill(self.config.step_tokens - len(decoding), outputs)
+        return outputs
+
+    def _make_room(self, decoding: list[Sequence]) -> list[Sequence]:
+        """The decoding sequences whose cache can take one more position, preempting the newest when not."""
+        kept = []
+        for seq in decoding:
+            while seq.phase is Phase.DECODING and not self._grow(seq, seq.cached_tokens + 1):
+                self._preempt(max(self.running, key=lambda s: s.admitted_at))
+            if seq.phase is Phase.DECODING:
+                kept.append(seq)
+        return kept
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        short = self.pool.blocks_for(tokens) - self.pool.held.get(seq.id, 0) - self.pool.free
+        if short > 0 and self.prefixes is not None:
+            self.prefixes.evict(short)
+        return self.pool.grow(seq.id, tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop ``seq``'s cache and blocks; it waits at the front, to feed its tokens again (recompute)."""
+        self._release(seq)
+        seq.phase, seq.prefilled, seq.next_input = Phase.WAITING, 0, None
+        seq.forced, seq.digest = list(seq.generated), seq.family
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.driver is not None:
+            seq.driver.close()
+            seq.driver = None
+        self.pool.release(seq.id)
+        if self.prefixes is not None:
+            self.prefixes.release(seq.id)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def _decode(self, rows: list[Sequence], outputs: list[StepOutput]) -> None:
+        past = [seq.cached_tokens for seq in rows]
+        cache = RaggedCache(self.loaded.spec, [seq.driver.cache for seq in rows], past)
+        tokens = torch.tensor([seq.next_input for seq in rows])
+        start = now(self.loaded.device)
+        logits = decode_rows(self.loaded, cache, tokens, torch.tensor(past))
+        elapsed = now(self.loaded.device) - start
+        for r, seq in enumerate(rows):
+            seq.decode_s += elapsed
+            seq.decode_steps += 1
+            seq.rows_in_steps += len(rows)
+            self._next_token(seq, logits[r : r + 1], outputs)
+
+    def _prefill(self, allowance: int, outputs: list[StepOutput]) -> None:
+        chunks = max(1, allowance // self.config.block_tokens)
+        while chunks > 0:
+            prefilling = (s for s in self.running if s.phase is Phase.PREFILLING)
+            seq = next(prefilling, None) or self._admit(outputs)
+            if seq is None:
+                return
+            if seq.prefilled < len(seq.prompt):
+                self._prefill_chunk(seq, outputs)
+                chunks -= 1
+
+    def _admit(self, outputs: list[StepOutput]) -> Sequence | None:
+        """The first waiting sequence, admitted with its cache and its cached prefix, if the pool has blocks
+        for its prompt (and the tokens it feeds again); None otherwise."""
+        if not self.waiting or len(self.running) >= self.config.max_running:
+            return None
+        seq = self.waiting[0]
+        if not self._grow(seq, len(seq.prompt) + len(seq.forced) + 1):
+            return None
+        self.waiting.popleft()
+        seq.phase, seq.admitted_at = Phase.PREFILLING, next(self._admissions)
+        cache = InfinikvCache(self.loaded.model, seq.policy, device=self.loaded.device)
+        seq.driver = Driver(self.loaded, cache)
+        self.running.append(seq)
+        if self.prefixes is not None:
+            self._restore_prefix(seq, outputs)
+        return seq
+
+    def _restore_prefix(self, seq: Sequence, outputs: list[StepOutput]) -> None:
+        # Each entry keeps its last position's logits, so a prompt of whole blocks can come from the cache
+        # entirely and sample its first token at once.
+        chunks = prompt_chunks(len(seq.prompt), self.config.block_tokens)
+        whole = {end for begin, end in chunks if end - begin == self.config.block_tokens}
+        found = self.prefixes.match(seq.family, seq.prompt, seq.id)
+        while found and len(found) * self.config.block_tokens not in whole:
+            found.pop()  # a hit must end where a chunk of this prompt ends
+        if not found:
+            return
+        tokens = len(found) * self.config.block_tokens
+        start = now(self.loaded.device)
+        seq.driver.restore(
+            [call for entry in found for call in entry.calls], snapshot(found[-1].state), tokens
+        )
+        seq.prefill_s += now(self.loaded.device) - start
+        seq.prefilled, seq.digest = tokens, found[-1].digest
+        seq.prefix_hit_tokens += tokens
+        self.prefixes.hit_tokens += tokens
+        if tokens == len(seq.prompt):
+            self._prompt_read(seq, found[-1].logits, outputs)
+
+    def _prefill_chunk(self, seq: Sequence, outputs: list[StepOutput]) -> None:
+        chunks = prompt_chunks(len(seq.prompt), self.config.block_tokens)
+        begin, end = next(chunk for chunk in chunks if chunk[0] == seq.prefilled)
+        record = self.prefixes is not None and end - begin == self.config.block_tokens
+        ids = torch.tensor([seq.prompt[begin:end]])
+        start = now(self.loaded.device)
+        logits, calls = seq.driver.extend(ids, record=record)
+        seq.prefill_s += now(self.loaded.device) - start
+        seq.prefilled = end
+        if self.prefixes is not None:
+            self.prefixes.miss_tokens += end - begin
+        if record:
+            seq.digest = PrefixCache.chain(seq.digest, seq.prompt[begin:end])
+            state = snapshot(seq.driver.policy.prefill_state())
+            self.prefixes.add(PrefixEntry(seq.digest, calls, state, logits.clone()), seq.id)
+        if end == len(seq.prompt):
+            self._prompt_read(seq, logits, outputs)
+
+    def _prompt_read(self, seq: Sequence, logits: Tensor, outputs: list[StepOutput]) -> None:
+        seq.phase = Phase.DECODING
+        self._next_token(seq, logits, outputs)
+
+    def _next_token(self, seq: Sequence, logits: Tensor, outputs: list[StepOutput]) -> None:
+        """After a forward pass over ``seq``: feed its next forced token, or sample one and hand it out."""
+        if seq.forced:
+            seq.next_input = seq.forced.pop(0)
+            return
+        token = int(sample(logits, seq.sampling, seq.generator)[0])
+        seq.advance(token, self.eos_ids, self.loaded.tokenizer.decode)
+        piece = seq.new_text()
+        if seq.finish is None:
+            seq.next_input = token
+            outputs.append(StepOutput(seq.id, token, piece))
+        else:
+            outputs.append(StepOutput(seq.id, token, piece, self._finish(seq)))
+
+    def _finish(self, seq: Sequence) -> RequestResult:
+        policy_stats = seq.driver.stats() if seq.driver is not None else {}
+        self._release(seq)
+        seq.phase = Phase.FINISHED
+        del self._sequences[seq.id]
+        per_s = seq.decode_steps / seq.decode_s if seq.decode_s > 0 else 0.0
+        stats = {
+            "prompt_tokens": len(seq.prompt),
+            "new_tokens": len(seq.generated),
+            "batch_size": round(seq.rows_in_steps / seq.decode_steps, 2) if seq.decode_steps else 1,
+            "prefill_s": round(seq.prefill_s, 4),
+            "decode_s": round(seq.decode_s, 4),
+            "decode_steps": seq.decode_steps,
+            "decode_tokens_per_s": round(per_s, 3),
+            "batch_decode_tokens_per_s": round(seq.rows_in_steps / seq.decode_s if seq.decode_s else 0.0, 3),
+            "prefix_hit_tokens": seq.prefix_hit_tokens,
+            "preemptions": seq.preemptions,
+            **policy_stats,
+        }
+        return RequestResult(seq.prompt, seq.text, list(seq.generated), seq.finish or "length", stats)

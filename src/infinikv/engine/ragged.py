@@ -1,0 +1,93 @@
+"""One decode step over sequences of different lengths, each with its own cache and policy.
+
+The model runs once over the step's rows: embeddings, norms, projections, RoPE (each row at its own
+position) and MLPs are one batched computation. Attention is per sequence: :class:`RaggedCache` hands
+each row's normalised input, new K/V and query to that sequence's own ``InfinikvCache``, which asks its
+policy as it would with the sequence alone, and stacks the rows' outputs. No row is padded to another's
+length, and a row's selection, its copies and its attention are exactly those of its sequence alone.
+
+The model's own decode mask spans the longest row; it is not used. A row needs no mask on a full-attention
+layer (it attends to what its policy selected) and its own window on a sliding layer, built here.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..cache import InfinikvCache
+from ..hooks import PolicyCache
+from ..spec import ModelSpec
+
+Tensor = torch.Tensor
+
+
+class _RowsLayer(CacheLayerMixin):
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: RaggedCache, layer: int, sliding: bool):
+        super().__init__()
+        self.cache = cache
+        self.layer = layer
+        self.is_sliding = sliding
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return self.cache.store_and_select(self.layer, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.cache.longest
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.longest + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RaggedCache(PolicyCache):
+    """The caches of one decode step's rows: ``rows[r]`` holds ``past[r]`` tokens before this step."""
+
+    def __init__(self, spec: ModelSpec, rows: list[InfinikvCache], past: list[int]):
+        self.spec = spec
+        self.rows = rows
+        self.past = past
+        self.longest = max(past)
+        self._selected: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        self._windows: dict[int, list[Tensor]] = {}  # sliding window -> each row's mask
+        super().__init__(layers=[_RowsLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)])
+
+    def before_attention(self, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor) -> None:
+        for r, row in enumerate(self.rows):
+            row.before_attention(layer, x[r : r + 1], None, position_ids[r : r + 1])
+
+    def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self._selected[layer] = [
+            row.store_and_select(layer, k[r : r + 1], v[r : r + 1]) for r, row in enumerate(self.rows)
+        ]
+        return k, v  # the rows' own K/V reach attend() through _selected
+
+    def attend(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
+    ) -> Tensor:
+        selected = self._selected.pop(layer)
+        outputs = [
+            row.attend(layer, q[r : r + 1], keys, values, self._row_mask(layer, r), scaling)
+            for r, (row, (keys, values)) in enumerate(zip(self.rows, selected, strict=True))
+        ]
+        return torch.cat(outputs, dim=0)
+
+    def _row_mask(self, layer: int, row: int) -> Tensor | None:
+        """[1, 1, 1, past + 1]: the positions row ``row``'s new token may see on ``layer`` (None: all)."""
+        window = self.spec.sliding_window[layer]
+        if window is None:
+            return None
+        if window not in self._windows:
+            self._windows[window] = [
+                (torch.arange(n + 1, device=self.rows[0].policy.device) > n - window)[None, None, None]
+                for n in self.past
+            ]
+        return self._windows[window][row]

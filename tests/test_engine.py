@@ -1,0 +1,175 @@
+"""The engine on tiny models: requests that join mid-flight, hit the prefix cache or are preempted get the
+tokens they get alone, for every registered policy; the pool's blocks; chunking; per-row sampling."""
+
+from __future__ import annotations
+
+import pytest
+
+from infinikv.engine import Engine, EngineConfig, GenerationConfig
+from infinikv.engine.blocks import BlockPool, PrefixCache, block_bytes
+from infinikv.engine.engine import prompt_chunks
+from infinikv.errors import InputError
+from infinikv.policies import POLICIES, make_config
+
+BLOCK = 16
+GREEDY = GenerationConfig(max_new_tokens=12)
+
+
+def ids(tiny, text: str) -> list[int]:
+    return tiny.tokenizer(text)["input_ids"]
+
+
+def run(engine: Engine, requests: list[tuple[list[int], object, GenerationConfig]], join_at=None) -> list:
+    """Add ``requests`` (all at once, or request i at step ``join_at[i]``), step until all finish; the
+    results in request order."""
+    join_at = join_at or [0] * len(requests)
+    seqs: dict[int, int] = {}
+    results: list = [None] * len(requests)
+    step = 0
+    while any(r is None for r in results):
+        for i, at in enumerate(join_at):
+            if at == step:
+                seqs[engine.add(*requests[i])] = i
+        for out in engine.step():
+            if out.result is not None:
+                results[seqs[out.seq]] = out.result
+        step += 1
+        assert step < 10_000
+    return results
+
+
+def alone(tiny, prompt: list[int], policy, sampling=GREEDY) -> list[int]:
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, prefix_cache=False, kv_memory=2**28))
+    return run(engine, [(prompt, policy, sampling)])[0].token_ids
+
+
+def test_prompt_chunks_are_whole_blocks_from_the_start():
+    for length in (1, 2, 15, 16, 17, 18, 33, 100):
+        chunks = prompt_chunks(length, BLOCK)
+        assert chunks[0][0] == 0 and chunks[-1][1] == length
+        assert all(end == begin for (_, end), (begin, _) in zip(chunks[:-1], chunks[1:], strict=True))
+        assert all(begin % BLOCK == 0 for begin, _ in chunks)
+        assert all(end - begin >= 2 for begin, end in chunks) or length == 1  # none looks like a decode step
+    assert prompt_chunks(17, BLOCK) == [(0, 17)]
+    assert prompt_chunks(33, BLOCK) == [(0, 16), (16, 33)]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_joining_sharing_a_prefix_and_preemption_leave_every_row_its_own_tokens(tiny, policy):
+    """Three requests on one engine with a prefix cache and a pool too small for all of them: the second
+    joins mid-flight and starts with the first's document (a prefix hit), the third arrives later and
+    forces a preemption. Each gets the greedy tokens it gets alone with no prefix cache."""
+    config = make_config(policy)
+    document = "The harbour lantern glowed over the copper river while the falcon watched. " * 2
+    prompts = [
+        ids(tiny, document + "Question one?"),
+        ids(tiny, document + "And a second question?"),
+        ids(tiny, "A short unrelated chat message."),
+    ]
+    sampling = GenerationConfig(max_new_tokens=24)
+    need = [-(-(len(p) + sampling.max_new_tokens) // BLOCK) for p in prompts]
+    per_block = block_bytes(tiny.spec, next(tiny.model.parameters()).dtype, BLOCK)
+    # room for the first two whole, but not for all three
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, kv_memory=(need[0] + need[1] + 1) * per_block))
+    results = run(engine, [(p, config, sampling) for p in prompts], join_at=[0, 3, 6])
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == alone(tiny, prompt, config, sampling)
+    shared = len(ids(tiny, document)) // BLOCK * BLOCK
+    assert results[1].stats["prefix_hit_tokens"] >= min(shared, BLOCK)
+    assert engine.stats()["preemptions"] >= 1 and sum(r.stats["preemptions"] for r in results) >= 1
+    assert engine.pool.used == engine.pool.cached  # every sequence's blocks went back
+
+
+def test_a_prompt_of_whole_cached_blocks_prefills_nothing(tiny):
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, kv_memory=2**28))
+    prompt = ids(tiny, "x" * (3 * BLOCK))
+    assert len(prompt) == 3 * BLOCK
+    config = make_config("dense")
+    first = run(engine, [(prompt, config, GREEDY)])[0]
+    again = run(engine, [(prompt, config, GREEDY)])[0]
+    assert again.stats["prefix_hit_tokens"] == 3 * BLOCK and again.token_ids == first.token_ids
+    assert engine.stats()["prefix_hit_tokens"] == 3 * BLOCK
+    assert engine.stats()["prefix_miss_tokens"] == 3 * BLOCK
+
+
+def test_policies_of_one_prefill_family_share_blocks_and_others_do_not(tiny):
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, kv_memory=2**28))
+    prompt = ids(tiny, "y" * (4 * BLOCK))
+    run(engine, [(prompt, make_config("dense"), GREEDY)])
+    offload = run(engine, [(prompt, make_config("offload"), GREEDY)])[0]
+    quant = run(engine, [(prompt, make_config("quant"), GREEDY)])[0]
+    assert offload.stats["prefix_hit_tokens"] == 4 * BLOCK  # offload's prompt is dense's
+    assert quant.stats["prefix_hit_tokens"] == 0  # quant's later chunks attend to its own codes
+
+
+def test_different_policies_share_decode_steps(tiny):
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, prefix_cache=False))
+    prompts = [ids(tiny, "first prompt here"), ids(tiny, "second one"), ids(tiny, "and a third")]
+    policies = [make_config("dense"), make_config("h2o"), make_config("quest", budget=0.5)]
+    results = run(engine, list(zip(prompts, policies, [GREEDY] * 3, strict=True)))
+    assert all(r.stats["batch_size"] > 1 for r in results)
+    for prompt, policy, result in zip(prompts, policies, results, strict=True):
+        assert result.stats["policy"] == policy_name(policy)
+        assert result.token_ids == alone(tiny, prompt, policy)
+
+
+def policy_name(config) -> str:
+    return next(name for name, cls in POLICIES.items() if cls.config_class is type(config))
+
+
+def test_a_seeded_row_draws_its_own_numbers_whatever_runs_beside_it(tiny):
+    seeded = GenerationConfig(max_new_tokens=16, temperature=1.0, seed=3)
+    other = GenerationConfig(max_new_tokens=16, temperature=0.8, top_p=0.9)
+    config = make_config("dense")
+    prompt = ids(tiny, "once upon a time")
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, prefix_cache=False))
+    together = run(engine, [(prompt, config, seeded), (ids(tiny, "noise"), config, other)], join_at=[0, 2])
+    assert together[0].token_ids == alone(tiny, prompt, config, seeded)
+
+
+def test_abort_frees_the_sequence_and_bad_requests_fail_before_queueing(tiny):
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, prefix_cache=False, kv_memory=2**24))
+    seq = engine.add(ids(tiny, "hello there"), make_config("dense"), GenerationConfig(max_new_tokens=50))
+    engine.step()
+    assert engine.abort(seq).finish_reason == "cancelled"
+    assert not engine.has_work and engine.pool.used == 0
+    assert engine.abort(seq) is None
+    with pytest.raises(InputError, match="empty"):
+        engine.add([], make_config("dense"), GREEDY)
+    with pytest.raises(InputError, match="context"):
+        engine.add([5] * tiny.max_context, make_config("dense"), GREEDY)
+    small = Engine(
+        tiny,
+        EngineConfig(
+            block_tokens=BLOCK,
+            kv_memory=3 * block_bytes(tiny.spec, next(tiny.model.parameters()).dtype, BLOCK),
+        ),
+    )
+    with pytest.raises(InputError, match="blocks"):
+        small.add([5] * (4 * BLOCK), make_config("dense"), GREEDY)
+
+
+def test_a_full_pool_makes_requests_wait_and_evicts_unheld_prefixes(tiny):
+    pool = BlockPool(4, BLOCK)
+    cache = PrefixCache(pool)
+    assert pool.grow(1, 2 * BLOCK) and not pool.grow(2, 3 * BLOCK) and pool.held == {1: 2}
+    root = PrefixCache.root("m", "dense", BLOCK)
+    from infinikv.engine.blocks import PrefixEntry
+
+    first = PrefixEntry(PrefixCache.chain(root, list(range(BLOCK))), [], None, None)
+    assert cache.add(first, seq=1) and pool.free == 1
+    second = PrefixEntry(PrefixCache.chain(first.digest, list(range(BLOCK))), [], None, None)
+    assert cache.add(second, seq=1) and pool.free == 0
+    assert cache.evict(2) == 0  # held by sequence 1
+    cache.release(1)
+    pool.release(1)
+    assert cache.match(root, list(range(BLOCK)) * 2, seq=2) == [first, second]
+    cache.release(2)
+    assert cache.evict(1) == 1 and len(cache) == 1 and pool.cached == 1
+    assert cache.match(root, list(range(BLOCK)), seq=3) == []  # the older one went first
+
+
+def test_engine_config_is_checked():
+    for bad in ({"block_tokens": 1}, {"step_tokens": 0}, {"max_running": True}, {"kv_memory": -1}):
+        with pytest.raises(InputError):
+            EngineConfig(**bad)
