@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from infinikv import GenerationConfig, Generator, InfinikvCache
+from infinikv.engine.engine import EngineConfig, prompt_chunks
 from infinikv.errors import InputError, PolicyError
 from infinikv.forward import chunk_bounds
 from infinikv.kvpool import KVPool
@@ -58,16 +59,18 @@ def test_chunked_prefill_gives_same_tokens(tiny):
 
 
 def test_offload_moves_the_whole_cache_every_step(tiny):
+    """Each row has a cache of its own (no left padding): every step copies that row's whole KV."""
     spec = tiny.spec
     prompts = PROMPTS[:2]
-    result = run(tiny, "offload", prompts, new_tokens=10)[0]
-    padded = max(len(tiny.tokenizer(p)["input_ids"]) for p in prompts)  # left padding is stored too
-    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4 * len(prompts)
-    steps = result.stats["decode_steps"]
-    expected = sum(per_token * (padded + step) for step in range(steps))
-    assert steps == 9
-    assert result.stats["bytes_h2d"] == expected
-    assert result.stats["kv_bytes_host"] == per_token * (padded + steps)
+    per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+    for prompt, result in zip(prompts, run(tiny, "offload", prompts, new_tokens=10), strict=True):
+        length = len(tiny.tokenizer(prompt)["input_ids"])
+        read_back = sum(begin for begin, _ in prompt_chunks(length, EngineConfig().block_tokens))
+        steps = result.stats["decode_steps"]
+        assert steps == 9  # each later prompt chunk reads back the ones before it, each step everything
+        decode = sum(per_token * (length + step) for step in range(steps))
+        assert result.stats["bytes_h2d"] == per_token * read_back + decode
+        assert result.stats["kv_bytes_host"] == per_token * (length + steps)
     dense = run(tiny, "dense", prompts, new_tokens=10)[0]
     assert dense.stats["bytes_h2d"] == 0 and dense.stats["kv_bytes_host"] == 0
 
@@ -113,7 +116,7 @@ def test_eos_ends_a_sequence(tiny):
     eos = tiny.tokenizer.eos_token_id
     generator = Generator(tiny, "dense")
     first = run(tiny, "dense", [PROMPTS[2]], new_tokens=5)[0].token_ids[0]
-    generator.eos_ids = {first}
+    generator.engine.eos_ids = {first}
     result = generator.generate([PROMPTS[2]], GenerationConfig(max_new_tokens=5))[0]
     assert result.finish_reason == "eos" and result.token_ids == []
     assert eos is not None
@@ -199,25 +202,15 @@ def test_rows_stop_at_their_own_limits(tiny):
         generator.generate(prompts, config, row_max_new_tokens=[3, 8])
 
 
-def test_rows_whose_padding_breaks_the_policys_grid_run_in_their_own_batch(tiny):
-    """KIVI's key groups follow the batch's slot grid: rows batch together only when their lengths agree
-    modulo the group size; the others run apart. Rows keep their numbering for streaming, limits and
-    cancellation, and each equals its run alone."""
+def test_rows_of_any_lengths_share_steps_and_keep_their_numbering(tiny):
+    """KIVI's key groups follow token slots; with a cache per row (no left padding) rows of any lengths
+    share the engine's steps. Rows keep their numbering for streaming, limits and cancellation, and each
+    equals its run alone."""
     knobs = dict(bits=4, scheme="kivi", group_size=4, residual=4)
     generator = Generator(tiny, "quant", **knobs)
-
-    def length(prompt: str) -> int:
-        return len(tiny.tokenizer(prompt)["input_ids"])
-
-    # rows 0 and 2 share a residue modulo 4, row 1 does not
-    third = next(
-        PROMPTS[2] + " ok" * k
-        for k in range(8)
-        if length(PROMPTS[2] + " ok" * k) % 4 == length(PROMPTS[0]) % 4
-    )
-    prompts = [PROMPTS[0], PROMPTS[1], third]
-    lengths = [length(prompt) for prompt in prompts]
-    assert lengths[0] != lengths[2] and lengths[1] % 4 != lengths[0] % 4
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2] + " ok"]
+    lengths = [len(tiny.tokenizer(prompt)["input_ids"]) for prompt in prompts]
+    assert len({n % 4 for n in lengths}) > 1
     pieces: dict[int, str] = {}
     limits = [6, 4, 5]
     config = GenerationConfig(max_new_tokens=6)
@@ -229,33 +222,23 @@ def test_rows_whose_padding_breaks_the_policys_grid_run_in_their_own_batch(tiny)
         row_max_new_tokens=limits,
     )
     for row, (prompt, limit, result) in enumerate(zip(prompts, limits, batched, strict=True)):
-        assert result.stats["batch_size"] == (1 if row == 1 else 2)
         if row == 2:
-            assert result.finish_reason == "cancelled"
+            assert result.finish_reason == "cancelled" and result.token_ids == []
             continue
+        assert result.stats["batch_size"] > 1  # rows 0 and 1 decode together
         alone = generator.generate([prompt], GenerationConfig(max_new_tokens=limit))[0]
         assert result.token_ids == alone.token_ids and pieces.get(row, "") == result.text
-    assert Generator(tiny, "quant", bits=4).generate(prompts, config)[0].stats["batch_size"] == 3
-    # a split-off batch whose rows are all cancelled does not run
-    lone = generator.generate(prompts, config, cancelled=lambda row: row == 1)
-    assert lone[1].finish_reason == "cancelled" and lone[1].token_ids == [] and lone[1].stats == {}
-    assert lone[0].token_ids == batched[0].token_ids[: len(lone[0].token_ids)]
-    # one random stream for the whole call: rows of different batches do not draw the same numbers
+    # a seeded row draws from a generator of its own: alone and batched, the same tokens
     sampled = GenerationConfig(max_new_tokens=6, temperature=1.0, seed=5)
-    split = [r.token_ids for r in generator.generate([prompts[0], prompts[1]], sampled)]
-    assert split == [r.token_ids for r in generator.generate([prompts[0], prompts[1]], sampled)]
-    alone = [generator.generate([prompt], sampled)[0].token_ids for prompt in prompts[:2]]
-    assert split[0] == alone[0] and split[1] != alone[1]  # the second batch continues the stream
+    together = [r.token_ids for r in generator.generate(prompts[:2], sampled)]
+    assert together == [generator.generate([prompt], sampled)[0].token_ids for prompt in prompts[:2]]
 
 
-def test_a_bad_prompt_fails_before_any_split_off_batch_runs(tiny, monkeypatch):
-    import infinikv.generate as generate_module
-
-    started = []
-    monkeypatch.setattr(generate_module, "Driver", lambda *args, **kwargs: started.append(args))
+def test_a_bad_prompt_fails_before_any_row_runs(tiny, monkeypatch):
     generator = Generator(tiny, "quant", bits=4, scheme="kivi", group_size=4, residual=4)
+    started = []
+    monkeypatch.setattr(generator.engine, "add", lambda *args: started.append(args))
     prompts = [PROMPTS[0], PROMPTS[1], "word " * tiny.max_context]
-    assert len({len(tiny.tokenizer(p)["input_ids"]) % 4 for p in prompts[:2]}) == 2  # split in two
     with pytest.raises(InputError, match="exceeds the model's context"):
         generator.generate(prompts, GenerationConfig(max_new_tokens=4))
     assert started == []

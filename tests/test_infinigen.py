@@ -13,8 +13,9 @@ import torch
 
 from infinikv.cache import InfinikvCache
 from infinikv.errors import PolicyError
+from infinikv.forward import Driver
 from infinikv.generate import GenerationConfig, Generator
-from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, resolve_budget
+from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, prepare, resolve_budget
 from infinikv.policies.base import pick_top
 from infinikv.policies.infinigen import blocks, calibration, rehearsal, skewfile
 from infinikv.policies.infinigen.policy import FOLLOWED_SHARE
@@ -94,8 +95,33 @@ def _tokens(loaded, policy, prompts=PROMPTS, new=24, **knobs):
         knobs.setdefault("min_tokens", 0)
         # the rules of token speculation, whose records hold every token's score; blocks are tested below
         knobs.setdefault("block_size", 0)
-    results = Generator(loaded, policy, **knobs).generate(prompts, GenerationConfig(max_new_tokens=new))
-    return [r.token_ids for r in results], results[0].stats
+    return padded_batch_tokens(loaded, make_config(policy, **knobs), prompts, new)
+
+
+@torch.inference_mode()
+def padded_batch_tokens(loaded, config, prompts, new: int) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of ``prompts`` run as one left-padded batch through a ``Driver`` (the path the eval and
+    the bench take; the engine gives each sequence a cache of its own), each row cut at its end of
+    sequence, and the policy's statistics (with the first row's prompt tokens). These tests read one policy
+    over a padded batch."""
+    prepare(config, loaded)
+    encoded = loaded.tokenizer(prompts, return_tensors="pt", padding=True)
+    eos = loaded.tokenizer.eos_token_id
+    rows: list[list[int]] = [[] for _ in prompts]
+    ended = [False] * len(prompts)
+    with Driver(loaded, InfinikvCache(loaded.model, config)) as driver:
+        logits = driver.prefill(encoded["input_ids"], encoded["attention_mask"])
+        for step in range(new):
+            tokens = logits.argmax(dim=-1)
+            for row, token in enumerate(tokens.tolist()):
+                ended[row] = ended[row] or token == eos
+                if not ended[row]:
+                    rows[row].append(token)
+            if all(ended) or step == new - 1:
+                break
+            logits = driver.step(tokens)
+        stats = {"prompt_tokens": int(encoded["attention_mask"][0].sum()), **driver.stats()}
+    return rows, stats
 
 
 def test_config_validation():

@@ -17,7 +17,10 @@ import pytest
 import torch
 
 from infinikv import GenerationConfig, Generator
+from infinikv.engine.engine import EngineConfig, prompt_chunks
 from infinikv.policies import POLICIES, PolicyConfig, make_config
+
+CHUNK = EngineConfig().block_tokens  # the engine's prompt chunk
 
 PROMPTS = ["A short one.", "A much longer prompt, padded on the left of its shorter batch mate " * 3]
 NEW_TOKENS = 8
@@ -27,7 +30,8 @@ MODELS = ["tiny", "tiny_gemma"]
 # -- the arithmetic ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Shapes:
-    """What a run's byte counters follow from: the model's shapes and the batch's lengths."""
+    """What a run's byte counters follow from: the model's shapes and the batch's lengths (the engine gives
+    each row a cache of its own: a batch of one)."""
 
     layers: int
     kv_heads: int
@@ -77,9 +81,14 @@ class Shapes:
         """K and V of one token slot, every row and KV head."""
         return self.batch * self.kv_heads * 2 * self.head_dim * self.element
 
-    def moved(self, rows: Callable[[int, int], int], slot_bytes: int | None = None) -> int:
-        """Bytes copied when ``rows(layer, step)`` slots (per row and KV head) cross per layer and step."""
+    def moved(
+        self, rows: Callable[[int, int], int], slot_bytes: int | None = None, prefill: bool = True
+    ) -> int:
+        """Bytes copied when ``rows(layer, step)`` slots (per row and KV head) cross per layer and step, and
+        (``prefill``) when each prompt chunk but the first reads back the chunks before it to attend to them."""
         total = sum(rows(layer, step) for layer in range(self.layers) for step in range(self.steps))
+        if prefill:
+            total += self.layers * sum(begin for begin, _ in prompt_chunks(self.padded, CHUNK))
         return total * (self.slot_bytes if slot_bytes is None else slot_bytes)
 
     def window_rows(self, layer: int, step: int) -> int:
@@ -250,11 +259,10 @@ def infinigen_bytes(run: Shapes, config: PolicyConfig) -> dict[str, int]:
         return run.final if window is None else min(run.final, window)
 
     columns = max(1, math.ceil(config.partial_ratio * run.head_dim))
-    moved = run.moved(rows)
     return {
-        "bytes_h2d": moved,
-        "decode_bytes_h2d": moved,
-        "offload_equivalent_bytes_h2d": offload_bytes(run, config)["bytes_h2d"],
+        "bytes_h2d": run.moved(rows),
+        "decode_bytes_h2d": run.moved(rows, prefill=False),
+        "offload_equivalent_bytes_h2d": run.moved(lambda layer, step: run.past(step), prefill=False),
         "kv_bytes_host": sum(held(layer) for layer in range(run.layers)) * run.slot_bytes,
         "kv_bytes_device": sum(managed)
         * run.batch
@@ -361,7 +369,9 @@ def test_policy_matrix(policy, model, request, dense_runs):
     dense = _dense(model, loaded, dense_runs)
 
     assert len(results) == len(PROMPTS)
-    assert all(finite) and len(finite) == NEW_TOKENS  # prefill + one forward per further token
+    # one forward per prompt chunk, then one per further token for all rows together
+    chunks = sum(len(prompt_chunks(len(loaded.tokenizer(p)["input_ids"]), CHUNK)) for p in PROMPTS)
+    assert all(finite) and len(finite) == chunks + NEW_TOKENS - 1
     for result, reference in zip(results, dense, strict=True):
         assert 1 <= len(result.token_ids) <= NEW_TOKENS
         assert result.stats["policy"] == policy
@@ -370,16 +380,17 @@ def test_policy_matrix(policy, model, request, dense_runs):
         assert attended < whole if entry.selects else attended == whole
 
     stats = [result.stats for result in results]
-    run = Shapes.of(loaded, stats)
-    assert run.real == tuple(len(loaded.tokenizer(p)["input_ids"]) for p in PROMPTS)
-    expected = entry.expected(run, make_config(policy, **entry.tight))
-    assert {"bytes_h2d", "kv_bytes_host", "kv_bytes_device"} <= set(expected)
-    for row in stats:
+    assert [s["prompt_tokens"] for s in stats] == [len(loaded.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    for row in stats:  # each row's counters are its own cache's: a batch of one, unpadded
+        run = Shapes.of(loaded, [row])
+        expected = entry.expected(run, make_config(policy, **entry.tight))
+        assert {"bytes_h2d", "kv_bytes_host", "kv_bytes_device"} <= set(expected)
         got = {key: row.get(key) for key in expected}
         assert got == expected, f"{policy} on {model}: counters differ from the shapes' arithmetic"
     if policy != "dense":
         assert stats[0]["kv_bytes_host"] > 0
     if policy not in ("dense", "offload"):  # the tight setting moves less than full offload
+        run = Shapes.of(loaded, [stats[0]])
         assert stats[0]["bytes_h2d"] < offload_bytes(run, make_config("offload"))["bytes_h2d"]
 
 

@@ -58,11 +58,17 @@ class RaggedCache(PolicyCache):
         self.longest = max(past)
         self._selected: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._windows: dict[int, list[Tensor]] = {}  # sliding window -> each row's mask
+        self._real: list[Tensor] | None = None  # each row's full-attention mask, all True
         super().__init__(layers=[_RowsLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)])
 
     def before_attention(self, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor) -> None:
+        # A row's own mask: every position real (the policy's key_valid, as for an unpadded row alone).
+        if self._real is None:
+            device = self.rows[0].policy.device
+            self._real = [torch.ones(1, 1, 1, n + 1, dtype=torch.bool, device=device) for n in self.past]
         for r, row in enumerate(self.rows):
-            row.before_attention(layer, x[r : r + 1], None, position_ids[r : r + 1])
+            own = None if self.spec.is_sliding(layer) else self._real[r]
+            row.before_attention(layer, x[r : r + 1], own, position_ids[r : r + 1])
 
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self._selected[layer] = [

@@ -52,10 +52,10 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completi
 class ServerSettings:
     max_batch: int = 8  # requests decoded together (static: requests per generate call)
     max_queue: int = 64
-    scheduler: str = "continuous"  # or "static": one batch of compatible requests at a time
-    engine: EngineConfig = field(default_factory=EngineConfig)  # the continuous scheduler's engine
     default_max_tokens: int = 256  # chat requests without max_tokens (capped by the context left)
     served_name: str | None = None  # the model id clients send; default: the loaded model's name
+    scheduler: str = "continuous"  # or "static": one batch of compatible requests at a time
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the continuous scheduler's engine
 
 
 class _State:

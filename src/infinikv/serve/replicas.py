@@ -74,7 +74,12 @@ class ReplicaOptions:
         return PolicyDefaults(self.policy, tuple(sorted(self.knobs.items())))
 
     def settings(self) -> ServerSettings:
-        return ServerSettings(self.max_batch, self.max_queue, self.default_max_tokens, self.served_name)
+        return ServerSettings(
+            max_batch=self.max_batch,
+            max_queue=self.max_queue,
+            default_max_tokens=self.default_max_tokens,
+            served_name=self.served_name,
+        )
 
 
 def routing_key(body: bytes, defaults: PolicyDefaults) -> str:
