@@ -14,7 +14,6 @@ import torch
 from infinikv.cache import InfinikvCache
 from infinikv.errors import PolicyError
 from infinikv.forward import Driver
-from infinikv.generate import GenerationConfig, Generator
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, prepare, resolve_budget
 from infinikv.policies.base import pick_top
 from infinikv.policies.infinigen import blocks, calibration, rehearsal, skewfile

@@ -85,7 +85,8 @@ class Shapes:
         self, rows: Callable[[int, int], int], slot_bytes: int | None = None, prefill: bool = True
     ) -> int:
         """Bytes copied when ``rows(layer, step)`` slots (per row and KV head) cross per layer and step, and
-        (``prefill``) when each prompt chunk but the first reads back the chunks before it to attend to them."""
+        (``prefill``) when each prompt chunk but the first reads back the chunks before it, to attend to
+        them."""
         total = sum(rows(layer, step) for layer in range(self.layers) for step in range(self.steps))
         if prefill:
             total += self.layers * sum(begin for begin, _ in prompt_chunks(self.padded, CHUNK))
