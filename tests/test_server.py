@@ -21,6 +21,7 @@ import pytest
 import uvicorn
 
 from infinikv import GenerationConfig, Generator
+from infinikv.engine import EngineConfig
 from infinikv.serve import app as app_module
 from infinikv.serve.app import ServerSettings, create_app
 from infinikv.serve.kv_policy import kv_report
@@ -646,3 +647,125 @@ def test_kv_report_writes_non_finite_numbers_as_strings():
     assert report["knobs"] == {"budget": 0.2, "alpha": "inf"}
     assert report["stats"] == {"alpha_used": [None, "inf", "-inf"], "selector_s": "nan"}
     json.dumps(report, allow_nan=False)
+
+
+# -- continuous batching -------------------------------------------------------------------------------------
+def test_a_request_joins_a_running_stream_and_finishes_first(model):
+    """A short request sent while a long stream runs is admitted at the next step (it does not wait for the
+    stream to end), and each gets the text it gets alone."""
+    with serving(model, settings=ServerSettings(max_batch=8, max_queue=16)) as (url, _app):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        long_prompt, short_prompt = PROMPTS[0], PROMPTS[2]
+        order: list[str] = []
+        first_text = threading.Event()
+
+        def long_stream() -> None:
+            stream = client.completions.create(
+                model="tiny-llama", prompt=long_prompt, max_tokens=400, temperature=0, stream=True
+            )
+            text = ""
+            for chunk in stream:
+                text += chunk.choices[0].text
+                first_text.set()
+            order.append("long")
+            results["long"] = text
+
+        results: dict[str, str] = {}
+        thread = threading.Thread(target=long_stream)
+        thread.start()
+        assert first_text.wait(30)
+        short = client.completions.create(
+            model="tiny-llama", prompt=short_prompt, max_tokens=4, temperature=0
+        )
+        order.append("short")
+        thread.join(60)
+        assert order == ["short", "long"]
+        assert short.choices[0].text == alone(model, short_prompt, 4)
+        assert results["long"] == alone(model, long_prompt, 400)
+
+
+def test_requests_with_different_policies_and_seeds_share_steps(model):
+    with serving(model, settings=ServerSettings(max_batch=8, max_queue=16)) as (url, app):
+        bodies = [
+            {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "kv_policy": "h2o"},
+            {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0.9, "seed": 4, "kv_policy": "quest"},
+            {"prompt": PROMPTS[3], "max_tokens": 12, "temperature": 0.7, "top_p": 0.8, "seed": 9},
+        ]
+
+        async def send_all() -> list[dict]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                answers = await asyncio.gather(*(http.post(f"{url}/v1/completions", json=b) for b in bodies))
+            return [answer.json() for answer in answers]
+
+        answers = asyncio.run(send_all())
+        for body, answer in zip(bodies, answers, strict=True):
+            config = GenerationConfig(
+                max_new_tokens=12,
+                temperature=body["temperature"],
+                top_p=body.get("top_p", 1.0),
+                seed=body.get("seed"),
+            )
+            own = Generator(model, body.get("kv_policy", "dense")).generate(body["prompt"], config)[0]
+            assert answer["choices"][0]["text"] == own.text
+        assert max(a["kv"]["stats"]["batch_size"] for a in answers) > 1
+        assert metric(app, "infinikv_kv_blocks", state="total") > 0
+
+
+def test_a_repeated_document_hits_the_prefix_cache(model):
+    document = "The river ran past the orchard and the copper lantern. " * 6
+    with serving(model, settings=ServerSettings(max_batch=8, max_queue=16)) as (url, app):
+        answers = [
+            httpx.post(
+                f"{url}/v1/completions",
+                json={"prompt": document + question, "max_tokens": 6, "temperature": 0},
+                timeout=60,
+            ).json()
+            for question in ("Who?", "Where?")
+        ]
+        assert answers[0]["kv"]["stats"]["prefix_hit_tokens"] == 0
+        assert answers[1]["kv"]["stats"]["prefix_hit_tokens"] >= 128
+        assert metric(app, "infinikv_prefix_cache_tokens_total", result="hit") >= 128
+        assert metric(app, "infinikv_prefix_cache_tokens_total", result="miss") > 0
+        assert answers[1]["choices"][0]["text"] == alone(model, document + "Where?", 6)
+    with serving(model, settings=ServerSettings(engine=EngineConfig(prefix_cache=False))) as (url, app):
+        for _ in range(2):
+            answer = httpx.post(f"{url}/v1/completions", json={"prompt": document, "max_tokens": 2}).json()
+            assert answer["kv"]["stats"]["prefix_hit_tokens"] == 0
+
+
+def test_a_full_pool_makes_requests_wait_or_preempts_and_refuses_what_never_fits(model):
+    """A pool of six 16-token blocks: concurrent requests wait or are preempted, and each still answers
+    with its own text; a request that needs more blocks than the pool has is a 400 naming the prompt."""
+    per_block = 2 * 4 * 2 * 16 * 4 * 16  # K and V, 4 layers, 2 KV heads, head_dim 16, float32, 16 tokens
+    engine = EngineConfig(block_tokens=16, kv_memory=6 * per_block)
+    with serving(model, settings=ServerSettings(engine=engine)) as (url, app):
+        prompts = ["one two three four five six", "seven eight nine ten", "alpha beta gamma delta"]
+
+        async def send_all() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=120) as http:
+                return await asyncio.gather(
+                    *(
+                        http.post(
+                            f"{url}/v1/completions", json={"prompt": p, "max_tokens": 40, "temperature": 0}
+                        )
+                        for p in prompts
+                    )
+                )
+
+        answers = asyncio.run(send_all())
+        assert [a.status_code for a in answers] == [200] * 3
+        for prompt, answer in zip(prompts, answers, strict=True):
+            assert answer.json()["choices"][0]["text"] == alone(model, prompt, 40)
+        assert metric(app, "infinikv_preemptions_total") >= 1
+        too_long = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 30, "max_tokens": 100})
+        assert too_long.status_code == 400 and "blocks" in too_long.json()["error"]["message"]
+        assert too_long.json()["error"]["param"] == "prompt"
+
+
+def test_the_static_scheduler_is_kept_behind_a_setting(model):
+    with serving(model, settings=ServerSettings(scheduler="static")) as (url, app):
+        answer = httpx.post(
+            f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0}
+        ).json()
+        assert answer["choices"][0]["text"] == alone(model, PROMPTS[0], 5)
+        assert type(app.state.infinikv.scheduler).__name__ == "StaticScheduler"
