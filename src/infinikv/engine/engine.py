@@ -167,15 +167,16 @@ class Engine:
 
     def stats(self) -> dict[str, int]:
         """The pool and the prefix cache, for the server's metrics."""
-        prefixes = self.prefixes
+        hits = self.prefixes.hit_tokens if self.prefixes is not None else 0
+        misses = self.prefixes.miss_tokens if self.prefixes is not None else 0
         return {
             "blocks_total": self.pool.total,
             "blocks_used": self.pool.used,
             "blocks_cached": self.pool.cached,
             "blocks_peak": self.pool.peak,
             "block_bytes": self.block_bytes,
-            "prefix_hit_tokens": prefixes.hit_tokens if prefixes else 0,
-            "prefix_miss_tokens": prefixes.miss_tokens if prefixes else 0,
+            "prefix_hit_tokens": hits,
+            "prefix_miss_tokens": misses,
             "preemptions": self.preemptions,
         }
 

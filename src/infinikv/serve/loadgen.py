@@ -641,9 +641,9 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     started = args.url is None
     if args.schedulers is not None and not started:
         raise InputError("--schedulers needs bench-serve to start the server (drop --url)")
-    schedulers: list[str | None] = (
-        list(_names(args.schedulers or "continuous", "--schedulers", SCHEDULERS)) if started else [None]
-    )
+    schedulers: list[str | None] = [None]  # the server at --url: its scheduler is not known here
+    if started:
+        schedulers = list(_names(args.schedulers or "continuous", "--schedulers", SCHEDULERS))
     for flag, port in (("--port", args.port), ("--peer-port", args.peer_port)):
         if not 0 < port < 65536:
             raise InputError(f"{flag} must be in 1..65535, got {port}")
@@ -751,7 +751,7 @@ def _infinikv_server(args: argparse.Namespace, plan: Plan, scheduler: str | None
         return
     url = f"http://127.0.0.1:{args.port}"
     # In the open loop a whole round can be waiting at once: the queue must hold it, or it answers 429.
-    largest_round = max(-(-len(w.requests) // plan.rounds) for w in plan.workloads)
+    largest_round = max(math.ceil(len(w.requests) / plan.rounds) for w in plan.workloads)
     command = [
         sys.executable, "-m", "infinikv", "serve", "--model", args.model, "--port", str(args.port),
         "--max-batch", str(args.max_batch), "--max-queue", str(max(64, args.concurrency, largest_round)),
