@@ -12,6 +12,7 @@ from infinikv.errors import InputError
 from infinikv.policies import POLICIES, make_config
 
 BLOCK = 16
+CHUNK = 8  # two prompt chunks a block
 GREEDY = GenerationConfig(max_new_tokens=12)
 
 
@@ -39,19 +40,21 @@ def run(engine: Engine, requests: list[tuple[list[int], object, GenerationConfig
 
 
 def alone(tiny, prompt: list[int], policy, sampling=GREEDY) -> list[int]:
-    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, prefix_cache=False, kv_memory=2**28))
+    engine = Engine(
+        tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, prefix_cache=False, kv_memory=2**28)
+    )
     return run(engine, [(prompt, policy, sampling)])[0].token_ids
 
 
 def test_prompt_chunks_are_whole_blocks_from_the_start():
     for length in (1, 2, 15, 16, 17, 18, 33, 100):
-        chunks = prompt_chunks(length, BLOCK)
+        chunks = prompt_chunks(length, CHUNK)
         assert chunks[0][0] == 0 and chunks[-1][1] == length
         assert all(end == begin for (_, end), (begin, _) in zip(chunks[:-1], chunks[1:], strict=True))
-        assert all(begin % BLOCK == 0 for begin, _ in chunks)
+        assert all(begin % CHUNK == 0 for begin, _ in chunks)
         assert all(end - begin >= 2 for begin, end in chunks) or length == 1  # none looks like a decode step
-    assert prompt_chunks(17, BLOCK) == [(0, 17)]
-    assert prompt_chunks(33, BLOCK) == [(0, 16), (16, 33)]
+    assert prompt_chunks(17, 16) == [(0, 17)]
+    assert prompt_chunks(33, 16) == [(0, 16), (16, 33)]
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -70,7 +73,10 @@ def test_joining_sharing_a_prefix_and_preemption_leave_every_row_its_own_tokens(
     need = [-(-(len(p) + sampling.max_new_tokens) // BLOCK) for p in prompts]
     per_block = block_bytes(tiny.spec, next(tiny.model.parameters()).dtype, BLOCK)
     # room for the first two whole, but not for all three
-    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, kv_memory=(need[0] + need[1] + 1) * per_block))
+    engine = Engine(
+        tiny,
+        EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=(need[0] + need[1] + 1) * per_block),
+    )
     results = run(engine, [(p, config, sampling) for p in prompts], join_at=[0, 3, 6])
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == alone(tiny, prompt, config, sampling)
@@ -81,7 +87,7 @@ def test_joining_sharing_a_prefix_and_preemption_leave_every_row_its_own_tokens(
 
 
 def test_a_prompt_of_whole_cached_blocks_prefills_nothing(tiny):
-    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, kv_memory=2**28))
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
     prompt = ids(tiny, "x" * (3 * BLOCK))
     assert len(prompt) == 3 * BLOCK
     config = make_config("dense")
@@ -93,7 +99,7 @@ def test_a_prompt_of_whole_cached_blocks_prefills_nothing(tiny):
 
 
 def test_policies_of_one_prefill_family_share_blocks_and_others_do_not(tiny):
-    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, kv_memory=2**28))
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
     prompt = ids(tiny, "y" * (4 * BLOCK))
     run(engine, [(prompt, make_config("dense"), GREEDY)])
     offload = run(engine, [(prompt, make_config("offload"), GREEDY)])[0]
@@ -103,7 +109,7 @@ def test_policies_of_one_prefill_family_share_blocks_and_others_do_not(tiny):
 
 
 def test_different_policies_share_decode_steps(tiny):
-    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, prefix_cache=False))
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, prefix_cache=False))
     prompts = [ids(tiny, "first prompt here"), ids(tiny, "second one"), ids(tiny, "and a third")]
     policies = [make_config("dense"), make_config("h2o"), make_config("quest", budget=0.5)]
     results = run(engine, list(zip(prompts, policies, [GREEDY] * 3, strict=True)))
@@ -122,13 +128,15 @@ def test_a_seeded_row_draws_its_own_numbers_whatever_runs_beside_it(tiny):
     other = GenerationConfig(max_new_tokens=16, temperature=0.8, top_p=0.9)
     config = make_config("dense")
     prompt = ids(tiny, "once upon a time")
-    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, prefix_cache=False))
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, prefix_cache=False))
     together = run(engine, [(prompt, config, seeded), (ids(tiny, "noise"), config, other)], join_at=[0, 2])
     assert together[0].token_ids == alone(tiny, prompt, config, seeded)
 
 
 def test_abort_frees_the_sequence_and_bad_requests_fail_before_queueing(tiny):
-    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, prefix_cache=False, kv_memory=2**24))
+    engine = Engine(
+        tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, prefix_cache=False, kv_memory=2**24)
+    )
     seq = engine.add(ids(tiny, "hello there"), make_config("dense"), GenerationConfig(max_new_tokens=50))
     engine.step()
     assert engine.abort(seq).finish_reason == "cancelled"
@@ -142,6 +150,7 @@ def test_abort_frees_the_sequence_and_bad_requests_fail_before_queueing(tiny):
         tiny,
         EngineConfig(
             block_tokens=BLOCK,
+            chunk_tokens=CHUNK,
             kv_memory=3 * block_bytes(tiny.spec, next(tiny.model.parameters()).dtype, BLOCK),
         ),
     )
@@ -170,6 +179,13 @@ def test_a_full_pool_makes_requests_wait_and_evicts_unheld_prefixes(tiny):
 
 
 def test_engine_config_is_checked():
-    for bad in ({"block_tokens": 1}, {"step_tokens": 0}, {"max_running": True}, {"kv_memory": -1}):
+    bad_configs = (
+        {"block_tokens": 1},
+        {"step_tokens": 0},
+        {"max_running": True},
+        {"kv_memory": -1},
+        {"block_tokens": 48, "chunk_tokens": 32},  # a block would end inside a chunk
+    )
+    for bad in bad_configs:
         with pytest.raises(InputError):
             EngineConfig(**bad)

@@ -737,7 +737,7 @@ def test_a_full_pool_makes_requests_wait_or_preempts_and_refuses_what_never_fits
     """A pool of six 16-token blocks: concurrent requests wait or are preempted, and each still answers
     with its own text; a request that needs more blocks than the pool has is a 400 naming the prompt."""
     per_block = 2 * 4 * 2 * 16 * 4 * 16  # K and V, 4 layers, 2 KV heads, head_dim 16, float32, 16 tokens
-    engine = EngineConfig(block_tokens=16, kv_memory=6 * per_block)
+    engine = EngineConfig(block_tokens=16, chunk_tokens=16, kv_memory=6 * per_block)
     with serving(model, settings=ServerSettings(engine=engine)) as (url, app):
         prompts = ["one two three four five six", "seven eight nine ten", "alpha beta gamma delta"]
 

@@ -12,15 +12,16 @@ reads new prompts in block-sized chunks, under a token budget.
 2. **Decode.** One forward pass over all decoding sequences (``ragged.RaggedCache``: batched projections
    and MLPs, each row's attention through its own policy), one token sampled per row, on each row's own
    random generator, with its own sampling settings.
-3. **Prefill.** What is left of ``step_tokens`` goes to prompts, one block per chunk (at least one chunk a
-   step): first the admitted sequences still reading their prompt, oldest first, then waiting sequences,
-   admitted in order while the pool has blocks for their prompt. A new sequence first takes the blocks of
-   its prompt that the prefix cache holds (``blocks.PrefixCache``) and prefills only the rest. When the last
-   chunk is read, the sequence samples its first token.
+3. **Prefill.** What is left of ``step_tokens`` goes to prompts, ``chunk_tokens`` per chunk (at least one
+   chunk a step): first the admitted sequences still reading their prompt, oldest first, then waiting
+   sequences, admitted in order while the pool has blocks for their prompt. A new sequence first takes the
+   blocks of its prompt that the prefix cache holds (``blocks.PrefixCache``) and prefills only the rest.
+   When the last chunk is read, the sequence samples its first token.
 
-Chunks start at multiples of ``block_tokens`` (a one-token tail joins the chunk before it, so no chunk looks
-like a decode step), whatever else runs, so a sequence's prefill is the same computation alone, batched,
-preempted or after a prefix hit, and a cached block's K/V is bit-identical to a fresh prefill's.
+Chunks start at multiples of ``chunk_tokens``, which divides ``block_tokens`` (a one-token tail joins the
+chunk before it, so no chunk looks like a decode step), whatever else runs, so a sequence's prefill is the
+same computation alone, batched, preempted or after a prefix hit, and a cached block's K/V is
+bit-identical to a fresh prefill's.
 
 Each sequence has its own cache and policy instance: requests with different policies run in the same
 steps, and nothing a policy chooses for a row depends on the other rows.
@@ -50,17 +51,23 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_tokens: int = 128  # tokens per block of the pool, and per prefill chunk
-    step_tokens: int = 384  # tokens one step feeds at most: one per decode row, the rest to prompt chunks
+    block_tokens: int = 128  # tokens per block of the pool and of the prefix cache
+    chunk_tokens: int = 64  # prompt tokens per prefill forward pass (divides block_tokens)
+    step_tokens: int = 128  # tokens one step feeds at most: one per decode row, the rest to prompt chunks
     max_running: int = 16  # sequences admitted at once
     kv_memory: int | None = None  # the pool's bytes (None: half the memory free when the engine starts)
     prefix_cache: bool = True
 
     def __post_init__(self):
-        for name, low in (("block_tokens", 2), ("step_tokens", 1), ("max_running", 1)):
+        for name, low in (("block_tokens", 2), ("chunk_tokens", 2), ("step_tokens", 1), ("max_running", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InputError(f"{name} must be a whole number of at least {low}, got {value!r}")
+        if self.block_tokens % self.chunk_tokens:
+            raise InputError(
+                f"chunk_tokens ({self.chunk_tokens}) must divide block_tokens ({self.block_tokens}), so that "
+                "every block ends where a prompt chunk ends"
+            )
         if self.kv_memory is not None and (not isinstance(self.kv_memory, int) or self.kv_memory < 1):
             raise InputError(f"kv_memory must be a positive number of bytes, got {self.kv_memory!r}")
 
@@ -209,7 +216,7 @@ class Engine:
         """Drop ``seq``'s cache and blocks; it waits at the front, to feed its tokens again (recompute)."""
         self._release(seq)
         seq.phase, seq.prefilled, seq.next_input = Phase.WAITING, 0, None
-        seq.forced, seq.digest = list(seq.generated), seq.family
+        seq.forced, seq.digest, seq.block_calls = list(seq.generated), seq.family, []
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -238,7 +245,7 @@ class Engine:
             self._next_token(seq, logits[r : r + 1], outputs)
 
     def _prefill(self, allowance: int, outputs: list[StepOutput]) -> None:
-        chunks = max(1, allowance // self.config.block_tokens)
+        chunks = max(1, allowance // self.config.chunk_tokens)
         while chunks > 0:
             prefilling = (s for s in self.running if s.phase is Phase.PREFILLING)
             seq = next(prefilling, None) or self._admit(outputs)
@@ -268,8 +275,8 @@ class Engine:
     def _restore_prefix(self, seq: Sequence, outputs: list[StepOutput]) -> None:
         # Each entry keeps its last position's logits, so a prompt of whole blocks can come from the cache
         # entirely and sample its first token at once.
-        chunks = prompt_chunks(len(seq.prompt), self.config.block_tokens)
-        whole = {end for begin, end in chunks if end - begin == self.config.block_tokens}
+        chunks = prompt_chunks(len(seq.prompt), self.config.chunk_tokens)
+        whole = {end for begin, end in chunks if end - begin == self.config.chunk_tokens}
         found = self.prefixes.match(seq.family, seq.prompt, seq.id)
         while found and len(found) * self.config.block_tokens not in whole:
             found.pop()  # a hit must end where a chunk of this prompt ends
@@ -288,9 +295,11 @@ class Engine:
             self._prompt_read(seq, found[-1].logits, outputs)
 
     def _prefill_chunk(self, seq: Sequence, outputs: list[StepOutput]) -> None:
-        chunks = prompt_chunks(len(seq.prompt), self.config.block_tokens)
+        """Feed ``seq``'s next prompt chunk; when it completes a block, hand that block to the prefix cache
+        (the calls of the block's chunks, the policy's state and the logits at its end)."""
+        chunks = prompt_chunks(len(seq.prompt), self.config.chunk_tokens)
         begin, end = next(chunk for chunk in chunks if chunk[0] == seq.prefilled)
-        record = self.prefixes is not None and end - begin == self.config.block_tokens
+        record = self.prefixes is not None and end - begin == self.config.chunk_tokens
         ids = torch.tensor([seq.prompt[begin:end]])
         start = now(self.loaded.device)
         logits, calls = seq.driver.extend(ids, record=record)
@@ -298,10 +307,15 @@ class Engine:
         seq.prefilled = end
         if self.prefixes is not None:
             self.prefixes.miss_tokens += end - begin
+        block = self.config.block_tokens
         if record:
-            seq.digest = PrefixCache.chain(seq.digest, seq.prompt[begin:end])
-            state = snapshot(seq.driver.policy.prefill_state())
-            self.prefixes.add(PrefixEntry(seq.digest, calls, state, logits.clone()), seq.id)
+            seq.block_calls += calls
+            if end % block == 0:
+                seq.digest = PrefixCache.chain(seq.digest, seq.prompt[end - block : end])
+                state = snapshot(seq.driver.policy.prefill_state())
+                entry = PrefixEntry(seq.digest, seq.block_calls, state, logits.clone())
+                self.prefixes.add(entry, seq.id)
+                seq.block_calls = []
         if end == len(seq.prompt):
             self._prompt_read(seq, logits, outputs)
 

@@ -34,6 +34,7 @@ class Sequence:
     generator: torch.Generator
     family: bytes  # the prefix cache's root for this sequence's prefill family
     digest: bytes = b""  # the name of the last whole prompt block in its cache (the root before any)
+    block_calls: list = field(default_factory=list)  # Cache.update calls of the block being read
     phase: Phase = Phase.WAITING
     driver: Driver | None = None
     prefilled: int = 0  # prompt tokens in the cache

@@ -68,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = EngineConfig(
         block_tokens=args.block_tokens,
+        chunk_tokens=args.chunk_tokens,
         step_tokens=args.step_tokens,
         kv_memory=None if args.kv_memory is None else int(args.kv_memory * 2**30),
         prefix_cache=not args.no_prefix_cache,
@@ -140,12 +141,15 @@ def register_cli(subparsers) -> None:
         "static: one batch of requests with equal policy and sampling at a time, each waiting for the last",
     )
     serve.add_argument(
-        "--block-tokens", type=_positive, default=128, help="tokens per block of the KV pool and prompt chunk"
+        "--block-tokens", type=_positive, default=128, help="tokens per block of the KV pool and prefix cache"
+    )
+    serve.add_argument(
+        "--chunk-tokens", type=_positive, default=64, help="prompt tokens per prefill pass (divides a block)"
     )
     serve.add_argument(
         "--step-tokens",
         type=_positive,
-        default=384,
+        default=128,
         help="tokens one engine step feeds: one per running request, the rest to prompt chunks",
     )
     serve.add_argument(
