@@ -11,6 +11,7 @@ import pytest
 from infinikv import GenerationConfig, Generator
 from infinikv.cli import main
 from infinikv.engine import Engine, EngineConfig
+from infinikv.engine.engine import prompt_chunks
 from infinikv.policies import POLICIES, make_config
 
 from .test_generate import reference_tokens
@@ -45,7 +46,10 @@ def test_cli_offload_json_reports_the_arithmetic(smollm2, long_prompt, expected,
     spec = smollm2.spec
     stats = offload["stats"]
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4  # fp32, batch 1
-    moved = sum(per_token * (stats["prompt_tokens"] + s) for s in range(stats["decode_steps"]))
+    # each prompt chunk after the first reads back the chunks before it; each decode step everything
+    chunks = prompt_chunks(stats["prompt_tokens"], EngineConfig().chunk_tokens)
+    moved = per_token * sum(begin for begin, _ in chunks)
+    moved += sum(per_token * (stats["prompt_tokens"] + s) for s in range(stats["decode_steps"]))
     assert stats["bytes_h2d"] == moved
     assert runs["dense"]["stats"]["bytes_h2d"] == 0
 

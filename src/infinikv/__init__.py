@@ -11,6 +11,7 @@ crosses to the compute device. Typical use::
 """
 
 from .cache import InfinikvCache
+from .engine import Engine, EngineConfig
 from .errors import InfinikvError
 from .generate import GenerationConfig, Generator, RequestResult
 from .hooks import install
@@ -20,6 +21,8 @@ from .policies import POLICIES, Policy, PolicyConfig, make_config
 __all__ = [
     "POLICIES",
     "REGISTRY",
+    "Engine",
+    "EngineConfig",
     "GenerationConfig",
     "Generator",
     "InfinikvCache",
