@@ -20,7 +20,7 @@ from infinikv import GenerationConfig, Generator
 from infinikv.engine.engine import EngineConfig, prompt_chunks
 from infinikv.policies import POLICIES, PolicyConfig, make_config
 
-CHUNK = EngineConfig().block_tokens  # the engine's prompt chunk
+CHUNK = EngineConfig().chunk_tokens  # the engine's prompt chunk
 
 PROMPTS = ["A short one.", "A much longer prompt, padded on the left of its shorter batch mate " * 3]
 NEW_TOKENS = 8

@@ -52,8 +52,8 @@ Tensor = torch.Tensor
 @dataclass(frozen=True)
 class EngineConfig:
     block_tokens: int = 128  # tokens per block of the pool and of the prefix cache
-    chunk_tokens: int = 64  # prompt tokens per prefill forward pass (divides block_tokens)
-    step_tokens: int = 128  # tokens one step feeds at most: one per decode row, the rest to prompt chunks
+    chunk_tokens: int = 128  # prompt tokens per prefill forward pass (divides block_tokens)
+    step_tokens: int = 256  # tokens one step feeds at most: one per decode row, the rest to prompt chunks
     max_running: int = 16  # sequences admitted at once
     kv_memory: int | None = None  # the pool's bytes (None: half the memory free when the engine starts)
     prefix_cache: bool = True

@@ -144,12 +144,12 @@ def register_cli(subparsers) -> None:
         "--block-tokens", type=_positive, default=128, help="tokens per block of the KV pool and prefix cache"
     )
     serve.add_argument(
-        "--chunk-tokens", type=_positive, default=64, help="prompt tokens per prefill pass (divides a block)"
+        "--chunk-tokens", type=_positive, default=128, help="prompt tokens per prefill pass (divides a block)"
     )
     serve.add_argument(
         "--step-tokens",
         type=_positive,
-        default=128,
+        default=256,
         help="tokens one engine step feeds: one per running request, the rest to prompt chunks",
     )
     serve.add_argument(
