@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from infinikv.engine import Engine, EngineConfig, GenerationConfig
-from infinikv.engine.blocks import BlockPool, PrefixCache, block_bytes
+from infinikv.engine.blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes
 from infinikv.engine.engine import prompt_chunks
 from infinikv.errors import InputError
 from infinikv.policies import POLICIES, make_config
@@ -57,33 +57,45 @@ def test_prompt_chunks_are_whole_blocks_from_the_start():
     assert prompt_chunks(33, 16) == [(0, 16), (16, 33)]
 
 
+def scenario(
+    loaded,
+    config,
+    document: list[int],
+    questions: list[list[int]],
+    chat: list[int],
+    new: int,
+    block: int,
+    chunk: int,
+):
+    """The engine's three ways to share a run, each checked against the request alone with no prefix
+    cache: (1) with a prefix cache, the second question joins mid-flight and starts with the first's
+    document (a hit), and a chat request joins later; (2) without one, in a pool with room for both
+    questions' prompts but not for both to grow, one of them is preempted and recomputed."""
+    sampling = GenerationConfig(max_new_tokens=new)
+    prompts = [document + question for question in questions] + [chat]
+    roomy = Engine(loaded, EngineConfig(block_tokens=block, chunk_tokens=chunk, kv_memory=2**30))
+    shared = run(roomy, [(p, config, sampling) for p in prompts], join_at=[0, 2, 4])
+    per_block = block_bytes(loaded.spec, next(loaded.model.parameters()).dtype, block)
+    admitted = [-(-(len(p) + 1) // block) for p in prompts[:2]]
+    assert all(-(-(len(p) + new) // block) > n for p, n in zip(prompts, admitted, strict=False))  # they grow
+    tight = EngineConfig(
+        block_tokens=block, chunk_tokens=chunk, kv_memory=(sum(admitted) + 1) * per_block, prefix_cache=False
+    )
+    crowded = run(Engine(loaded, tight), [(p, config, sampling) for p in prompts[:2]], join_at=[0, 2])
+    alone = Engine(loaded, EngineConfig(block_tokens=block, chunk_tokens=chunk, prefix_cache=False))
+    for prompt, result in zip(prompts + prompts[:2], shared + crowded, strict=True):
+        assert result.token_ids == run(alone, [(prompt, config, sampling)])[0].token_ids
+    assert shared[1].stats["prefix_hit_tokens"] >= len(document) // block * block > 0
+    assert sum(result.stats["preemptions"] for result in crowded) >= 1
+    assert roomy.pool.used == roomy.pool.cached  # every sequence's blocks went back
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_joining_sharing_a_prefix_and_preemption_leave_every_row_its_own_tokens(tiny, policy):
-    """Three requests on one engine with a prefix cache and a pool too small for all of them: the second
-    joins mid-flight and starts with the first's document (a prefix hit), the third arrives later and
-    forces a preemption. Each gets the greedy tokens it gets alone with no prefix cache."""
-    config = make_config(policy)
-    document = "The harbour lantern glowed over the copper river while the falcon watched. " * 2
-    prompts = [
-        ids(tiny, document + "Question one?"),
-        ids(tiny, document + "And a second question?"),
-        ids(tiny, "A short unrelated chat message."),
-    ]
-    sampling = GenerationConfig(max_new_tokens=24)
-    need = [-(-(len(p) + sampling.max_new_tokens) // BLOCK) for p in prompts]
-    per_block = block_bytes(tiny.spec, next(tiny.model.parameters()).dtype, BLOCK)
-    # room for the first two whole, but not for all three
-    engine = Engine(
-        tiny,
-        EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=(need[0] + need[1] + 1) * per_block),
-    )
-    results = run(engine, [(p, config, sampling) for p in prompts], join_at=[0, 3, 6])
-    for prompt, result in zip(prompts, results, strict=True):
-        assert result.token_ids == alone(tiny, prompt, config, sampling)
-    shared = len(ids(tiny, document)) // BLOCK * BLOCK
-    assert results[1].stats["prefix_hit_tokens"] >= min(shared, BLOCK)
-    assert engine.stats()["preemptions"] >= 1 and sum(r.stats["preemptions"] for r in results) >= 1
-    assert engine.pool.used == engine.pool.cached  # every sequence's blocks went back
+    document = ids(tiny, "The harbour lantern glowed over the copper river while the falcon watched. " * 2)
+    questions = [ids(tiny, "Question one?"), ids(tiny, "And a second question?")]
+    chat = ids(tiny, "A short chat message.")
+    scenario(tiny, make_config(policy), document, questions, chat, new=24, block=BLOCK, chunk=CHUNK)
 
 
 def test_a_prompt_of_whole_cached_blocks_prefills_nothing(tiny):
@@ -158,24 +170,24 @@ def test_abort_frees_the_sequence_and_bad_requests_fail_before_queueing(tiny):
         small.add([5] * (4 * BLOCK), make_config("dense"), GREEDY)
 
 
-def test_a_full_pool_makes_requests_wait_and_evicts_unheld_prefixes(tiny):
+def test_the_prefix_cache_evicts_least_recently_used_blocks_a_block_after_its_followers():
     pool = BlockPool(4, BLOCK)
     cache = PrefixCache(pool)
     assert pool.grow(1, 2 * BLOCK) and not pool.grow(2, 3 * BLOCK) and pool.held == {1: 2}
     root = PrefixCache.root("m", "dense", BLOCK)
-    from infinikv.engine.blocks import PrefixEntry
-
-    first = PrefixEntry(PrefixCache.chain(root, list(range(BLOCK))), [], None, None)
-    assert cache.add(first, seq=1) and pool.free == 1
-    second = PrefixEntry(PrefixCache.chain(first.digest, list(range(BLOCK))), [], None, None)
-    assert cache.add(second, seq=1) and pool.free == 0
-    assert cache.evict(2) == 0  # held by sequence 1
-    cache.release(1)
+    tokens = list(range(BLOCK))
+    first = PrefixEntry(PrefixCache.chain(root, tokens), root, [], None, None)
+    second = PrefixEntry(PrefixCache.chain(first.digest, tokens), first.digest, [], None, None)
+    other = PrefixEntry(PrefixCache.chain(root, tokens[::-1]), root, [], None, None)
+    cache.add(first)
+    cache.add(second)
+    assert pool.free == 0 and cache.match(root, tokens * 2) == [first, second]
+    cache.add(other)  # the pool is full: the least recently used block nothing follows goes (second)
+    assert cache.match(root, tokens * 2) == [first] and pool.cached == 2
+    assert cache.evictable(keep=frozenset({first.digest})) == 1
+    assert cache.evict(2, keep=frozenset({first.digest})) == 1 and cache.match(root, tokens) == [first]
     pool.release(1)
-    assert cache.match(root, list(range(BLOCK)) * 2, seq=2) == [first, second]
-    cache.release(2)
-    assert cache.evict(1) == 1 and len(cache) == 1 and pool.cached == 1
-    assert cache.match(root, list(range(BLOCK)), seq=3) == []  # the older one went first
+    assert cache.evict(5) == 1 and len(cache) == 0 and pool.used == 0
 
 
 def test_engine_config_is_checked():

@@ -14,6 +14,7 @@ from infinikv.engine import Engine, EngineConfig
 from infinikv.engine.engine import prompt_chunks
 from infinikv.policies import POLICIES, make_config
 
+from .test_engine import scenario
 from .test_generate import reference_tokens
 
 pytestmark = pytest.mark.real_model
@@ -145,3 +146,24 @@ def test_a_row_gets_its_own_tokens_alone_and_batched_on_smollm2(smollm2, rows, p
         assert blocks_chose == bool(knobs.get("block_size"))
     alone = [generator.generate([row], config)[0].token_ids for row in rows]
     assert [result.token_ids for result in batched] == alone
+
+
+# -- the engine: joining, prefix hits and preemption, every registered policy --------------------------------
+ENGINE_CASES = [
+    *(pytest.param(policy, {}, id=f"{policy}-defaults") for policy in POLICIES),
+    *(pytest.param(name, TIGHT[name], id=f"{name}-tight") for name in POLICIES if TIGHT.get(name)),
+]
+
+
+@pytest.mark.parametrize("policy, knobs", ENGINE_CASES)
+def test_joining_a_prefix_hit_and_preemption_keep_each_requests_tokens_on_smollm2(smollm2, policy, knobs):
+    """``test_engine.scenario`` on SmolLM2: a 496-token document (three whole blocks) asked two questions,
+    one joining mid-flight and hitting the prefix cache, a chat request joining later, and the two
+    questions preempting each other in a tight pool as they grow past 512 tokens: every request's 16
+    greedy tokens are those it gets alone."""
+    tokenize = smollm2.tokenizer
+    document = tokenize(AUSTEN * 3)["input_ids"][:496]
+    questions = [tokenize(" Who wants a wife?")["input_ids"], tokenize(" What is acknowledged?")["input_ids"]]
+    chat = tokenize("Write one sentence about the sea.")["input_ids"]
+    config, engine = make_config(policy, **knobs), EngineConfig()
+    scenario(smollm2, config, document, questions, chat, 16, engine.block_tokens, engine.chunk_tokens)

@@ -470,8 +470,17 @@ class _Blocker:
         await self.request.__aexit__(None, None, None)
 
 
-def test_concurrent_requests_are_batched_and_equal_alone(server, client):
-    url, app = server
+@pytest.fixture(scope="module")
+def static_server(model):
+    settings = ServerSettings(max_batch=8, max_queue=16, scheduler="static")
+    with serving(model, settings=settings) as (url, app):
+        yield url, app
+
+
+def test_concurrent_requests_are_batched_and_equal_alone(static_server):
+    """The static scheduler: requests that wait while a batch runs go together into the next one."""
+    url, app = static_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     max_tokens = 24
     reference = [
         client.completions.create(model="tiny-llama", prompt=p, max_tokens=max_tokens, temperature=0)

@@ -16,8 +16,9 @@ device copy), so ``kv_memory`` bounds the K/V and the side state follows it.
 last token. A block is named by a chained hash of its tokens and everything before it, within one prefill
 family (``Policy.prefill_family``, or the exact configuration for a policy of no family) and one block size,
 so a hit means the same tokens at the same positions, prefilled the same way. Each entry takes one block of
-the pool; a running sequence that matched or wrote an entry holds a reference to it, and entries no sequence
-holds are evicted least-recently-used when the pool needs their blocks.
+the pool and lives in host memory. A hit is copied into the sequence's own cache when it is admitted, so
+entries need no reference count: when the pool needs blocks, the least recently used entries go, a block
+only after the blocks that follow it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,34 +97,51 @@ class BlockPool:
 
 @dataclass
 class PrefixEntry:
-    """One prompt block as its prefill left it: the ``Cache.update`` calls (layer, K, V, key_valid), the
-    policy's ``prefill_state`` after it, and the next-token logits at its last position."""
+    """One prompt block as its prefill left it, in host memory: the ``Cache.update`` calls (layer, K, V,
+    key_valid), the policy's ``prefill_state`` after it, and the next-token logits at its last position."""
 
     digest: bytes
+    parent: bytes  # the digest of the block before it (the root for a prompt's first block)
     calls: list[tuple[int, Tensor, Tensor, Tensor | None]]
     state: Any
     logits: Tensor
-    holders: set[int] = field(default_factory=set)  # running sequences that hold it
 
 
-def snapshot(value: Any) -> Any:
-    """A copy of ``value`` (tensors, or lists / tuples / dicts of them) that later in-place updates of the
-    original do not reach."""
+def on_host(value: Any) -> Any:
+    """A copy of ``value`` (tensors, or lists / tuples / dicts of them) in host memory, which later in-place
+    updates of the original do not reach (a view is copied alone, not the tensor it views)."""
     if isinstance(value, Tensor):
-        return value.clone()
+        return value.to("cpu", copy=True)
     if isinstance(value, (list, tuple)):
-        return type(value)(snapshot(v) for v in value)
+        return type(value)(on_host(v) for v in value)
     if isinstance(value, dict):
-        return {k: snapshot(v) for k, v in value.items()}
+        return {k: on_host(v) for k, v in value.items()}
+    return value
+
+
+def on_device(value: Any, device: torch.device) -> Any:
+    """``value`` (as :func:`on_host` takes it) copied to ``device``, so the caller may change it freely."""
+    if isinstance(value, Tensor):
+        return value.to(device, copy=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: on_device(v, device) for k, v in value.items()}
     return value
 
 
 class PrefixCache:
-    """Prompt blocks by chained hash, counted in ``pool``; evicted least-recently-used once unheld."""
+    """Prompt blocks by chained hash, one block of ``pool`` each, evicted least-recently-used, a block before
+    the blocks that follow it (evicting a block first would leave its followers unreachable).
+
+    A match is copied into the sequence's own cache at once (``Driver.restore``), so no running sequence
+    needs an entry to stay: every entry is evictable, and the pool's free blocks plus the cached ones are
+    what admission can use."""
 
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self._entries: OrderedDict[bytes, PrefixEntry] = OrderedDict()  # oldest use first
+        self._followers: dict[bytes, int] = {}  # digest -> cached blocks that follow it
         self.hit_tokens = 0
         self.miss_tokens = 0
 
@@ -139,8 +157,8 @@ class PrefixCache:
         """The name of a block of ``tokens`` that follows the block named ``parent``."""
         return hashlib.sha256(parent + torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()).digest()
 
-    def match(self, root: bytes, prompt: list[int], seq: int) -> list[PrefixEntry]:
-        """The cached blocks ``prompt`` starts with, in order, now held by ``seq``."""
+    def match(self, root: bytes, prompt: list[int]) -> list[PrefixEntry]:
+        """The cached blocks ``prompt`` starts with, in order (marked used: the last one most recently)."""
         size, digest, found = self.pool.block_tokens, root, []
         for begin in range(0, len(prompt) - size + 1, size):
             digest = self.chain(digest, prompt[begin : begin + size])
@@ -149,37 +167,50 @@ class PrefixCache:
                 break
             found.append(entry)
         for entry in found:
-            self._hold(entry, seq)
+            self._entries.move_to_end(entry.digest)
         return found
 
-    def add(self, entry: PrefixEntry, seq: int) -> bool:
-        """Keep ``entry`` (held by ``seq``) if a block is free or can be freed; False when it cannot."""
+    def add(self, entry: PrefixEntry) -> None:
+        """Keep ``entry`` if a block is free or can be freed (else it is dropped: caching is best effort)."""
         if entry.digest in self._entries:
-            self._hold(self._entries[entry.digest], seq)
-            return True
+            self._entries.move_to_end(entry.digest)
+            return
         if self.pool.free < 1 and not self.evict(1):
-            return False  # every block is held
+            return
         self._entries[entry.digest] = entry
+        self._followers[entry.parent] = self._followers.get(entry.parent, 0) + 1
         self.pool.cached += 1
         self.pool.peak = max(self.pool.peak, self.pool.used)
-        self._hold(entry, seq)
-        return True
 
-    def _hold(self, entry: PrefixEntry, seq: int) -> None:
-        entry.holders.add(seq)
-        self._entries.move_to_end(entry.digest)
+    def evict(self, blocks: int, keep: frozenset[bytes] = frozenset()) -> int:
+        """Free up to ``blocks`` blocks, least recently used first among those no cached block follows, never
+        one named in ``keep``; returns how many were freed."""
+        freed = 0
+        while freed < blocks:
+            victim = next(
+                (
+                    digest
+                    for digest in self._entries
+                    if not self._followers.get(digest) and digest not in keep
+                ),
+                None,
+            )
+            if victim is None:
+                break
+            parent = self._entries.pop(victim).parent
+            self._followers[parent] -= 1
+            if not self._followers[parent]:
+                del self._followers[parent]
+            freed += 1
+        self.pool.cached -= freed
+        return freed
 
-    def release(self, seq: int) -> None:
-        for entry in self._entries.values():
-            entry.holders.discard(seq)
-
-    def evict(self, blocks: int) -> int:
-        """Free up to ``blocks`` blocks, least recently used unheld entries first; returns how many."""
-        unheld = [digest for digest, entry in self._entries.items() if not entry.holders][:blocks]
-        for digest in unheld:
-            del self._entries[digest]
-        self.pool.cached -= len(unheld)
-        return len(unheld)
-
-    def evictable(self) -> int:
-        return sum(1 for entry in self._entries.values() if not entry.holders)
+    def evictable(self, keep: frozenset[bytes] = frozenset()) -> int:
+        """Blocks :meth:`evict` could free, ``keep`` aside (a kept block's ancestors stay too)."""
+        pinned = set(keep)
+        for digest in keep:  # ancestors of a kept block cannot go before it
+            entry = self._entries.get(digest)
+            while entry is not None and entry.parent not in pinned:
+                pinned.add(entry.parent)
+                entry = self._entries.get(entry.parent)
+        return sum(1 for digest in self._entries if digest not in pinned)

@@ -1,27 +1,30 @@
 """The engine: requests come and go between steps; each step feeds every running sequence one token and
-reads new prompts in block-sized chunks, under a token budget.
+reads new prompts in chunks, under a token budget.
 
 ``add`` queues a request (its prompt's token ids, its KV policy, its sampling settings) and returns its id;
 ``abort`` ends one; ``step`` runs one scheduler step and returns what each sequence produced:
 
 1. **Room for the decode rows.** Every decoding sequence needs its cache to hold one more position; when the
-   pool has no block left for it (after evicting unheld prefix blocks), the most recently admitted sequence
-   is preempted: its cache is dropped, its blocks freed, and it goes back to the front of the queue with the
-   tokens it had generated, which are fed again through decode steps after its prompt is prefilled again
-   (recompute), so it resumes in the very state it left.
+   pool has no block left for it (after evicting cached prefix blocks), the most recently admitted
+   sequence is preempted: its cache is dropped, its blocks freed, and it goes back to the front of the queue
+   with the tokens it had generated, which are fed again through decode steps after its prompt is prefilled
+   again (recompute).
 2. **Decode.** One forward pass over all decoding sequences (``ragged.RaggedCache``: batched projections
    and MLPs, each row's attention through its own policy), one token sampled per row, on each row's own
    random generator, with its own sampling settings.
-3. **Prefill.** What is left of ``step_tokens`` goes to prompts, ``chunk_tokens`` per chunk (at least one
-   chunk a step): first the admitted sequences still reading their prompt, oldest first, then waiting
-   sequences, admitted in order while the pool has blocks for their prompt. A new sequence first takes the
-   blocks of its prompt that the prefix cache holds (``blocks.PrefixCache``) and prefills only the rest.
-   When the last chunk is read, the sequence samples its first token.
+3. **Admission.** Waiting sequences are admitted in order while ``max_running`` allows and the pool has
+   blocks for their prompt, plus a block of headroom per decoding sequence. An admitted sequence first
+   takes the blocks of its prompt that the prefix cache holds (``blocks.PrefixCache``, copied into its
+   cache) and prefills only the rest.
+4. **Prefill.** What is left of ``step_tokens`` goes to prompt chunks of ``chunk_tokens`` (at least one
+   chunk a step), each to the admitted sequence with the fewest prompt tokens left, so a short prompt does
+   not wait behind a long one. When its last chunk is read, a sequence samples its first token.
 
 Chunks start at multiples of ``chunk_tokens``, which divides ``block_tokens`` (a one-token tail joins the
-chunk before it, so no chunk looks like a decode step), whatever else runs, so a sequence's prefill is the
-same computation alone, batched, preempted or after a prefix hit, and a cached block's K/V is
-bit-identical to a fresh prefill's.
+chunk before it, so no chunk looks like a decode step), whatever else runs, so a restored block holds bit
+for bit what the sequence's own prefill of it computes. What batching can change is floating-point
+rounding: the projections and MLPs of a step run over all its rows, and a matrix product's last bits may
+depend on how many rows it has (greedy tokens are tested equal to a run alone, on this CPU).
 
 Each sequence has its own cache and policy instance: requests with different policies run in the same
 steps, and nothing a policy chooses for a row depends on the other rows.
@@ -41,7 +44,7 @@ from ..errors import InputError
 from ..forward import Driver, decode_rows
 from ..models import LoadedModel
 from ..policies import PolicyConfig, policy_of, prepare
-from .blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes, free_memory_bytes, snapshot
+from .blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes, free_memory_bytes, on_device, on_host
 from .ragged import RaggedCache
 from .requests import GenerationConfig, RequestResult, sample
 from .sequence import Phase, Sequence
@@ -74,20 +77,20 @@ class EngineConfig:
 
 @dataclass
 class StepOutput:
-    """What one sequence produced in a step: its new token (None for a cancelled one), the text that can be
-    shown now, and its result once it is finished."""
+    """What one sequence produced in a step: its new token, the text that can be shown now, and its result
+    once it is finished."""
 
     seq: int
-    token: int | None
+    token: int
     text: str
     result: RequestResult | None = None
 
 
-def prompt_chunks(length: int, block: int) -> list[tuple[int, int]]:
-    """(begin, end) of each prefill chunk of a ``length``-token prompt: whole blocks from the start, the last
-    one shorter; a one-token tail joins the chunk before it (a lone token after others would be a decode
-    step)."""
-    bounds = list(range(0, length, block)) + [length]
+def prompt_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    """(begin, end) of each prefill chunk of a ``length``-token prompt: ``chunk`` tokens each from the start,
+    the last one shorter; a one-token tail joins the chunk before it (a lone token after others would be a
+    decode step)."""
+    bounds = list(range(0, length, chunk)) + [length]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         del bounds[-2]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
@@ -193,6 +196,7 @@ class Engine:
         decoding = self._make_room([s for s in self.running if s.phase is Phase.DECODING])
         if decoding:
             self._decode(decoding, outputs)
+        self._admit_waiting(outputs)
         self._prefill(self.config.step_tokens - len(decoding), outputs)
         return outputs
 
@@ -206,10 +210,18 @@ class Engine:
                 kept.append(seq)
         return kept
 
-    def _grow(self, seq: Sequence, tokens: int) -> bool:
+    def _available(self, keep: frozenset[bytes] = frozenset()) -> int:
+        """Blocks free now or once cached prefix blocks (but those in ``keep``) are evicted."""
+        return self.pool.free + (self.prefixes.evictable(keep) if self.prefixes is not None else 0)
+
+    def _grow(self, seq: Sequence, tokens: int, keep: frozenset[bytes] = frozenset()) -> bool:
+        """Give ``seq`` blocks for ``tokens`` positions, evicting cached prefix blocks (not those in
+        ``keep``) only when that is enough; False when it is not."""
         short = self.pool.blocks_for(tokens) - self.pool.held.get(seq.id, 0) - self.pool.free
-        if short > 0 and self.prefixes is not None:
-            self.prefixes.evict(short)
+        if short > 0:
+            if short > self._available(keep) - self.pool.free:
+                return False
+            self.prefixes.evict(short, keep)
         return self.pool.grow(seq.id, tokens)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -226,8 +238,6 @@ class Engine:
             seq.driver.close()
             seq.driver = None
         self.pool.release(seq.id)
-        if self.prefixes is not None:
-            self.prefixes.release(seq.id)
         if seq in self.running:
             self.running.remove(seq)
 
@@ -245,54 +255,63 @@ class Engine:
             self._next_token(seq, logits[r : r + 1], outputs)
 
     def _prefill(self, allowance: int, outputs: list[StepOutput]) -> None:
-        chunks = max(1, allowance // self.config.chunk_tokens)
-        while chunks > 0:
-            prefilling = (s for s in self.running if s.phase is Phase.PREFILLING)
-            seq = next(prefilling, None) or self._admit(outputs)
-            if seq is None:
+        """Prompt chunks within ``allowance`` tokens (at least one), each to the admitted sequence with the
+        fewest prompt tokens left, so a short prompt is not held behind a long one's whole prefill."""
+        for _ in range(max(1, allowance // self.config.chunk_tokens)):
+            prefilling = [s for s in self.running if s.phase is Phase.PREFILLING]
+            if not prefilling:
                 return
-            if seq.prefilled < len(seq.prompt):
-                self._prefill_chunk(seq, outputs)
-                chunks -= 1
+            self._prefill_chunk(min(prefilling, key=lambda s: len(s.prompt) - s.prefilled), outputs)
 
-    def _admit(self, outputs: list[StepOutput]) -> Sequence | None:
-        """The first waiting sequence, admitted with its cache and its cached prefix, if the pool has blocks
-        for its prompt (and the tokens it feeds again); None otherwise."""
-        if not self.waiting or len(self.running) >= self.config.max_running:
-            return None
-        seq = self.waiting[0]
-        if not self._grow(seq, len(seq.prompt) + len(seq.forced) + 1):
-            return None
-        self.waiting.popleft()
-        seq.phase, seq.admitted_at = Phase.PREFILLING, next(self._admissions)
-        cache = InfinikvCache(self.loaded.model, seq.policy, device=self.loaded.device)
-        seq.driver = Driver(self.loaded, cache)
-        self.running.append(seq)
-        if self.prefixes is not None:
-            self._restore_prefix(seq, outputs)
-        return seq
+    def _admit_waiting(self, outputs: list[StepOutput]) -> None:
+        """Admit waiting sequences in order, while ``max_running`` allows and the pool has blocks for each
+        one's prompt (and the tokens it feeds again) plus a block of headroom per decoding sequence, so
+        an admission does not force a preemption at the next step. A sequence takes its cached prefix at
+        once."""
+        while self.waiting and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            tokens = len(seq.prompt) + len(seq.forced) + 1
+            need = self.pool.blocks_for(tokens) + sum(1 for s in self.running if s.phase is Phase.DECODING)
+            found = self._cached_prefix(seq)
+            keep = frozenset(entry.digest for entry in found)
+            if need > self._available(keep):
+                found, keep = [], frozenset()  # its own blocks matter more than keeping its prefix cached
+                if need > self._available():
+                    return
+            self._grow(seq, tokens, keep)
+            self.waiting.popleft()
+            seq.phase, seq.admitted_at = Phase.PREFILLING, next(self._admissions)
+            cache = InfinikvCache(self.loaded.model, seq.policy, device=self.loaded.device)
+            seq.driver = Driver(self.loaded, cache)
+            self.running.append(seq)
+            if found:
+                self._restore(seq, found, outputs)
 
-    def _restore_prefix(self, seq: Sequence, outputs: list[StepOutput]) -> None:
-        # Each entry keeps its last position's logits, so a prompt of whole blocks can come from the cache
-        # entirely and sample its first token at once.
+    def _cached_prefix(self, seq: Sequence) -> list[PrefixEntry]:
+        """The cached blocks ``seq``'s prompt starts with, cut back to end where one of its chunks ends."""
+        if self.prefixes is None:
+            return []
         chunks = prompt_chunks(len(seq.prompt), self.config.chunk_tokens)
-        whole = {end for begin, end in chunks if end - begin == self.config.chunk_tokens}
-        found = self.prefixes.match(seq.family, seq.prompt, seq.id)
-        while found and len(found) * self.config.block_tokens not in whole:
-            found.pop()  # a hit must end where a chunk of this prompt ends
-        if not found:
-            return
+        ends = {end for begin, end in chunks if end - begin == self.config.chunk_tokens}
+        found = self.prefixes.match(seq.family, seq.prompt)
+        while found and len(found) * self.config.block_tokens not in ends:
+            found.pop()
+        return found
+
+    def _restore(self, seq: Sequence, found: list[PrefixEntry], outputs: list[StepOutput]) -> None:
+        """Copy the cached blocks ``found`` into ``seq``'s cache. Each keeps its last position's logits, so a
+        prompt of whole cached blocks samples its first token at once."""
         tokens = len(found) * self.config.block_tokens
-        start = now(self.loaded.device)
-        seq.driver.restore(
-            [call for entry in found for call in entry.calls], snapshot(found[-1].state), tokens
-        )
-        seq.prefill_s += now(self.loaded.device) - start
+        device = self.loaded.device
+        start = now(device)
+        calls = [call for entry in found for call in entry.calls]
+        seq.driver.restore(on_device(calls, device), on_device(found[-1].state, device), tokens)
+        seq.prefill_s += now(device) - start
         seq.prefilled, seq.digest = tokens, found[-1].digest
         seq.prefix_hit_tokens += tokens
         self.prefixes.hit_tokens += tokens
         if tokens == len(seq.prompt):
-            self._prompt_read(seq, found[-1].logits, outputs)
+            self._prompt_read(seq, on_device(found[-1].logits, device), outputs)
 
     def _prefill_chunk(self, seq: Sequence, outputs: list[StepOutput]) -> None:
         """Feed ``seq``'s next prompt chunk; when it completes a block, hand that block to the prefix cache
@@ -309,18 +328,17 @@ class Engine:
             self.prefixes.miss_tokens += end - begin
         block = self.config.block_tokens
         if record:
-            seq.block_calls += calls
+            seq.block_calls += on_host(calls)
             if end % block == 0:
-                seq.digest = PrefixCache.chain(seq.digest, seq.prompt[end - block : end])
-                state = snapshot(seq.driver.policy.prefill_state())
-                entry = PrefixEntry(seq.digest, seq.block_calls, state, logits.clone())
-                self.prefixes.add(entry, seq.id)
+                parent, seq.digest = seq.digest, PrefixCache.chain(seq.digest, seq.prompt[end - block : end])
+                state = on_host(seq.driver.policy.prefill_state())
+                self.prefixes.add(PrefixEntry(seq.digest, parent, seq.block_calls, state, on_host(logits)))
                 seq.block_calls = []
         if end == len(seq.prompt):
             self._prompt_read(seq, logits, outputs)
 
     def _prompt_read(self, seq: Sequence, logits: Tensor, outputs: list[StepOutput]) -> None:
-        seq.phase = Phase.DECODING
+        seq.phase, seq.block_calls = Phase.DECODING, []
         self._next_token(seq, logits, outputs)
 
     def _next_token(self, seq: Sequence, logits: Tensor, outputs: list[StepOutput]) -> None:

@@ -52,7 +52,6 @@ class Sequence:
     decode_s: float = 0.0
     decode_steps: int = 0
     rows_in_steps: int = 0  # summed over its decode steps: how many rows each had
-    policy_stats: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         self.digest = self.digest or self.family
