@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infinikv import GenerationConfig, Generator, InfinikvCache
-from infinikv.engine.engine import EngineConfig, prompt_chunks
+from infinikv.engine.engine import prompt_chunks
 from infinikv.errors import InputError, PolicyError
 from infinikv.forward import chunk_bounds
 from infinikv.kvpool import KVPool
@@ -65,7 +65,7 @@ def test_offload_moves_the_whole_cache_every_step(tiny):
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
     for prompt, result in zip(prompts, run(tiny, "offload", prompts, new_tokens=10), strict=True):
         length = len(tiny.tokenizer(prompt)["input_ids"])
-        read_back = sum(begin for begin, _ in prompt_chunks(length, EngineConfig().chunk_tokens))
+        read_back = sum(begin for begin, _ in prompt_chunks(length, GenerationConfig().prefill_chunk))
         steps = result.stats["decode_steps"]
         assert steps == 9  # each later prompt chunk reads back the ones before it, each step everything
         decode = sum(per_token * (length + step) for step in range(steps))

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from infinikv import GenerationConfig, Generator
-from infinikv.engine.engine import EngineConfig, prompt_chunks
+from infinikv.engine.engine import prompt_chunks
 from infinikv.policies import POLICIES, PolicyConfig, make_config
 
-CHUNK = EngineConfig().chunk_tokens  # the engine's prompt chunk
+CHUNK = GenerationConfig().prefill_chunk  # the prompt chunk of a Generator's own engine
 
 PROMPTS = ["A short one.", "A much longer prompt, padded on the left of its shorter batch mate " * 3]
 NEW_TOKENS = 8

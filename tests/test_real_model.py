@@ -48,7 +48,7 @@ def test_cli_offload_json_reports_the_arithmetic(smollm2, long_prompt, expected,
     stats = offload["stats"]
     per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4  # fp32, batch 1
     # each prompt chunk after the first reads back the chunks before it; each decode step everything
-    chunks = prompt_chunks(stats["prompt_tokens"], EngineConfig().chunk_tokens)
+    chunks = prompt_chunks(stats["prompt_tokens"], GenerationConfig().prefill_chunk)
     moved = per_token * sum(begin for begin, _ in chunks)
     moved += sum(per_token * (stats["prompt_tokens"] + s) for s in range(stats["decode_steps"]))
     assert stats["bytes_h2d"] == moved

@@ -1,7 +1,7 @@
 """``make demo``: SmolLM2-135M reads about 2,000 tokens of Pride and Prejudice and answers a question about
 it, once per policy; the text streams for the first policy, then each policy's KV statistics are printed
-side by side. The policies that prefill densely (dense, offload, InfiniGen, Quest) share one prefill of the
-prompt through a ``PrefillMemo``, as the benchmark and the evaluation do; H2O runs its own (it also
+side by side. All run on one engine with a prefix cache: the policies that prefill densely (dense, offload,
+InfiniGen, Quest) read the prompt once and restore its cached blocks after that; H2O reads its own (it also
 accumulates attention scores)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from .data import load_corpus
-from .forward import PrefillMemo
+from .engine import Engine, EngineConfig
 from .generate import GenerationConfig, Generator
 from .models import load
 from .policies import POLICIES
@@ -35,14 +35,14 @@ def main() -> int:
     policies = [p for p in ("dense", "offload", "infinigen", "h2o", "quest") if p in POLICIES]
     rows = []
     reference = None
-    memo = PrefillMemo()
+    engine = Engine(loaded, EngineConfig(prefix_cache=True))  # the prompt's blocks, read once per family
     for i, policy in enumerate(policies):
         print(f"\n== {policy} ==", flush=True)
 
         def stream(_row: int, piece: str) -> None:
             print(piece, end="", flush=True)
 
-        generator = Generator(loaded, policy, memo=memo)
+        generator = Generator(loaded, policy, engine=engine)
         result = generator.generate(prompt, config, on_text=stream, progress=True)[0]
         print()
         reference = reference if i else result.token_ids

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from .engine import Engine, EngineConfig
 from .engine.requests import GenerationConfig, Prompt, RequestResult, check_text, sample
@@ -37,9 +38,10 @@ class Generator:
     """Runs a loaded model with its KV cache owned by an infinikv policy.
 
     ``engine``: the engine to run on, shared with other generators (one engine serves any mix of policies;
-    give it ``EngineConfig(prefix_cache=True)`` and several questions about one document prefill it once).
-    None: an engine of this generator's own, without a prefix cache. ``memo``: prefills shared with the
-    drivers given the same memo (teacher-forced scoring, ``lm_eval.loglik``; ``forward.PrefillMemo``).
+    give it ``EngineConfig(prefix_cache=True)`` and several questions about one document prefill it once),
+    by one caller at a time. None: an engine of this generator's own, without a prefix cache, whose prompt
+    chunks are each call's ``GenerationConfig.prefill_chunk``. ``memo``: prefills shared with the drivers
+    given the same memo (teacher-forced scoring, ``lm_eval.loglik``; ``forward.PrefillMemo``).
     """
 
     def __init__(
@@ -53,8 +55,16 @@ class Generator:
         self.loaded = loaded
         self.memo = memo
         self.policy_config = make_config(policy, **knobs) if isinstance(policy, str) else policy
-        self.engine = engine or Engine(loaded, EngineConfig(prefix_cache=False))
+        self._shared = engine
+        self.engine = engine or self._own_engine(GenerationConfig().prefill_chunk)
         self.engine.prepare(self.policy_config)  # e.g. InfiniGen calibrates once per model
+
+    def _own_engine(self, chunk: int) -> Engine:
+        # A call's prompts all arrive at once: read them before decoding (no stream to keep going meanwhile)
+        config = EngineConfig(
+            block_tokens=chunk, chunk_tokens=chunk, step_tokens=64 * chunk, prefix_cache=False
+        )
+        return Engine(self.loaded, config)
 
     @torch.inference_mode()
     def generate(
@@ -72,7 +82,7 @@ class Generator:
         ``cancelled(row)`` is asked each step for each unfinished row; True ends that row there.
         ``row_max_new_tokens``: each row's own limit (at most ``config.max_new_tokens``); a row that reaches
         it finishes with "length". A seeded row draws from its own generator, seeded with ``config.seed``.
-        ``progress``: a progress bar while a long prompt is read."""
+        ``progress``: a progress bar of the prompt tokens read."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         limits = list(row_max_new_tokens or [config.max_new_tokens] * len(prompts))
         if len(limits) != len(prompts) or not all(1 <= n <= config.max_new_tokens for n in limits):
@@ -80,9 +90,13 @@ class Generator:
                 f"row_max_new_tokens needs one limit per prompt, each in 1..{config.max_new_tokens}"
             )
         ids = self._tokenize(prompts, limits)
-        for row_ids, limit in zip(ids, limits, strict=True):
-            self.engine.check(row_ids, dataclasses.replace(config, max_new_tokens=limit))
+        if self._shared is None and self.engine.config.chunk_tokens != config.prefill_chunk:
+            self.engine = self._own_engine(config.prefill_chunk)
+            self.engine.prepare(self.policy_config)
         engine = self.engine
+        for row_ids, limit in zip(ids, limits, strict=True):
+            engine.check(row_ids, dataclasses.replace(config, max_new_tokens=limit))
+        bar = tqdm(total=sum(map(len, ids)), desc="prefill", unit="tok", leave=False, disable=not progress)
         rows: dict[int, int] = {}  # engine sequence id -> row
         results: list[RequestResult | None] = [None] * len(prompts)
         try:
@@ -95,7 +109,9 @@ class Generator:
                         if cancelled(row):
                             results[row] = engine.abort(seq)
                             del rows[seq]
-                for out in engine.step():
+                outputs = engine.step()
+                bar.update(sum(engine.prompt_tokens_read(seq) for seq in rows) - bar.n)
+                for out in outputs:
                     row = rows.get(out.seq)
                     if row is None:  # another caller's request on a shared engine
                         continue
@@ -105,6 +121,7 @@ class Generator:
                         results[row] = out.result
                         del rows[out.seq]
         finally:
+            bar.close()
             for seq in rows:  # an exception (or an interrupt) leaves nothing running
                 engine.abort(seq)
         for row, result in enumerate(results):

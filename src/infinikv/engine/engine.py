@@ -171,6 +171,11 @@ class Engine:
             self.waiting.remove(seq)
         return self._finish(seq)
 
+    def prompt_tokens_read(self, seq_id: int) -> int:
+        """Prompt tokens of a running or waiting request in its cache so far (for a progress bar)."""
+        seq = self._sequences.get(seq_id)
+        return 0 if seq is None else min(seq.cached_tokens, len(seq.prompt))
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -23,7 +23,7 @@ class GenerationConfig:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before the first one
-    prefill_chunk: int = 2048  # prompt tokens per prefill forward pass
+    prefill_chunk: int = 2048  # prompt tokens per prefill forward pass (a Generator's own engine, a Driver)
 
     def __post_init__(self):
         # Every sampling parameter is checked here, once, before any model work: a NaN or an infinity

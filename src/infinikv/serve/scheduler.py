@@ -306,6 +306,9 @@ class ContinuousScheduler:
             self._jobs[self.engine.add(job.prompt, job.policy, job.sampling)] = job
         except InfinikvError as exc:
             job.emit("error", str(exc))
+        except Exception as exc:  # e.g. a policy's preparation failing: this request fails, not the server
+            log.exception("a request could not be added")
+            job.emit("error", f"generation failed: {exc}")
 
     def _cancel_departed(self) -> None:
         for seq, job in list(self._jobs.items()):
@@ -328,7 +331,8 @@ class ContinuousScheduler:
 
     def _fail_all(self, message: str) -> None:
         for seq, job in list(self._jobs.items()):
-            self.engine.abort(seq)
+            with contextlib.suppress(Exception):  # its cache may be the one that failed
+                self.engine.abort(seq)
             job.emit("error", message)
         self._jobs.clear()
 
