@@ -7,7 +7,9 @@ Workloads (``--workload``; a comma list runs each in turn, each reported on its 
 * ``docqa``: questions about Jane Austen passages (the ``austen`` corpus of ``infinikv data pull``),
   ``--docs`` passages of each length in ``--doc-tokens`` (counted in words, at 0.75 words a token; the
   server's own count comes back in the usage and is reported) and ``--questions`` questions about each. A
-  request is one passage followed by one question, to ``/v1/completions``. The requests take the passages
+  request is one user message, a passage followed by one question, to ``/v1/chat/completions`` (the
+  instruct model answers a message; a bare completion of the passage often ends at once). The requests take
+  the passages
   round-robin, so the questions about one passage are spread over the run and the later ones can find it
   in the server's prefix cache, as a reader's follow-up questions would.
 * ``chat``: ``--requests`` chat messages of a few sentences, one user message each, to
@@ -200,7 +202,8 @@ def docqa_requests(
     return [
         BenchRequest(
             "Read the passage below, then answer the question after it.\n\n"
-            f"{texts[document]}\n\nQuestion: {docqa_question(document, question)}\nAnswer:",
+            f"{texts[document]}\n\nQuestion: {docqa_question(document, question)}",
+            chat=True,  # an instruct model answers a user message; a bare completion often ends at once
             document=document,
         )
         for question in range(questions)
