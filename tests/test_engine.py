@@ -201,3 +201,17 @@ def test_engine_config_is_checked():
     for bad in bad_configs:
         with pytest.raises(InputError):
             EngineConfig(**bad)
+
+
+def test_two_questions_sent_together_read_their_document_once(tiny):
+    """Neither prompt is cached when both arrive; the one with fewer tokens left reads first, and the other
+    takes the blocks it cached meanwhile instead of computing them again."""
+    document = ids(tiny, "copper river lantern " * 20)  # 420 tokens: 26 whole blocks
+    prompts = [document + ids(tiny, "First?"), document + ids(tiny, "And the second one?")]
+    config = make_config("quest", budget=0.5)
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
+    results = run(engine, [(p, config, GREEDY) for p in prompts])
+    assert results[0].stats["prefix_hit_tokens"] == 0
+    assert results[1].stats["prefix_hit_tokens"] == len(document) // BLOCK * BLOCK
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == alone(tiny, prompt, config)

@@ -242,8 +242,9 @@ class Driver:
     def restore(
         self, calls: list[tuple[int, Tensor, Tensor, Tensor | None]], state: Any, tokens: int
     ) -> None:
-        """Hand the cache a prefix's recorded calls and the policy the ``prefill_state`` after them, as
-        that prefix's prefill would have (``tokens``: its length); the next ``extend`` continues from it."""
+        """Hand the cache the recorded calls of the prompt's next tokens and the policy the
+        ``prefill_state`` after them, as their prefill would have (``tokens``: the prompt's length read
+        after them); the next ``extend`` continues from it."""
         self._replay(RecordedPrefill(calls, state, logits=None, forward_s=0.0), repeat=1)
         self.attention_mask = torch.ones(1, tokens, dtype=torch.long, device=self.loaded.device)
         self._next_positions = self.attention_mask.new_full((1, 1), tokens)

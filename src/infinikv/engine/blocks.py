@@ -157,10 +157,11 @@ class PrefixCache:
         """The name of a block of ``tokens`` that follows the block named ``parent``."""
         return hashlib.sha256(parent + torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()).digest()
 
-    def match(self, root: bytes, prompt: list[int]) -> list[PrefixEntry]:
-        """The cached blocks ``prompt`` starts with, in order (marked used: the last one most recently)."""
-        size, digest, found = self.pool.block_tokens, root, []
-        for begin in range(0, len(prompt) - size + 1, size):
+    def match(self, digest: bytes, prompt: list[int], start: int = 0) -> list[PrefixEntry]:
+        """The cached blocks that follow the block named ``digest`` (a root: none) in ``prompt`` from token
+        ``start`` on, in order, each marked used."""
+        size, found = self.pool.block_tokens, []
+        for begin in range(start, len(prompt) - size + 1, size):
             digest = self.chain(digest, prompt[begin : begin + size])
             entry = self._entries.get(digest)
             if entry is None:

@@ -261,12 +261,21 @@ class Engine:
 
     def _prefill(self, allowance: int, outputs: list[StepOutput]) -> None:
         """Prompt chunks within ``allowance`` tokens (at least one), each to the admitted sequence with the
-        fewest prompt tokens left, so a short prompt is not held behind a long one's whole prefill."""
-        for _ in range(max(1, allowance // self.config.chunk_tokens)):
+        fewest prompt tokens left, so a short prompt is not held behind a long one's whole prefill. Before a
+        chunk, a sequence takes the blocks another sequence with the same prompt has cached meanwhile (two
+        questions about one document, sent together, read it once)."""
+        chunks = max(1, allowance // self.config.chunk_tokens)
+        while chunks > 0:
             prefilling = [s for s in self.running if s.phase is Phase.PREFILLING]
             if not prefilling:
                 return
-            self._prefill_chunk(min(prefilling, key=lambda s: len(s.prompt) - s.prefilled), outputs)
+            seq = min(prefilling, key=lambda s: len(s.prompt) - s.prefilled)
+            found = self._cached_prefix(seq)
+            if found:
+                self._restore(seq, found, outputs)
+            else:
+                self._prefill_chunk(seq, outputs)
+                chunks -= 1
 
     def _admit_waiting(self, outputs: list[StepOutput]) -> None:
         """Admit waiting sequences in order, while ``max_running`` allows and the pool has blocks for each
@@ -293,29 +302,32 @@ class Engine:
                 self._restore(seq, found, outputs)
 
     def _cached_prefix(self, seq: Sequence) -> list[PrefixEntry]:
-        """The cached blocks ``seq``'s prompt starts with, cut back to end where one of its chunks ends."""
-        if self.prefixes is None:
+        """The cached blocks that come next in ``seq``'s prompt (from its first token not yet read, when
+        that starts a block), cut back to end where one of its chunks ends."""
+        block = self.config.block_tokens
+        if self.prefixes is None or seq.prefilled % block:
             return []
         chunks = prompt_chunks(len(seq.prompt), self.config.chunk_tokens)
         ends = {end for begin, end in chunks if end - begin == self.config.chunk_tokens}
-        found = self.prefixes.match(seq.family, seq.prompt)
-        while found and len(found) * self.config.block_tokens not in ends:
+        found = self.prefixes.match(seq.digest, seq.prompt, seq.prefilled)
+        while found and seq.prefilled + len(found) * block not in ends:
             found.pop()
         return found
 
     def _restore(self, seq: Sequence, found: list[PrefixEntry], outputs: list[StepOutput]) -> None:
-        """Copy the cached blocks ``found`` into ``seq``'s cache. Each keeps its last position's logits, so a
-        prompt of whole cached blocks samples its first token at once."""
-        tokens = len(found) * self.config.block_tokens
+        """Copy the cached blocks ``found``, the next ones of its prompt, into ``seq``'s cache. Each keeps its
+        last position's logits, so a prompt that ends with a cached block samples its first token at once."""
+        restored = len(found) * self.config.block_tokens
         device = self.loaded.device
         start = now(device)
         calls = [call for entry in found for call in entry.calls]
-        seq.driver.restore(on_device(calls, device), on_device(found[-1].state, device), tokens)
+        state = on_device(found[-1].state, device)
+        seq.driver.restore(on_device(calls, device), state, seq.prefilled + restored)
         seq.prefill_s += now(device) - start
-        seq.prefilled, seq.digest = tokens, found[-1].digest
-        seq.prefix_hit_tokens += tokens
-        self.prefixes.hit_tokens += tokens
-        if tokens == len(seq.prompt):
+        seq.prefilled, seq.digest = seq.prefilled + restored, found[-1].digest
+        seq.prefix_hit_tokens += restored
+        self.prefixes.hit_tokens += restored
+        if seq.prefilled == len(seq.prompt):
             self._prompt_read(seq, on_device(found[-1].logits, device), outputs)
 
     def _prefill_chunk(self, seq: Sequence, outputs: list[StepOutput]) -> None:
