@@ -203,15 +203,34 @@ def test_engine_config_is_checked():
             EngineConfig(**bad)
 
 
-def test_two_questions_sent_together_read_their_document_once(tiny):
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_two_questions_sent_together_read_their_document_once(tiny, policy):
     """Neither prompt is cached when both arrive; the one with fewer tokens left reads first, and the other
-    takes the blocks it cached meanwhile instead of computing them again."""
+    takes the blocks it cached meanwhile, into a cache that already holds part of its prompt, instead of
+    computing them again (steps run outside inference mode here, as the server's worker runs them)."""
     document = ids(tiny, "copper river lantern " * 20)  # 420 tokens: 26 whole blocks
     prompts = [document + ids(tiny, "First?"), document + ids(tiny, "And the second one?")]
-    config = make_config("quest", budget=0.5)
+    config = make_config(policy)
     engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
     results = run(engine, [(p, config, GREEDY) for p in prompts])
     assert results[0].stats["prefix_hit_tokens"] == 0
     assert results[1].stats["prefix_hit_tokens"] == len(document) // BLOCK * BLOCK
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == alone(tiny, prompt, config)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_sequence_takes_cached_blocks_into_a_cache_it_has_started(tiny, policy):
+    """One chunk a step: the first request reads half a block, the second (fewer tokens left) then reads
+    the whole document and caches it, and the first takes the rest of the document from the cache into a
+    cache that already holds part of its prompt."""
+    document = ids(tiny, "copper river lantern " * 4)  # 84 tokens: five whole blocks
+    prompts = [document + ids(tiny, "A longer first question?"), document + ids(tiny, "Short?")]
+    config = make_config(policy)
+    engine = Engine(
+        tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, step_tokens=CHUNK, kv_memory=2**28)
+    )
+    results = run(engine, [(p, config, GREEDY) for p in prompts], join_at=[0, 1])
+    assert 0 < results[0].stats["prefix_hit_tokens"] < len(document)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == alone(tiny, prompt, config)

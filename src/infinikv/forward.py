@@ -239,6 +239,7 @@ class Driver:
         finally:
             self.cache.prefill_log = None
 
+    @torch.inference_mode()
     def restore(
         self, calls: list[tuple[int, Tensor, Tensor, Tensor | None]], state: Any, tokens: int
     ) -> None:

@@ -196,6 +196,7 @@ class Engine:
         }
 
     # -- one step ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         decoding = self._make_room([s for s in self.running if s.phase is Phase.DECODING])
