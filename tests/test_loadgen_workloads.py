@@ -308,3 +308,18 @@ def test_the_cli_prints_a_bad_argument_as_one_line(capsys):
     assert main(["bench-serve", "--workload", "docqa,poems"]) == 2
     err = capsys.readouterr().err
     assert "unknown value 'poems'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_docqa_ttft_is_split_by_whether_the_passage_was_asked_about_before():
+    samples = [
+        loadgen.Sample(ok=True, ttft_s=10.0),
+        loadgen.Sample(ok=True, ttft_s=20.0),
+        loadgen.Sample(ok=True, ttft_s=1.0, seen_document=True),
+        loadgen.Sample(ok=True, ttft_s=2.0, seen_document=True),
+        loadgen.Sample(ok=True, ttft_s=3.0, seen_document=True),
+    ]
+    result = loadgen.summarise("dense", [loadgen.Round(samples, 10.0, 0, 0, None)], workload="docqa")
+    assert result.ttft_new_document_p50_s == 10.0 and result.ttft_seen_document_p50_s == 2.0
+    assert "| 10000 / 2000 |" in loadgen._table([result])
+    words = loadgen.summarise("dense", [loadgen.Round(samples, 10.0, 0, 0, None)])
+    assert words.ttft_seen_document_p50_s is None and "| - |" in loadgen._table([words])
