@@ -890,33 +890,31 @@ def _table(results: list[PolicyResult]) -> str:
 
 
 def _plot(results: list[PolicyResult], path: Path, title: str) -> None:
+    """One row of panels per workload: TTFT and TPOT (p50 and p99) and output tokens/s, per server and
+    policy, as horizontal bars (the labels stay readable). ``title``: the setup, its first sentence shown."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-    several = len({r.workload for r in results}) > 1
-    names = [f"{r.workload}: {r.label}" if several else r.label or r.policy for r in results]
-    quantiles = ("p50", "p90", "p99")
-    width = 0.25
-    for ax, key, label in (
-        (axes[0], "ttft_s", "time to first token (ms)"),
-        (axes[1], "per_token_s", "time per output token (ms)"),
-    ):
-        for j, q in enumerate(quantiles):
-            values = [getattr(r, key)[q] * 1000 for r in results]
-            ax.bar([i + (j - 1) * width for i in range(len(results))], values, width, label=q)
-        ax.set_xticks(
-            range(len(results)), names, rotation=30 if several else 0, ha="right" if several else "center"
-        )
-        ax.set_ylabel(label)
-        ax.legend(fontsize=8)
-    axes[2].bar(names, [r.tokens_per_s for r in results], color="tab:green")
-    axes[2].set_ylabel("output tokens/s (all clients)")
-    if several:
-        axes[2].tick_params(axis="x", labelrotation=30)
-    fig.suptitle(title, fontsize=8, wrap=True)
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    fig, axes = plt.subplots(len(workloads), 3, figsize=(13, 1.2 + 0.45 * len(results)), squeeze=False)
+    for row, workload in zip(axes, workloads, strict=True):
+        rows = [r for r in results if r.workload == workload]
+        names = [r.label or r.policy for r in rows]
+        places = range(len(rows))
+        for ax, key, label in ((row[0], "ttft_s", "TTFT (s)"), (row[1], "per_token_s", "TPOT (s)")):
+            for shift, q in ((-0.2, "p50"), (0.2, "p99")):
+                ax.barh([i + shift for i in places], [getattr(r, key)[q] for r in rows], 0.4, label=q)
+            ax.set_yticks(list(places), names, fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel(f"{workload}: {label}", fontsize=9)
+            ax.legend(fontsize=7)
+        row[2].barh(list(places), [r.tokens_per_s for r in rows], color="tab:green")
+        row[2].set_yticks(list(places), names, fontsize=8)
+        row[2].invert_yaxis()
+        row[2].set_xlabel(f"{workload}: output tokens/s (all clients)", fontsize=9)
+    fig.suptitle(title.split(". ")[0].split("; ")[0][:160], fontsize=9)  # the setup line has the rest
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
