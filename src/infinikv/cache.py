@@ -30,13 +30,14 @@ from .spec import model_spec
 Tensor = torch.Tensor
 
 
-class _PolicyLayer(CacheLayerMixin):
-    """One layer's view of the policy, in the shape transformers' ``Cache`` expects."""
+class PolicyLayer(CacheLayerMixin):
+    """One layer's view of a cache that routes it to policies (``store_and_select`` and ``seq_length`` of
+    ``cache``), in the shape transformers' ``Cache`` expects."""
 
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, cache: InfinikvCache, layer: int, sliding: bool):
+    def __init__(self, cache: PolicyCache, layer: int, sliding: bool):
         super().__init__()
         self.cache = cache
         self.layer = layer
@@ -49,7 +50,7 @@ class _PolicyLayer(CacheLayerMixin):
         return self.cache.store_and_select(self.layer, key_states, value_states)
 
     def get_seq_length(self) -> int:
-        return self.cache.policy.seq_length(self.layer)
+        return self.cache.seq_length(self.layer)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Masks always span every position seen; the attention function picks the selected columns.
@@ -79,7 +80,7 @@ class InfinikvCache(PolicyCache):
         self._selections: dict[int, Selection] = {}
         # When a list: every prefill call (layer, K, V, key_valid) is appended, for forward.PrefillMemo.
         self.prefill_log: list[tuple[int, Tensor, Tensor, Tensor | None]] | None = None
-        layers = [_PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)]
+        layers = [PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)]
         super().__init__(layers=layers)
 
     # -- called by the pre-attention hook ------------------------------------------------------------------
@@ -116,6 +117,9 @@ class InfinikvCache(PolicyCache):
         if self.prefill_log is not None:
             self.prefill_log.append((layer, k, v, self.policy.key_valid))
         return self.policy.prefill(layer, k, v)
+
+    def seq_length(self, layer: int) -> int:
+        return self.policy.seq_length(layer)
 
     def _is_decode(self, layer: int, q_len: int) -> bool:
         return q_len == 1 and self.policy.seq_length(layer) > 0

@@ -35,7 +35,14 @@ UNSUPPORTED = (
 
 
 class PolicyCache(Cache):
-    """What the hook and the attention function call on a cache that routes attention to a policy."""
+    """What the hook and the attention function call on a cache that routes attention to a policy (and,
+    through ``cache.PolicyLayer``, what its layers call: ``store_and_select`` and ``seq_length``)."""
+
+    def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def seq_length(self, layer: int) -> int:
+        raise NotImplementedError
 
     def before_attention(self, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor) -> None:
         raise NotImplementedError

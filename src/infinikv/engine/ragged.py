@@ -13,39 +13,12 @@ layer (it attends to what its policy selected) and its own window on a sliding l
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
-from ..cache import InfinikvCache
+from ..cache import InfinikvCache, PolicyLayer
 from ..hooks import PolicyCache
 from ..spec import ModelSpec
 
 Tensor = torch.Tensor
-
-
-class _RowsLayer(CacheLayerMixin):
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, cache: RaggedCache, layer: int, sliding: bool):
-        super().__init__()
-        self.cache = cache
-        self.layer = layer
-        self.is_sliding = sliding
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.is_initialized = True
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        return self.cache.store_and_select(self.layer, key_states, value_states)
-
-    def get_seq_length(self) -> int:
-        return self.cache.longest
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.longest + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class RaggedCache(PolicyCache):
@@ -59,7 +32,11 @@ class RaggedCache(PolicyCache):
         self._selected: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._windows: dict[int, list[Tensor]] = {}  # sliding window -> each row's mask
         self._real: list[Tensor] | None = None  # each row's full-attention mask, all True
-        super().__init__(layers=[_RowsLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)])
+        super().__init__(layers=[PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)])
+
+    def seq_length(self, layer: int) -> int:
+        # The model's own mask, which spans the longest row, is built from it and not used.
+        return self.longest
 
     def before_attention(self, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor) -> None:
         # A row's own mask: every position real (the policy's key_valid, as for an unpadded row alone).
