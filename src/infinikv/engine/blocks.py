@@ -3,22 +3,22 @@
 A block is ``block_tokens`` token positions of every layer's K and V at the model's dtype. The
 :class:`BlockPool` has a memory budget (``kv_memory`` bytes, by default half of the memory the machine has
 free when the engine starts) and hands blocks to sequences as their context grows; a sequence's blocks go
-back when it ends or is preempted. The scheduler sees only counts: ``fits``, ``grow`` (False when the pool
-is full, so the scheduler preempts) and ``release``.
+back when it ends or is preempted. The scheduler sees only counts: ``free``, ``blocks_for``, ``grow``
+(False when the blocks are not free, so the scheduler evicts or preempts) and ``release``.
 
-The policy's own storage lives in each sequence's policy (``kvpool.KVPool`` and its side state: InfiniGen's
-partial keys, Quest's page bounds, H2O's scores, quantised codes); the block count is what admission and
-preemption go by. A policy's side state is a fraction of its K/V (at most the K/V itself, for full offload's
-device copy), so ``kv_memory`` bounds the K/V and the side state follows it.
+Where this departs from a paged pool (vLLM's): the blocks are an account, not the storage. Each sequence's
+policy keeps its own tensors (``kvpool.KVPool`` and its side state: InfiniGen's partial keys, Quest's page
+bounds, H2O's scores, quantised codes), which grow as the sequence does; the block count is what admission
+and preemption go by. The side state is counted with the K/V it summarises, not apart.
 
 :class:`PrefixCache` keeps, for each prompt block a sequence prefilled, what the policy was handed for it
 (every layer's K/V, through ``Cache.update``), the policy's ``prefill_state`` after it and the logits of its
 last token. A block is named by a chained hash of its tokens and everything before it, within one prefill
 family (``Policy.prefill_family``, or the exact configuration for a policy of no family) and one block size,
 so a hit means the same tokens at the same positions, prefilled the same way. Each entry takes one block of
-the pool and lives in host memory. A hit is copied into the sequence's own cache when it is admitted, so
-entries need no reference count: when the pool needs blocks, the least recently used entries go, a block
-only after the blocks that follow it.
+the pool and lives in host memory. A hit is copied into the sequence's own cache (it saves the prefill's
+compute, not memory), so entries need no reference count: when the pool needs blocks, the least recently
+used entries go, a block only after the blocks that follow it.
 """
 
 from __future__ import annotations
