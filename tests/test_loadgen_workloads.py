@@ -320,6 +320,6 @@ def test_docqa_ttft_is_split_by_whether_the_passage_was_asked_about_before():
     ]
     result = loadgen.summarise("dense", [loadgen.Round(samples, 10.0, 0, 0, None)], workload="docqa")
     assert result.ttft_new_document_p50_s == 10.0 and result.ttft_seen_document_p50_s == 2.0
-    assert "| 10000 / 2000 |" in loadgen._table([result])
+    assert "| 10000 / 2000 |" in loadgen.results_table([result])
     words = loadgen.summarise("dense", [loadgen.Round(samples, 10.0, 0, 0, None)])
-    assert words.ttft_seen_document_p50_s is None and "| - |" in loadgen._table([words])
+    assert words.ttft_seen_document_p50_s is None and "| - |" in loadgen.results_table([words])

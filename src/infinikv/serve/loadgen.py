@@ -864,7 +864,8 @@ def _versions() -> dict[str, str]:
     return {"python": platform.python_version(), **{n: version(n) for n in names}}
 
 
-def _table(results: list[PolicyResult]) -> str:
+def results_table(results: list[PolicyResult]) -> str:
+    """The Markdown table of ``results``, one row per workload, policy and server."""
     ms = 1000.0
     lines = [
         "| workload | policy | requests | errors | prompt tok (mean) | req/s | out tok/s | mean batch "
@@ -980,7 +981,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             row.peak_rss_bytes = target.peak_rss_bytes
         results += rows
     minutes = (time.monotonic() - began) / 60
-    table = _table(results)
+    table = results_table(results)
     print(table)
     setup = _setup(args, plan, model)
     if args.json:
