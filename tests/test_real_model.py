@@ -157,12 +157,12 @@ ENGINE_CASES = [
 
 @pytest.mark.parametrize("policy, knobs", ENGINE_CASES)
 def test_joining_a_prefix_hit_and_preemption_keep_each_requests_tokens_on_smollm2(smollm2, policy, knobs):
-    """``test_engine.scenario`` on SmolLM2: a 496-token document (three whole blocks) asked two questions,
+    """``test_engine.scenario`` on SmolLM2: a 505-token document (three whole blocks) asked two questions,
     one joining mid-flight and hitting the prefix cache, a chat request joining later, and the two
-    questions preempting each other in a tight pool as they grow past 512 tokens: every request's 16
-    greedy tokens are those it gets alone."""
+    questions preempting each other in a tight pool as they grow past 512 tokens within their first
+    tokens: every request's 16 greedy tokens are those it gets alone."""
     tokenize = smollm2.tokenizer
-    document = tokenize(AUSTEN * 3)["input_ids"][:496]
+    document = tokenize(AUSTEN * 3)["input_ids"][:505]  # with a question, a token or two short of 512
     questions = [tokenize(" Who wants a wife?")["input_ids"], tokenize(" What is acknowledged?")["input_ids"]]
     chat = tokenize("Write one sentence about the sea.")["input_ids"]
     config, engine = make_config(policy, **knobs), EngineConfig()
