@@ -17,7 +17,7 @@ from infinikv.forward import Driver
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, prepare, resolve_budget
 from infinikv.policies.base import pick_top
 from infinikv.policies.infinigen import blocks, calibration, rehearsal, skewfile
-from infinikv.policies.infinigen.policy import FOLLOWED_SHARE
+from infinikv.policies.infinigen.config import FOLLOWED_SHARE
 from infinikv.policies.infinigen.rehearsal import Rehearsal
 from infinikv.policies.infinigen.skewfile import RatioAtLength
 from infinikv.policies.infinigen.slots import SlotTable, pack_nibbles, unpack_nibbles

@@ -5,7 +5,8 @@ Every option goes to lm-eval unchanged. Two things are added. For ``--model infi
 or an HF directory, the model's tokenizer directory becomes the default ``tokenizer`` of ``--metadata``, which
 RULER's synthetic tasks read to size their samples (they would otherwise look the model name up on the Hub);
 a ``tokenizer`` the user gives in ``--metadata`` wins. And an error a user can cause (a bad model argument, a
-task whose data cannot be had offline) ends in one line and exit status 2 instead of a traceback.
+task name lm-eval does not know, a task whose data cannot be had offline) ends in one line and exit status 2
+instead of a traceback.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from .model import Options
 # or file not there (FileNotFoundError, datasets' DatasetNotFoundError), a repository the Hub refuses, a
 # tokenizer name that is no path and no repository id, an nltk resource not installed (LookupError).
 DATA_ERRORS = (ConnectionError, FileNotFoundError, HfHubHTTPError, HFValidationError, LookupError)
+# How lm-eval's ValueError for a task name it does not know begins (raised before any model work)
+UNKNOWN_TASKS = "Tasks not found"
 
 
 def _option(argv: list[str], name: str) -> list[str]:
@@ -78,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     except InfinikvError as exc:
         print(f"infinikv lm-eval: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except ValueError as exc:
+        if not str(exc).startswith(UNKNOWN_TASKS):
+            raise
+        print(f"infinikv lm-eval: error: {exc} (`infinikv lm-eval ls tasks` lists them)", file=sys.stderr)
+        return 2
     except DATA_ERRORS as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"infinikv lm-eval: error: a task's data is missing (no Hub access?): {first}", file=sys.stderr)

@@ -32,6 +32,12 @@ KEYS_WHEN_CUT = ("int4", "cut")
 SCALE_BYTES = 2  # the per-token scale of integer partial keys (float16)
 PAPER_ALPHA = 5.0  # the paper's and artifact's threshold for Llama-family models
 PAPER_PARTIAL_RATIO = 0.2  # the paper's share of key columns
+# select_every: the share of a choice's budget whose next tokens the steps between read (its best read
+# tokens; on SmolLM2-135M at 4k, following 3 per KV head lost the needle, 16 found it)
+FOLLOWED_SHARE = 1 / 32
+# Each of the N - 1 steps between two choices adds more than FOLLOWED_SHARE of the budget to what a layer
+# reads, and a choice leaves room for all of them: past this N a choice keeps under half of its budget.
+MAX_SELECT_EVERY = round(0.5 / FOLLOWED_SHARE)
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,10 @@ class InfiniGenConfig(PolicyConfig):
         "blocks first, then tokens are scored, counted and picked among the best blocks alone (blocks.py; "
         "1 = blocks of one token, whose bounds are their scores). On SmolLM2, 16 with block_candidates "
         "1.25 kept 55 % of what token speculation picks (the picks scatter over many blocks) and lost "
-        "accuracy (docs/results-infinigen.md)",
+        "accuracy (docs/results-infinigen.md); at most 4096 (each candidate block's slots are gathered "
+        "whole, so a larger block would size the gather by itself, not by the context)",
         low=0,
+        high=4096,
     )
     block_candidates: float = knob(
         1.25,
@@ -150,8 +158,10 @@ class InfiniGenConfig(PolicyConfig):
         "at every N-th step and, at the steps between, reads what it read at the step before, the token it "
         "stored then and the token after each of its best read tokens (a 32nd of its budget, one further per "
         "step): 1/N of the selector's work, and own-query layers copy ahead at those steps; a choice leaves "
-        "room for what the steps until the next add, so the budget holds at every step",
+        "room for what the steps until the next add, so the budget holds at every step (at most "
+        f"{MAX_SELECT_EVERY}: beyond, a choice would keep under half of its budget)",
         low=1,
+        high=MAX_SELECT_EVERY,
         neutral=True,
     )
     skew: bool = knob(

@@ -154,7 +154,7 @@ from ..registry import register
 from . import skewfile
 from .blocks import BlockBounds, block_scores, gather_slots
 from .calibration import ensure_skew
-from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, PARTIAL_KEYS, InfiniGenConfig
+from .config import FOLLOWED_SHARE, PAPER_ALPHA, PAPER_PARTIAL_RATIO, PARTIAL_KEYS, InfiniGenConfig
 from .layer import LayerState
 from .rehearsal import (
     Rehearsal,
@@ -169,9 +169,6 @@ from .skewfile import Skew
 
 Tensor = torch.Tensor
 _SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 2**21
-# select_every: the share of a choice's budget whose next tokens the steps between read (its best read
-# tokens; on SmolLM2-135M at 4k, following 3 per KV head lost the needle, 16 found it)
-FOLLOWED_SHARE = 1 / 32
 
 
 @register("infinigen")
@@ -503,10 +500,11 @@ class InfiniGenPolicy(HostPoolPolicy):
         if budget >= real or self.config.select_every == 1:
             return budget, 0
         follow = math.ceil(budget * FOLLOWED_SHARE)
-        return min(
-            resolve_budget(self.config.budget, real + added, floor=floor) - added * (follow + 1)
-            for added in range(self.config.select_every)
-        ), follow
+        # The budget grows by at most a token a step and each step between adds follow + 1 to the reads, so
+        # the room the last step before the next choice needs is the least a choice may take.
+        between = self.config.select_every - 1
+        last = resolve_budget(self.config.budget, real + between, floor=floor)
+        return last - between * (follow + 1), follow
 
     def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Fetch:
         """Decide what ``layer`` reads this step and start copying it from the pool. Without an input ``x`` a
@@ -708,8 +706,9 @@ class InfiniGenPolicy(HostPoolPolicy):
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
         """Block speculation (``blocks.py``): rank blocks by their bounds, keep each row's ``takes`` best
         (the blocks of reserved slots first), then score, count and pick tokens among them alone. Returns
-        (scores over every slot, -inf off the candidates; counts; index; valid; the reserved slots among
-        the candidates), as token speculation does.
+        (scores; counts; index in slots; valid; the reserved slots among the candidates). The scores are
+        the candidates' own or, with an observer or ``select_every`` > 1 (both read them by slot), every
+        slot's as token speculation gives them, -inf off the candidates.
 
         With blocks of one token the bounds are the tokens' own scores, and it selects exactly what token
         speculation selects: candidates are the best tokens by the same order, and a head whose candidates
@@ -760,9 +759,10 @@ class InfiniGenPolicy(HostPoolPolicy):
             counts = torch.where(recount, every, counts)
         index, valid = pick_top(fine, counts.tolist(), fine_reserved)
         index = torch.gather(candidates, 2, index)
-        if self.observer is None:
+        if self.observer is None and self.config.select_every == 1:
             return fine, counts, index, valid, fine_reserved
-        # for the observer, as token speculation's: the candidates' scores in their slots, -inf elsewhere
+        # as token speculation's, for the observer and for what the steps between choices follow (both go by
+        # slot): the candidates' scores in their slots, -inf elsewhere
         spread = fine.new_full((batch, heads, n + 1), -math.inf)
         scores = spread.scatter_(2, torch.where(present, candidates, n), fine)[..., :n]
         return scores, counts, index, valid, self._reserved(layer)
