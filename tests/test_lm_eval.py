@@ -216,7 +216,9 @@ def test_launcher_refuses_bad_model_args_in_one_line_before_lm_eval_starts(tiny_
 
 
 def test_an_unknown_task_is_one_line(tiny_dir, capsys):
-    code = launch(["--model", "infinikv", "--model_args", f"pretrained={tiny_dir}", "--tasks", "no_such_task"])
+    code = launch(
+        ["--model", "infinikv", "--model_args", f"pretrained={tiny_dir}", "--tasks", "no_such_task"]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("infinikv lm-eval: error: Tasks not found: no_such_task") and "\n" not in err

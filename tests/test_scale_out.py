@@ -16,15 +16,17 @@ import openai
 import pytest
 import torch
 from ray import serve
+from ray.exceptions import ActorDiedError
 
 from infinikv.cli import main
 from infinikv.cluster import Spread, connect, disconnect
+from infinikv.errors import ModelError
 from infinikv.eval import sweep
 from infinikv.gpucheck.cli import run_check
 from infinikv.gpucheck.plan import TINY
 from infinikv.models import load
 from infinikv.serve.kv_policy import PolicyDefaults
-from infinikv.serve.replicas import ReplicaOptions, application, routing_key
+from infinikv.serve.replicas import ReplicaOptions, application, routing_key, start_serve
 
 from .test_server import serving
 
@@ -269,7 +271,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def replicas(cluster):
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve("127.0.0.1", port)
     app = application(ReplicaOptions(MODEL, replicas=2, max_batch=4))
     serve.run(app, name="test", route_prefix="/", logging_config={"enable_access_log": False})
     yield f"http://127.0.0.1:{port}"
@@ -296,6 +298,19 @@ def test_two_replicas_answer_the_openai_client_as_one_server_does(replicas):
                 model=MODEL, prompt="hi", max_tokens=2, extra_body={"kv_policy": "magic"}
             )
     assert spread.models.list().data[0].id == MODEL
+
+
+def test_serve_dying_as_it_starts_is_one_line(monkeypatch):
+    """On a loaded machine Serve's proxy can miss its checks and Serve's controller raises (ActorDiedError):
+    one line, not a traceback."""
+
+    def died(**_options):
+        raise ActorDiedError(cause=None)
+
+    monkeypatch.setattr(serve, "start", died)
+    with pytest.raises(ModelError, match="^Ray Serve did not start: ") as raised:
+        start_serve("127.0.0.1", free_port())
+    assert "\n" not in str(raised.value)
 
 
 def test_metrics_answer_from_one_replica(replicas):

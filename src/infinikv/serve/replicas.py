@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ray import serve
+from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import Response
@@ -46,6 +48,14 @@ SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_p
 SCOPE_KEYS += ("headers", "server", "client")
 INGRESS_MAX_ONGOING = 1024  # the ingress only relays; the replicas bound the work
 MAX_KEYS_PER_REPLICA = 64  # KV configurations a replica is known for (Serve forgets the least recent)
+# Serve's controller gives its HTTP proxy three 5-second checks to come up, and a loaded machine (replicas
+# loading their models beside it) can miss them all; a minute each is room enough. The replicas' own
+# health check gets as long, for the same reason. Variables already set win.
+PROXY_CHECK_SECONDS = {
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+REPLICA_HEALTH_CHECK_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -191,6 +201,7 @@ def application(options: ReplicaOptions) -> serve.Application:
         num_replicas=options.replicas,
         max_ongoing_requests=options.max_batch,  # beyond one batch, Serve routes to another replica
         ray_actor_options={"num_cpus": options.cpus, "num_gpus": options.gpus},
+        health_check_timeout_s=REPLICA_HEALTH_CHECK_TIMEOUT_S,
     )
     ingress = serve.deployment(
         InfinikvIngress, max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0}
@@ -217,6 +228,19 @@ def build(args: dict[str, Any]) -> serve.Application:
     return application(ReplicaOptions(**typed))
 
 
+def start_serve(host: str, port: int) -> None:
+    """Start Serve on the connected cluster with its HTTP proxy on ``host:port`` and the proxy's checks of
+    :data:`PROXY_CHECK_SECONDS`; ``ModelError`` (one line) when its controller or proxy dies coming up."""
+    checks = {name: os.environ.get(name, seconds) for name, seconds in PROXY_CHECK_SECONDS.items()}
+    try:
+        serve.start(
+            http_options={"host": host, "port": port},
+            controller_options={"runtime_env": {"env_vars": checks}},
+        )
+    except RayError as exc:
+        raise ModelError(f"Ray Serve did not start: {_last_line(exc)}") from None
+
+
 def serve_forever(options: ReplicaOptions, address: str | None, host: str, port: int) -> None:
     """Deploy on the cluster at ``address`` (None: a new local one) with Serve's HTTP proxy on
     ``host:port``, and serve until interrupted."""
@@ -224,7 +248,7 @@ def serve_forever(options: ReplicaOptions, address: str | None, host: str, port:
 
     owned = connect(address)
     try:
-        serve.start(http_options={"host": host, "port": port})
+        start_serve(host, port)
         try:
             serve.run(application(options), name="infinikv", route_prefix="/")
         except RuntimeError as exc:  # a replica failed to start (its model did not load): Serve says why
