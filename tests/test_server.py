@@ -532,6 +532,31 @@ def test_disconnect_cancels_the_generation(server):
     assert metric(app, "infinikv_requests_running") == 0 and metric(app, "infinikv_queue_length") == 0
 
 
+@pytest.mark.parametrize("scheduler", ["continuous", "static"])
+def test_a_request_past_its_deadline_is_cancelled_and_answered_504(model, scheduler):
+    """--request-timeout: a generation still running at its deadline ends there, plain (a 504 with an
+    OpenAI-shaped error) or streamed (the stream ends with that error); the server goes on serving."""
+    settings = ServerSettings(scheduler=scheduler, request_timeout=0.5)
+    with serving(model, settings=settings) as (url, app):
+        long = {"prompt": PROMPTS[0], "max_tokens": 3000, "temperature": 0}
+        started = time.monotonic()
+        answer = _post(url, "/v1/completions", long)
+        assert answer.status_code == 504 and time.monotonic() - started < 30
+        error = answer.json()["error"]
+        assert error["type"] == "timeout_error" and error["code"] == "request_timeout"
+        assert "deadline of 0.5 s" in error["message"]
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=60
+        ) as stream:
+            events = [
+                line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")
+            ]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "request_timeout"
+        assert metric(app, "infinikv_requests_total", policy="dense", status="504") == 2
+        assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert app.state.infinikv.scheduler.in_flight == 0
+
+
 def test_full_queue_is_429_with_retry_after(model):
     with serving(model, settings=ServerSettings(max_batch=1, max_queue=1)) as (url, app):
 

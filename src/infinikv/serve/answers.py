@@ -24,7 +24,7 @@ log = logging.getLogger("infinikv.serve")
 
 async def result(request: Request, job: Job, record: Callable[[int], None]) -> RequestResult | Response:
     """The result of a non-streaming job, or the response to send instead: 499 when the client went away
-    (the job cancelled), 500 when generation failed."""
+    (the job cancelled), 500 when generation failed, 504 when it ran past its deadline."""
     try:
         while True:
             try:
@@ -37,9 +37,10 @@ async def result(request: Request, job: Job, record: Callable[[int], None]) -> R
                 continue
             if kind == "done":
                 return payload
-            if kind == "error":
-                record(500)
-                return ApiError(payload, 500, type="server_error").response()
+            if kind in ("error", "timeout"):
+                error = failure(kind, payload)
+                record(error.status)
+                return error.response()
     except asyncio.CancelledError:
         job.cancel()
         raise
@@ -66,11 +67,19 @@ async def events(
             if include_usage:
                 yield sse(usage_chunk(meta, chat, prompt_tokens, payload))
         else:
-            yield sse(ApiError(payload, 500, type="server_error").body())
+            error = failure(kind, payload)
+            yield sse(error.body())
         yield SSE_DONE
         job.answered = True
-        record(200 if kind == "done" else 500)
+        record(200 if kind == "done" else error.status)
         return
+
+
+def failure(kind: str, message: str) -> ApiError:
+    """The error of a job's last event: "timeout" (its deadline passed) or "error" (generation failed)."""
+    if kind == "timeout":
+        return ApiError(message, 504, type="timeout_error", code="request_timeout")
+    return ApiError(message, 500, type="server_error")
 
 
 class JobStream(StreamingResponse):

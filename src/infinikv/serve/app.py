@@ -35,7 +35,7 @@ from ..engine import EngineConfig
 from ..errors import InfinikvError, InputError
 from ..models import LoadedModel
 from ..policies import make_config
-from . import answers
+from . import DEFAULT_REQUEST_TIMEOUT, answers
 from .kv_policy import PolicyDefaults, kv_report, resolve_policy
 from .metrics import NO_POLICY, ServerMetrics
 from .openai_shapes import ApiError, answer_meta, completion
@@ -56,6 +56,8 @@ class ServerSettings:
     served_name: str | None = None  # the model id clients send; default: the loaded model's name
     scheduler: str = "continuous"  # or "static": one batch of compatible requests at a time
     engine: EngineConfig = field(default_factory=EngineConfig)  # the continuous scheduler's engine
+    # seconds from a request's arrival until it is cancelled and answered 504 (None: no deadline)
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT
 
 
 class _State:
@@ -77,10 +79,14 @@ class _State:
         default.check_spec(loaded.spec)  # the operator's knob the model cannot take: fail the load
         settings = self.settings
         if settings.scheduler == "static":
-            scheduler = StaticScheduler(loaded, self.metrics, settings.max_batch, settings.max_queue)
+            scheduler = StaticScheduler(
+                loaded, self.metrics, settings.max_batch, settings.max_queue, settings.request_timeout
+            )
         else:
             engine = dataclasses.replace(settings.engine, max_running=settings.max_batch)
-            scheduler = ContinuousScheduler(loaded, self.metrics, engine, settings.max_queue)
+            scheduler = ContinuousScheduler(
+                loaded, self.metrics, engine, settings.max_queue, settings.request_timeout
+            )
         scheduler.prepare(default)
         scheduler.start()
         self.tokenizer = copy.deepcopy(loaded.tokenizer)

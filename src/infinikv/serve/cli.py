@@ -8,6 +8,7 @@ import math
 
 from ..errors import InputError, ModelError
 from ..models import DEFAULT_MODEL
+from . import DEFAULT_REQUEST_TIMEOUT
 
 
 def _positive(text: str) -> int:
@@ -27,6 +28,16 @@ def _gib(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of GiB, got '{text}'") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got '{text}'")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got '{text}'") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got '{text}'")
     return value
 
 
@@ -58,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             default_max_tokens=args.default_max_tokens,
             served_name=args.served_model_name,
+            request_timeout=args.request_timeout or None,
             replicas=args.replicas or 1,
             cpus=spread.cpus,
             gpus=spread.gpus,
@@ -80,6 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine=engine,
         default_max_tokens=args.default_max_tokens,
         served_name=args.served_model_name,
+        request_timeout=args.request_timeout or None,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     server: uvicorn.Server | None = None
@@ -164,6 +177,13 @@ def register_cli(subparsers) -> None:
     serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before 429")
     serve.add_argument(
         "--default-max-tokens", type=_positive, default=256, help="chat requests without max_tokens"
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        default=DEFAULT_REQUEST_TIMEOUT,
+        help="seconds from a request's arrival until it is cancelled and answered 504 (0 = no deadline; "
+        f"default {DEFAULT_REQUEST_TIMEOUT:g})",
     )
     serve.add_argument(
         "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown"

@@ -40,6 +40,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..errors import InputError, ModelError, PolicyError
 from ..policies import make_config
+from . import DEFAULT_REQUEST_TIMEOUT
 from .app import ServerSettings, create_app
 from .kv_policy import PolicyDefaults, requested_config
 
@@ -70,6 +71,7 @@ class ReplicaOptions:
     max_queue: int = 64
     default_max_tokens: int = 256
     served_name: str | None = None
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT
     replicas: int = 1
     cpus: float = 1.0
     gpus: float = 0.0
@@ -88,6 +90,7 @@ class ReplicaOptions:
             max_batch=self.max_batch,
             max_queue=self.max_queue,
             default_max_tokens=self.default_max_tokens,
+            request_timeout=self.request_timeout,
             served_name=self.served_name,
         )
 
@@ -222,7 +225,7 @@ def build(args: dict[str, Any]) -> serve.Application:
             value = json.loads(value)
         elif name in ("max_batch", "max_queue", "default_max_tokens", "replicas"):
             value = int(value)
-        elif name in ("cpus", "gpus"):
+        elif name in ("cpus", "gpus", "request_timeout"):
             value = float(value)
         typed[name] = value
     return application(ReplicaOptions(**typed))

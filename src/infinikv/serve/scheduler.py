@@ -2,7 +2,8 @@
 
 The HTTP layer ``submit``s a :class:`Job` (a prompt's token ids, a policy config, sampling settings) and
 reads its events from an asyncio queue: ``("text", piece)`` while it streams, then ``("done",
-RequestResult)`` or ``("error", message)``. A job whose client went away is cancelled at the next step.
+RequestResult)``, ``("error", message)`` or ``("timeout", message)``. A job whose client went away is
+cancelled at the next step, and so is one still running at its deadline (``--request-timeout``).
 
 :class:`ContinuousScheduler` (the default) steps an :class:`~infinikv.engine.Engine`: a job joins the
 running batch at the next step, whatever its policy and sampling settings, and leaves it when it is done;
@@ -56,6 +57,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     serial: int = 0
     answered: bool = False  # set by the HTTP side once the client got the final event
+    timeout: float | None = None  # seconds from submission to the deadline (None: none)
+    submitted: float = field(default_factory=time.monotonic)
 
     @property
     def batch_key(self) -> tuple:
@@ -76,9 +79,32 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def overdue(self) -> bool:
+        """Whether the job's deadline has passed."""
+        return self.timeout is not None and time.monotonic() - self.submitted > self.timeout
+
+    def stopped(self) -> bool:
+        """Whether the job should end at the next step: its client left, or its deadline passed."""
+        return self.cancelled.is_set() or self.overdue()
+
+    def emit_timeout(self, tokens: int) -> None:
+        self.emit(
+            "timeout",
+            f"the request ran past the server's deadline of {self.timeout:g} s (--request-timeout) and was "
+            f"cancelled after {tokens} new tokens",
+        )
+
 
 class StaticScheduler:
-    def __init__(self, loaded: LoadedModel, metrics: ServerMetrics, max_batch: int = 8, max_queue: int = 64):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        metrics: ServerMetrics,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        request_timeout: float | None = None,
+    ):
+        self.request_timeout = request_timeout
         self.loaded = loaded
         self.metrics = metrics
         self.max_batch = max_batch
@@ -99,7 +125,15 @@ class StaticScheduler:
     def submit(
         self, prompt: list[int], policy: PolicyConfig, sampling: GenerationConfig, stream: bool
     ) -> Job:
-        job = Job(prompt, policy, sampling, stream, asyncio.get_running_loop(), serial=next(self._serials))
+        job = Job(
+            prompt,
+            policy,
+            sampling,
+            stream,
+            asyncio.get_running_loop(),
+            serial=next(self._serials),
+            timeout=self.request_timeout,
+        )
         with self._lock:
             if self._stopping:
                 raise ShuttingDown
@@ -185,7 +219,7 @@ class StaticScheduler:
                 [job.prompt for job in batch],
                 sampling,
                 on_text=on_text,
-                cancelled=lambda row: batch[row].cancelled.is_set(),
+                cancelled=lambda row: batch[row].stopped(),
                 row_max_new_tokens=limits,
             )
         except Exception as exc:  # a failed batch must not stop the server
@@ -205,7 +239,10 @@ class StaticScheduler:
         self.batches_served += 1
         log.info("batch of %d (%s) done in %.2f s", len(batch), name, time.perf_counter() - started)
         for job, result in zip(batch, results, strict=True):
-            job.emit("done", result)
+            if result.finish_reason == "cancelled" and job.overdue() and not job.cancelled.is_set():
+                job.emit_timeout(len(result.token_ids))
+            else:
+                job.emit("done", result)
 
 
 class ContinuousScheduler:
@@ -217,7 +254,9 @@ class ContinuousScheduler:
         metrics: ServerMetrics,
         engine: EngineConfig = EngineConfig(),
         max_queue: int = 64,
+        request_timeout: float | None = None,
     ):
+        self.request_timeout = request_timeout
         self.engine = Engine(loaded, engine)
         self.metrics = metrics
         self.max_queue = max_queue
@@ -239,7 +278,15 @@ class ContinuousScheduler:
     ) -> Job:
         """Queue a job; an InputError (before anything is queued) when it could never fit the pool."""
         self.engine.check(prompt, sampling)
-        job = Job(prompt, policy, sampling, stream, asyncio.get_running_loop(), serial=next(self._serials))
+        job = Job(
+            prompt,
+            policy,
+            sampling,
+            stream,
+            asyncio.get_running_loop(),
+            serial=next(self._serials),
+            timeout=self.request_timeout,
+        )
         with self._lock:
             if self._stopping:
                 raise ShuttingDown
@@ -302,6 +349,9 @@ class ContinuousScheduler:
     def _add(self, job: Job) -> None:
         if job.cancelled.is_set():
             return
+        if job.overdue():  # it waited in the queue past its deadline
+            job.emit_timeout(0)
+            return
         try:
             self._jobs[self.engine.add(job.prompt, job.policy, job.sampling)] = job
         except InfinikvError as exc:
@@ -311,11 +361,16 @@ class ContinuousScheduler:
             job.emit("error", f"generation failed: {exc}")
 
     def _cancel_departed(self) -> None:
+        """End the jobs whose client left (their result, for the metrics) or whose deadline passed."""
         for seq, job in list(self._jobs.items()):
-            if job.cancelled.is_set():
-                result = self.engine.abort(seq)
-                if result is not None:
-                    self._done(seq, result)
+            if not job.stopped():
+                continue
+            result = self.engine.abort(seq)
+            if not job.cancelled.is_set():  # overdue
+                self._jobs.pop(seq)
+                job.emit_timeout(0 if result is None else len(result.token_ids))
+            elif result is not None:
+                self._done(seq, result)
 
     def _done(self, seq: int, result: RequestResult) -> None:
         job = self._jobs.pop(seq)
