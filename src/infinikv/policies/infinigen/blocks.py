@@ -1,7 +1,7 @@
 """Coarse-to-fine speculation: per block of ``block_size`` tokens, bounds of the partial keys.
 
 A rehearsal that scores every past token spends most of its time on the count and the top-k over all of
-them, not on the few columns it multiplies (docs/results-infinigen.md, "Speed"). With blocks, it first
+them, not on the few columns it multiplies. With blocks, it first
 scores blocks by an upper bound of what any of their tokens can score (:func:`block_scores`), keeps the
 best blocks as candidates, and only then scores, counts and picks tokens, among the candidates alone
 (``policy.py``). The bounds are Quest's (Tang et al., ICML 2024, https://arxiv.org/abs/2406.10774), taken

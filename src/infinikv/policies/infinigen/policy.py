@@ -7,131 +7,74 @@ policy rehearses layer i+1:
 
 1. speculative query q̂ = (RoPE(x W_q,i+1) A)[cols] from layer i's normalised input x;
 2. scores s = q̂ · K̃_i+1[:, cols]ᵀ times the attention scale, per query head, relative to that head's
-   best, then combined over the heads of a KV group by max (a token counts if any head of the group
-   wants it) (``rehearsal.speculative_scores``);
-3. per KV head the count of tokens with s > max(s) − alpha, averaged over KV heads: n' (per sequence,
-   capped by ``budget``, which is at least ``min_tokens``; a sequence whose context is within
-   ``min_tokens`` takes everything; ``rehearsal.count_within``); the rows fetched are each head's top-n'
-   scores, in ascending slot order (the shared ``base.pick_top``). The last ``window`` past tokens
-   (default 32) and the first ``n_sink`` real tokens (attention sinks, default none) are always among them
-   and counted in n' (later selectors keep both; the paper keeps neither: ``--window 0``).
-   With ``block_size`` above 0 the rehearsal is coarse to fine (``blocks.py``): it first bounds the
-   score of every block of that many tokens from per-block bounds of the partial keys (Quest's bounds,
-   on the skewed partial columns), keeps each row's best blocks, enough for ``block_candidates`` times
-   its budget plus the blocks of the reserved tokens, and only then scores, counts and picks tokens among
-   them; a head whose every candidate comes within alpha is counted again over all tokens. It cuts the
-   pick over every token, half the rehearsal's time on a CPU, but on SmolLM2 the tokens worth fetching are
-   scattered over too many blocks to keep the accuracy, so the default (0) scores every token, as the paper
-   does
-   (docs/results-infinigen.md, "Coarse-to-fine speculation");
-4. the gather + copy of those rows from the pool starts at once (worker thread or CUDA copy stream) and
-   overlaps the rest of layer i; layer i+1 attends with its real query over [selected; newest token].
-   On a CPU the whole look-ahead (steps 1-4) runs on the pool's worker thread (``KVPool.ahead``), beside
-   layer i on the decode thread, as the copy does; on CUDA its kernels queue on the compute stream.
+   best, then combined over the heads of a KV group by max (``rehearsal.speculative_scores``);
+3. per KV head the count of tokens with s > max(s) − alpha, averaged over KV heads: n' per sequence, capped
+   by ``budget`` (at least ``min_tokens``; a context within ``min_tokens`` takes everything;
+   ``rehearsal.count_within``); the rows fetched are each head's top-n' scores in ascending slot order
+   (``base.pick_top``), the last ``window`` and the first ``n_sink`` tokens always among them. With
+   ``block_size`` above 0 the rehearsal is coarse to fine (``blocks.py``): blocks are ranked by bounds of
+   their partial keys first, and tokens are scored, counted and picked among the best blocks alone;
+4. the gather and copy of those rows start at once (the pool's worker thread or the CUDA copy stream) and
+   overlap the rest of layer i; layer i+1 attends with its real query over [selected; newest token]. On a
+   CPU the whole look-ahead (steps 1-4) runs on the pool's worker thread (``KVPool.ahead``); on CUDA its
+   kernels queue on the compute stream.
 
-The partial key cache (with any block bounds) is what InfiniGen keeps on the device, and ``device_budget``
-(0.125) bounds it as a share of the dense KV of the same tokens: by default it is stored as int8 with one
-float16 scale per token and KV head (``partial_keys``; ``rehearsal.quantize``, the scale over the widest
-calibrated columns, so a row's integers do not depend on its batch), a quarter of float32's bytes, block
-bounds add 4 bytes per column and block, and a calibrated ratio is cut to the columns that fit
-(``InfiniGenConfig.column_cap``, from the model's dtype: the same budget allows fewer columns for a 16-bit
-model). int8 keys are scored in bfloat16, which holds them exactly; the paper stores them in the model's
-dtype (``--partial-keys model``). int4 keys are stored two to a byte (``slots.pack_nibbles``): twice int8's
-columns in the same bytes, each coarser, unpacked for the product. By default (``keys_when_cut`` int4) int8
-keys that the budget would cut below the calibrated columns are stored as int4 instead
-(``InfiniGenConfig.stored_keys``, settled with the first prompt chunk's dtype): on a 16-bit model at 4k and
-8k that keeps SmolLM2-135M's 48 columns where int8 holds 30, and found the 4k needle that the cut missed; a
-float32 model holds every calibrated column as int8, so there nothing changes (docs/results-infinigen.md).
-Calibration measures its ratios and alphas on int8-quantised keys
-(scales over each candidate's columns, float32 scores), and on SmolLM2-135M picks the ratios and own-query
-layers it picked on unquantised keys.
+Where it departs from the paper and its artifact (docs/results-infinigen.md measures what each buys):
 
-``alpha`` 0 and ``partial_ratio`` 0 (the defaults) use the model's calibrated values, stored with its skew
-(``tuning.py``: the smallest share of columns whose speculated top-k holds 90 % of what full-width
-speculation holds, then, per layer, the smallest alpha whose count rule keeps 90 % of that layer's dense
-attention, both on the calibration text); the paper's constants are ``--alpha 5`` (Llama family, every
-layer) and ``--partial-ratio 0.2``. ``stats()`` reports the values used and where they came from.
+* **Grouped-query attention**: one skewing matrix per KV head; each query head's scores are taken relative
+  to its own best before the group's heads are combined by max (the KV head is fetched once for the whole
+  group, so it needs the union of what its query heads want); the count is averaged over the KV heads.
+* **Calibrated knobs** (``tuning.py``): ``alpha`` 0 and ``partial_ratio`` 0 (the defaults) take the model's
+  calibrated values, stored with its skew: a share of columns per prompt length (each sequence takes the one
+  for its prompt length, fixed at its first decode step: the shortest calibrated window at least as long,
+  else the longest), and an alpha per layer and per way of choosing. A calibrated alpha is a threshold on
+  scores over the columns it was calibrated with, so a sequence that rehearses with other columns fetches
+  its budget instead (``InfiniGenConfig.alpha_holds``; ``stats()["count_rule_used"]``). A given ``--alpha``
+  counts every sequence. The paper's constants: ``--alpha 5 --partial-ratio 0.2``.
+* **A recent window** of ``window`` tokens (32) is always fetched; the paper keeps none (``--window 0``).
+* **The first layers** (``dense_layers``, 2), which no layer before rehearses, choose the budget's tokens by
+  their own query once it exists (``first_layers`` own); the paper loads them whole (``--first-layers
+  dense``). Later layers whose rehearsal misses what their own query finds choose the same way
+  (``own_query_layers``, by default the model's calibrated ones, at most an eighth of the rehearsed layers).
+  Each counts with the alpha calibrated for how it chooses. Their copies wait on their layer (the pool
+  counts them apart, ``bytes_h2d_on_demand``); with ``own_query_prefetch`` such a layer copies ahead the
+  slots it chose at the step before and, once its own query has chosen, only what that missed, and the
+  rows of both copies are put in the order of its own choice (:class:`Corrected`).
+* **A device budget**: ``device_budget`` bounds the partial key cache (with any block bounds) as a share of
+  the dense KV of the same tokens in the model's dtype. By default the keys are int8 with one float16 scale
+  per token and KV head (``partial_keys``; ``rehearsal.quantize``, the scale over the widest calibrated
+  columns, so a row's integers do not depend on its batch), scored in bfloat16, which holds them exactly; a
+  calibrated ratio is cut to the columns that fit (``InfiniGenConfig.column_cap``). Where int8 keys would be
+  cut below the calibrated columns they are stored as int4, two to a byte (``keys_when_cut``,
+  ``InfiniGenConfig.stored_keys``, settled with the first prompt chunk's dtype; ``slots.pack_nibbles``). The
+  paper stores them in the model's dtype (``--partial-keys model``).
+* **Columns per prompt length in one store**: the prompt's partial keys are computed with the widest
+  calibrated columns (its length is not known while its chunks arrive), then cut to the widest the batch
+  needs when decoding starts. Column sets are nested, so a sequence that needs fewer reads its own from that
+  store and gets the scores it would get alone. With ``column_allocation`` per_layer the uniform ratio's
+  columns are spread over the layers by calibration's per-layer recall curves (``tuning.allocate_ratios``),
+  the same device bytes; every sequence then counts by its budget.
+* **Choosing every N-th step** (``select_every``; 1, the paper's, by default): at the steps between, each
+  managed layer reads what it read at the step before, the slot of the token it stored then, and the token
+  after each of the best-scored tokens it read at the last choice (``FOLLOWED_SHARE`` of its budget), one
+  position further at each step (``_with_newest``); nothing is rehearsed and every copy starts a layer ahead.
+  A choice leaves room for what the steps until the next add, so every step reads within its budget. Where a
+  full pool evicts, the steps between read the step before's slots and the new token, and follow nothing.
+* **Batches**: when the sequences of a batch get different n', the gather is as wide as the largest and each
+  row's entries past its own n' are hidden (``Selection.valid``), so a sequence attends to exactly what it
+  would attend to alone; the bytes counted are those copied, the tokens attended those each row sees.
+* **A real host pool** (the artifact simulates eviction with masks). ``capacity`` at most 1 is a fraction,
+  above 1 a token count: after t tokens a layer's pool holds at most ⌈capacity·t⌉ (or ``capacity``) tokens
+  per sequence and KV head, in slots of the left-padded batch. The prompt is stored whole during prefill and
+  the pool is cut to capacity when decoding starts; from then on, when full, one slot per (sequence, KV head)
+  is overwritten per new token. Victims: left-padding slots first; never the newest half of the pool; among
+  the rest ``fifo`` takes the oldest token, ``lru`` the least recently fetched (storing counts as a use),
+  ``counter`` the one fetched the fewest times (the paper's default), ties to the oldest. Evicted tokens
+  leave the partial key cache with them (the two share slot numbers).
 
-The calibrated ratio depends on the context: a longer past holds more tokens that a narrow rehearsal
-mistakes for the real top-k (SmolLM2-135M: 0.3 serves 2k tokens, 4k and 8k need 0.75). Calibration stores
-the ratio for the calibration text's length (2k) and for 4k and 8k windows where the model's context and
-the text reach, and each sequence takes the one for its prompt length, fixed at its first decode step (the
-shortest calibrated window at least as long, else the longest). The prompt's partial keys are computed with
-the widest calibrated columns (the prompt length is not known while its chunks arrive), then cut to the
-widest the batch needs when decoding starts. Column sets are nested, so a sequence of the batch that needs
-fewer columns reads its own from that store, and its scores are those it would get alone.
-
-Columns allocated per layer (``column_allocation`` per_layer; off by default): the uniform ratio's total,
-spread by calibration's per-layer recall curves at the prompt's length (an own-query layer's by its own
-query; ``tuning.allocate_ratios``: the widening that buys the most recall per added column first), so a
-layer whose choice needs more columns takes them from one that does not; the device bytes do not grow.
-The alphas were calibrated at the uniform ratio, so every sequence is then counted by its budget.
-
-A calibrated alpha is a threshold on scores over the columns it was calibrated with (the calibration text's
-ratio): with more columns the scores spread further, fewer tokens come within the same alpha, and the count
-stops following the budget (SmolLM2-135M at 8k: +1.6 % perplexity at budgets 20 % and 40 % alike). A
-sequence that rehearses with other columns therefore fetches its budget, the top scores of each head
-(alpha inf); alphas calibrated again at those columns for the same 90 % of the attention came out smaller
-and lost more (docs/results-infinigen.md). A given ``--alpha`` applies to every sequence. ``stats()``
-reports per sequence which rule counted (``count_rule_used``).
-
-Nothing before them rehearses the first ``dense_layers`` layers (2; rehearsing layer 1 from layer 0's input
-lost accuracy). The paper loads them whole (``first_layers`` dense): on SmolLM2-135M's 30 layers that is
-6.7 % of full offload's bytes, two fifths of what InfiniGen moves at budget 10 %. By default (``own``) they
-select like the others, by the same count rule and budget, from their own query once it is computed: those
-two copies are not prefetched (each waits on its layer), and the bytes drop to the budget's
-(docs/results-infinigen.md measures both). A later layer whose rehearsal misses what its own query finds
-(its input moves far from the previous layer's) chooses the same way: ``own_query_layers``, by default the
-model's calibrated ones (``tuning.py``; SmolLM2-135M: layers 9, 12 and 20), at most an eighth of the
-rehearsed layers, so that most copies still overlap. Each layer counts with the alpha calibrated for how
-it chooses (by its own query or rehearsed). Their copies are on demand (the pool counts their bytes apart,
-``bytes_h2d_on_demand``; on a GPU each is a stall). With ``own_query_prefetch`` (off by default) such a
-layer copies ahead the slots it chose at the step before (consecutive steps choose mostly the same
-tokens; layer 0's copy starts beside the step before's last layers, the others' one layer ahead, as any
-prefetch). Once its own query has chosen, only the slots the prefetch
-missed are copied (the correction) and the rows of both copies are put in the order of its own choice
-(:class:`Corrected`), so it attends to exactly what it attends to without the prefetch, and eviction
-counts the same uses: fewer bytes on demand, more bytes moved (the prefetch's misses). Where the link
-bounds the step the misses cost more than the stalls save, so it stays off (docs/results-infinigen.md
-measures the trade). Sliding-window layers (Gemma-3) attend to
-their window, fetched from the pool; the policy rehearses the other global layers, each in the hook of
-the layer before it whatever that layer's type.
-
-``select_every`` N (1 by default, the paper: every step chooses) spends the selector's work at one decode
-step in N: steps 1, N + 1, 2N + 1, ... choose as above, and at the steps between each managed layer reads
-what it read at the step before, plus the slot of the token it stored then, plus the token after each token
-it follows: the best-scored of the tokens it read at the last choice (``FOLLOWED_SHARE`` of its budget),
-one position further at each step (``_with_newest``). Reading the step before's choice alone kept
-perplexity but lost retrieval: a model that reads out a number from its context attends to the next digit
-at each step, and the step before chose the one before it; following the best tokens' successors reads
-the next one (following only 3 per KV head still lost it). Nothing is rehearsed at those
-steps, and every copy, own-query layers' included, starts one layer ahead on the decode thread (layer 0's
-beside the step before's last layers), so none is on demand. A choice takes at most its budget less the room
-the steps until the next choice need (the followed and stored tokens), so every step reads within its
-budget; a budget that holds every token reads everything, as dense does. Where a full pool evicts, slots are
-not positions: the steps between read the step before's slots and the new token (the union, where it was
-written over a slot read), and follow nothing. The paper has no such schedule; docs/results-infinigen.md
-measures what it costs in accuracy and buys in speed.
-
-Where this differs from the paper's artifact: one skewing matrix per KV head (grouped-query attention);
-scores use the layer's own attention scale (1/√d for Llama); with grouped-query attention each query head's
-scores are taken relative to its own best before the group's heads are combined by max (the KV head is
-fetched once for the whole group, so it needs the union of what its query heads want; combining raw
-logits would let a head with large logits, e.g. on an attention sink, hide what the others need); the
-threshold count is averaged over the KV heads of each sequence; when the sequences of a batch get
-different n', the gather is as wide as the largest and each row's entries past its own n' are hidden
-(``Selection.valid``), so a sequence attends to exactly what it would attend to alone; the bytes counted
-are those copied, the tokens attended those each row sees.
-
-Host pool capacity (``capacity``): at most 1 is a fraction, above 1 a token count. After t tokens have been
-seen, a layer's pool holds at most ⌈capacity·t⌉ (or ``capacity``) tokens per sequence and KV head, counted
-in slots of the left-padded batch — at the end of a run that is that fraction of prompt + generated tokens.
-The prompt is stored whole during prefill (its attention is dense) and the pool is cut to capacity when
-decoding starts; from then on, when full, one slot per (sequence, KV head) is overwritten per new token.
-Victims: left-padding slots first; never the newest half of the pool; among the rest ``fifo`` takes the
-oldest token, ``lru`` the least recently fetched (storing counts as a use), ``counter`` the one fetched
-the fewest times (paper's default), ties to the oldest. Evicted tokens leave the partial key cache with
-them (the two share slot numbers). Sliding-window layers keep at most their window, evicting by FIFO.
+Sliding-window layers (Gemma-3) attend to their window, fetched from the pool and evicted by FIFO; the
+policy rehearses the other global layers, each in the hook of the layer before it whatever that layer's
+type. ``stats()`` reports the knob values used and where they came from.
 """
 
 from __future__ import annotations

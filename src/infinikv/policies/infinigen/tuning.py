@@ -5,25 +5,21 @@ best (the count averaged over the KV heads, capped by the budget); the score is 
 ``partial_ratio`` of the skewed key columns. The paper fixes both per model family (alpha 4 for OPT, 5 for
 Llama; 20 % of the columns). What they cost depends on the model:
 
-* columns: with SmolLM2-135M's 64-wide heads, 20 % is 13 columns, and the speculated top-k holds 87 % of
-  the real top-k tokens that full-width speculation holds (30 %: 92 %); on needle retrieval at 2k that gap
-  is the difference between finding 2 of 8 needles and 8 of 8 (docs/results-infinigen.md). Calibration
-  picks the smallest ratio of :data:`RATIOS` whose speculated top-k (k = the budget cap) holds
-  :data:`RATIO_TARGET` of what full-width speculation holds, averaged over the managed layers
-  (:data:`RATIO_RULE`);
-* threshold: on SmolLM2's sink-dominated layers few tokens come within 5 logits of the sink while the long
-  tail together carries a large share, and how few differs from layer to layer (at 4k and one alpha for
-  all, layer 20 fetches 2 % of the context and keeps 60 % of its attention while the mean layer keeps 92 %).
-  Calibration measures, at the chosen ratio, the attention each managed layer's count rule keeps at each
+* columns: a narrow share of a narrow head (SmolLM2-135M's are 64 wide, so 20 % is 13 columns) misses
+  tokens a needle needs (docs/results-infinigen.md). Calibration picks the smallest ratio of
+  :data:`RATIOS` whose speculated top-k (k = the budget cap) holds :data:`RATIO_TARGET` of what full-width
+  speculation holds, averaged over the managed layers (:data:`RATIO_RULE`);
+* threshold: on sink-dominated layers few tokens come within a fixed alpha of the sink while the long tail
+  together carries a large share, and how few differs from layer to layer, so one alpha cannot serve them
+  all. Calibration measures, at the chosen ratio, the attention each managed layer's count rule keeps at each
   alpha of a grid and picks, per layer, the smallest alpha that keeps ``TARGET`` of that layer's attention
-  (:data:`LAYER_RULE`; SmolLM2: 2 to 8). Each layer is measured twice, with its own query and rehearsed
+  (:data:`LAYER_RULE`). Each layer is measured twice, with its own query and rehearsed
   from the previous layer's input, and a run takes the alpha for how the layer chooses there (at the
   defaults: its own query on the first ``dense_layers``, ``first_layers`` own, and on the own-query layers
   below; else rehearsed). One alpha for all layers, the smallest keeping ``TARGET`` on average over the
   layers as they choose at the defaults (:data:`RULE`), is stored beside them as a summary;
 * own-query layers: on a layer whose input changes much from the previous layer's, the rehearsal misses
-  what the layer's own query (through the same partial columns) finds (SmolLM2-135M: layers 20, 9 and 12
-  keep 84, 88 and 90 % of their own query's recall of the real top-k, the median layer 95 %). Such a layer
+  what the layer's own query (through the same partial columns) finds. Such a layer
   does better choosing once its own query exists, at the price of a copy that is not prefetched:
   calibration names the layers whose
   rehearsal keeps less than :data:`OWN_TARGET` of their own query's recall, averaged over the calibration
@@ -31,7 +27,7 @@ Llama; 20 % of the columns). What they cost depends on the model:
   still overlap (:data:`OWN_QUERY_RULE`).
 
 The columns a rehearsal needs grow with the context: among more past tokens, more are mistaken for the
-real top-k (SmolLM2-135M: 0.3 holds the target at 2k tokens, 0.75 at 4k and 8k). The ratio is therefore
+real top-k. The ratio is therefore
 picked again, by the same rule, at the end of longer windows of the text (:data:`LENGTHS`, within the
 model's context), and a prompt takes the ratio of its length. Each rehearsed layer's own curve is kept
 too (an own-query layer's by its own query), from which :func:`allocate_ratios` spreads the same total
