@@ -9,9 +9,10 @@ sliding windows) and the batch's lengths alone. A registered policy without an e
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch
 from infinikv import GenerationConfig, Generator
 from infinikv.engine.engine import prompt_chunks
 from infinikv.policies import POLICIES, PolicyConfig, make_config
+from infinikv.policies.base import Policy
 
 CHUNK = GenerationConfig().prefill_chunk  # the prompt chunk of a Generator's own engine
 
@@ -474,3 +476,124 @@ def test_batch_invariance_across_prefill_chunks(model, request):
     batched = generator.generate(MISALIGNED, config)
     for prompt, together in zip(MISALIGNED, batched, strict=True):
         assert together.token_ids == generator.generate([prompt], config)[0].token_ids
+
+
+# -- knob combinations ---------------------------------------------------------------------------------------
+# Every pair of two knobs' non-default values, of every policy, on a row of its own or shared: the values
+# come from each knob's declaration (policies/config.knob), so a new knob joins without an entry here.
+def knob_values(config_class: type[PolicyConfig]) -> dict[str, list]:
+    """Per knob, the values other than its default it is tried at: its ``examples``; else a bool's other
+    value, a string's other choices, or numbers around the default within the knob's range (its low end,
+    one and two steps up; half and twice a fraction; inf where it is allowed)."""
+    values = {}
+    for f in fields(config_class):
+        meta, default = f.metadata, f.default
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        if meta.get("examples"):
+            tried = list(meta["examples"])
+        elif kind == "bool":
+            tried = [not default]
+        elif kind == "str":
+            tried = [choice for choice in meta.get("choices") or () if choice != default]
+        else:
+            low, high = meta.get("low"), meta.get("high")
+            if kind == "int":
+                tried = [v for v in (low, default + 1, 2 * default + 2) if v is not None]
+            else:
+                tried = [default / 2, 2 * default] if default > 0 else [1.0]
+                tried += [math.inf] if meta.get("allow_inf") else []
+            tried = [max(v, low) if low is not None else v for v in tried]
+            tried = [min(v, high) if high is not None else v for v in tried]
+            tried = [int(v) if kind == "int" else float(v) for v in tried]
+        values[f.name] = [v for i, v in enumerate(tried) if v != default and v not in tried[:i]]
+    return values
+
+
+def covering_rows(values: dict[str, list]) -> list[dict]:
+    """Rows of knob values (a knob left out keeps its default) in which every pair of two knobs' values
+    appears at least once: greedily, each row starts from a pair not yet covered and gives every other knob
+    the value that covers the most pairs not yet covered with the knobs set before it."""
+    names = list(values)
+    uncovered = [
+        ((a, i), (b, j))
+        for x, a in enumerate(names)
+        for b in names[x + 1 :]
+        for i in range(len(values[a]))
+        for j in range(len(values[b]))
+    ]
+    left = set(map(frozenset, uncovered))
+    rows = []
+    while left:
+        (a, i), (b, j) = next(pair for pair in uncovered if frozenset(pair) in left)
+        row = {a: i, b: j}
+        for name in names:
+            if name not in row:
+                gains = [
+                    sum(frozenset([(other, k), (name, v)]) in left for other, k in row.items())
+                    for v in range(len(values[name]))
+                ]
+                if max(gains) > 0:
+                    row[name] = gains.index(max(gains))
+        left -= {frozenset(pair) for pair in itertools.combinations(row.items(), 2)}
+        rows.append({name: values[name][index] for name, index in row.items()})
+    return rows
+
+
+def knob_pairs() -> list:
+    params = []
+    for policy, registered in POLICIES.items():
+        values = knob_values(registered.config_class)
+        rows = (
+            covering_rows(values) if len(values) > 1 else [{name: v} for name in values for v in values[name]]
+        )
+        params += [pytest.param(policy, row, id=f"{policy}-{n}") for n, row in enumerate(rows)]
+    return params
+
+
+def test_every_knob_has_values_to_try_alone():
+    """Each knob is tried at one value or more, each valid on its own: a knob whose valid values its type
+    and range do not say declares ``examples``."""
+    for policy, registered in POLICIES.items():
+        for name, tried in knob_values(registered.config_class).items():
+            assert tried, f"{policy}.{name}: no value to try; declare examples= in its knob()"
+            for value in tried:
+                make_config(policy, **{name: value})
+
+
+def test_the_rows_cover_every_pair():
+    values = {"a": [1, 2], "b": ["x"], "c": [True], "d": [3, 4, 5]}
+    rows = covering_rows(values)
+    for (a, tried_a), (b, tried_b) in itertools.combinations(values.items(), 2):
+        for va, vb in itertools.product(tried_a, tried_b):
+            assert any(row.get(a) == va and row.get(b) == vb for row in rows), (a, va, b, vb)
+    assert len(rows) < sum(len(x) * len(y) for x, y in itertools.combinations(values.values(), 2))
+
+
+@pytest.mark.parametrize(("policy", "row"), knob_pairs())
+def test_knob_combinations(policy, row, tiny, dense_runs, monkeypatch):
+    """Every covering row generates without error with finite logits; a budgeted policy's managed layers
+    attend within their budget at every step; and with the policy's full setting on top, dense's tokens."""
+    attended: list[tuple[int, float]] = []
+    record = Policy.record_attended
+
+    def recording(self, layer, n_tokens):
+        attended.append((layer, float(n_tokens)))
+        record(self, layer, n_tokens)
+
+    monkeypatch.setattr(Policy, "record_attended", recording)
+    results, finite = _run(tiny, policy, row)
+    assert all(finite) and all(1 <= len(r.token_ids) <= NEW_TOKENS for r in results)
+    config = make_config(policy, **row)
+    if "budget" in config.knobs():
+        longest = max(r.stats["prompt_tokens"] + len(r.token_ids) for r in results)
+        cap = budget_tokens(config.budget, longest, capped=True)
+        cap = max(cap, min(config.min_tokens, longest)) + 1  # the floor, and the token being decoded
+        cap += config.knobs().get("page_size", 0)  # whole pages: the last one chosen may overrun
+        leading = config.knobs().get("dense_layers", 0)
+        if policy == "infinigen" and config.first_layers == "own":
+            leading = 0  # the first layers choose with their own query, within the budget
+        over = [(layer, n) for layer, n in attended if layer >= leading and n > cap]
+        assert not over, f"{policy} {row}: attended past its budget of {cap} tokens: {over[:4]}"
+    dense = [r.token_ids for r in _dense("tiny", tiny, dense_runs)]
+    full, _ = _run(tiny, policy, {**row, **case(policy).full})
+    assert [r.token_ids for r in full] == dense, f"{policy} {row} at full setting departs from dense"

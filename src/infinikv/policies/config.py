@@ -32,6 +32,7 @@ def knob(
     allow_inf: bool = False,
     choices: tuple[str, ...] | None = None,
     neutral: bool = False,
+    examples: tuple[Any, ...] | None = None,
 ) -> Any:
     """A policy knob: its default, what it means (shown by ``infinikv policies``) and its valid values.
 
@@ -39,9 +40,13 @@ def knob(
     unless ``allow_inf``); numbers must be finite unless ``allow_inf``; an ``int`` knob takes only ints;
     ``choices`` lists a string knob's values. ``neutral``: a knob added later whose default is the policy as
     it ran before the knob existed, so a measurement's identity leaves it out at its default
-    (:meth:`PolicyConfig.identity_knobs`) and measurements from before still stand."""
+    (:meth:`PolicyConfig.identity_knobs`) and measurements from before still stand. ``examples``: values
+    other than the default, for a knob whose valid values its type and range do not say (a free-form
+    string, numbers of which only some are valid); the knob-combination tests try them."""
     meta = {"doc": doc, "low": low, "high": high, "open_low": open_low, "allow_inf": allow_inf}
-    return field(default=default, metadata={**meta, "choices": choices, "neutral": neutral})
+    return field(
+        default=default, metadata={**meta, "choices": choices, "neutral": neutral, "examples": examples}
+    )
 
 
 def min_tokens_knob() -> Any:

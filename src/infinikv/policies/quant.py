@@ -34,7 +34,9 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class QuantConfig(PolicyConfig):
-    bits: int = knob(4, "bits per value: 8, 4 or 2 (16 = stored unquantized)", low=2, high=16)
+    bits: int = knob(
+        4, "bits per value: 8, 4 or 2 (16 = stored unquantized)", low=2, high=16, examples=(2, 8, 16)
+    )
     group_size: int = knob(
         64,
         "values per scale and minimum (a group wider than head_dim is the whole head; kivi's key groups: "

@@ -101,10 +101,9 @@ class InfiniGenConfig(PolicyConfig):
         "0 = score every token (the paper); else coarse-to-fine speculation: tokens per block whose "
         "partial-key bounds (max and min per column, held on the device within device_budget) rank the "
         "blocks first, then tokens are scored, counted and picked among the best blocks alone (blocks.py; "
-        "1 = blocks of one token, whose bounds are their scores). On SmolLM2, 16 with block_candidates "
-        "1.25 kept 55 % of what token speculation picks (the picks scatter over many blocks) and lost "
-        "accuracy (docs/results-infinigen.md); at most 4096 (each candidate block's slots are gathered "
-        "whole, so a larger block would size the gather by itself, not by the context)",
+        "1 = blocks of one token, whose bounds are their scores; docs/results-infinigen.md has what it "
+        "costs and keeps); at most 4096 (each candidate block's slots are gathered whole, so a larger "
+        "block would size the gather by itself, not by the context)",
         low=0,
         high=4096,
     )
@@ -142,6 +141,7 @@ class InfiniGenConfig(PolicyConfig):
         "a layer whose rehearsal from the layer before misses: calibrated = the model's (infinikv calibrate: "
         "those whose rehearsal keeps < 90 % of their own query's recall, at most 1/8 of the rehearsed "
         "layers; SmolLM2-135M: 9, 12, 20), none (or empty), or comma-separated layer numbers",
+        examples=("none", "1", "1,3"),
     )
     own_query_prefetch: bool = knob(
         False,
@@ -169,9 +169,8 @@ class InfiniGenConfig(PolicyConfig):
     )
     n_sink: int = knob(
         0,
-        "first real tokens always fetched on managed layers (attention sinks; on SmolLM2 the sink is already "
-        "every sink head's best token, and 4 changed nothing; more than there are: all, the budget still "
-        "caps)",
+        "first real tokens always fetched on managed layers (attention sinks; more than there are: all, "
+        "the budget still caps)",
         low=0,
     )
     window: int = knob(
