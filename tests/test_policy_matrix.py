@@ -312,7 +312,7 @@ CASES: dict[str, Case] = {
         },
         infinigen_bytes,
         selects=True,
-        full={"budget": 1.0, "alpha": math.inf, "dense_layers": 0},
+        full={"budget": 1.0, "alpha": math.inf, "dense_layers": 0, "capacity": 1.0},
     ),
     "oracle": Case(
         {"budget": 0.25, "n_sink": 1, "window": 8, "min_tokens": 0},
