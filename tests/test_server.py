@@ -283,6 +283,18 @@ def test_bad_input_is_a_4xx_with_an_openai_error(server, path, body):
     assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("knob", "value"),
+    [("block_size", 10**9), ("select_every", 10**9)],  # an allocation, a loop: each sized by the knob
+)
+def test_a_knob_past_what_it_can_take_is_refused_before_any_work(server, knob, value):
+    url, _ = server
+    body = {"prompt": "hi", "max_tokens": 2, "kv_policy": "infinigen", f"kv_{knob}": value}
+    response = _post(url, "/v1/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == f"kv_{knob}"
+    assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 def test_bad_knob_names_its_parameter(server):
     response = _post(server[0], "/v1/completions", {"prompt": "hi", "kv_policy": "quest", "kv_alpha": 3})
     assert response.json()["error"]["param"] == "kv_alpha"
