@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from infinikv.engine import Engine, EngineConfig, GenerationConfig
-from infinikv.engine.blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes
+from infinikv.engine.blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes, free_memory_bytes
 from infinikv.engine.engine import prompt_chunks
 from infinikv.errors import InputError
 from infinikv.policies import POLICIES, make_config
@@ -201,6 +201,15 @@ def test_engine_config_is_checked():
     for bad in bad_configs:
         with pytest.raises(InputError):
             EngineConfig(**bad)
+
+
+def test_a_pool_the_machine_cannot_hold_or_that_holds_no_block_is_refused(tiny):
+    """The pool is an account of memory: one larger than the machine has available, or too small for one
+    block, is refused when the engine starts, before any request is admitted."""
+    with pytest.raises(InputError, match="more than the .* GiB this machine has available"):
+        Engine(tiny, EngineConfig(kv_memory=free_memory_bytes() * 4))
+    with pytest.raises(InputError, match="holds no block of 128 tokens"):
+        Engine(tiny, EngineConfig(block_tokens=128, kv_memory=1))
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

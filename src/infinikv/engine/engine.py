@@ -104,7 +104,18 @@ class Engine:
         self.config = config
         dtype = next(loaded.model.parameters()).dtype
         per_block = block_bytes(loaded.spec, dtype, config.block_tokens)
-        memory = config.kv_memory if config.kv_memory is not None else free_memory_bytes() // 2
+        free = free_memory_bytes()
+        memory = config.kv_memory if config.kv_memory is not None else free // 2
+        if memory > free:  # the pool is an account: admitted beyond this, the machine would run out first
+            raise InputError(
+                f"kv_memory of {memory / 2**30:.2f} GiB is more than the {free / 2**30:.2f} GiB this machine "
+                "has available"
+            )
+        if memory < per_block:
+            raise InputError(
+                f"kv_memory of {memory / 2**30:.2f} GiB holds no block of {config.block_tokens} tokens "
+                f"({per_block / 2**30:.2f} GiB of K/V for this model)"
+            )
         self.pool = BlockPool(memory // per_block, config.block_tokens)
         self.block_bytes = per_block
         self.prefixes = PrefixCache(self.pool) if config.prefix_cache else None
