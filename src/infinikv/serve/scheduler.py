@@ -95,7 +95,40 @@ class Job:
         )
 
 
-class StaticScheduler:
+class _QueueWorker:
+    """What both schedulers share: the queue's limits and lock, the job serials, and the worker thread."""
+
+    def __init__(self, metrics: ServerMetrics, max_queue: int, request_timeout: float | None, name: str):
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.request_timeout = request_timeout
+        self._lock = threading.Condition()
+        self._stopping = False
+        self._serials = itertools.count()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+    def _new_job(
+        self, prompt: list[int], policy: PolicyConfig, sampling: GenerationConfig, stream: bool
+    ) -> Job:
+        loop = asyncio.get_running_loop()
+        serial = next(self._serials)
+        return Job(prompt, policy, sampling, stream, loop, serial=serial, timeout=self.request_timeout)
+
+    def _check_room(self, queued: int) -> None:
+        """ShuttingDown or QueueFull for a job that would join ``queued`` others (caller holds the lock)."""
+        if self._stopping:
+            raise ShuttingDown
+        if queued >= self.max_queue:
+            raise QueueFull
+
+
+class StaticScheduler(_QueueWorker):
     def __init__(
         self,
         loaded: LoadedModel,
@@ -104,41 +137,21 @@ class StaticScheduler:
         max_queue: int = 64,
         request_timeout: float | None = None,
     ):
-        self.request_timeout = request_timeout
+        super().__init__(metrics, max_queue, request_timeout, "infinikv-generate")
         self.loaded = loaded
-        self.metrics = metrics
         self.max_batch = max_batch
-        self.max_queue = max_queue
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
-        self._lock = threading.Condition()
-        self._stopping = False
-        self._serials = itertools.count()
         self._generators: dict[PolicyConfig, Generator] = {}  # one per config: prepare() runs once
-        self._thread = threading.Thread(target=self._work, name="infinikv-generate", daemon=True)
         self.batches_served = 0
 
     # -- the HTTP side ------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
     def submit(
         self, prompt: list[int], policy: PolicyConfig, sampling: GenerationConfig, stream: bool
     ) -> Job:
-        job = Job(
-            prompt,
-            policy,
-            sampling,
-            stream,
-            asyncio.get_running_loop(),
-            serial=next(self._serials),
-            timeout=self.request_timeout,
-        )
+        job = self._new_job(prompt, policy, sampling, stream)
         with self._lock:
-            if self._stopping:
-                raise ShuttingDown
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull
+            self._check_room(len(self._waiting))
             self._waiting.append(job)
             self.metrics.queue_length.set(len(self._waiting))
             self._lock.notify()
@@ -245,7 +258,7 @@ class StaticScheduler:
                 job.emit("done", result)
 
 
-class ContinuousScheduler:
+class ContinuousScheduler(_QueueWorker):
     """Jobs in and out of one engine between its steps, on one worker thread."""
 
     def __init__(
@@ -256,42 +269,22 @@ class ContinuousScheduler:
         max_queue: int = 64,
         request_timeout: float | None = None,
     ):
-        self.request_timeout = request_timeout
+        super().__init__(metrics, max_queue, request_timeout, "infinikv-engine")
         self.engine = Engine(loaded, engine)
-        self.metrics = metrics
-        self.max_queue = max_queue
         self._inbox: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}  # engine sequence id -> job (touched by the worker only)
-        self._lock = threading.Condition()
-        self._stopping = False
-        self._serials = itertools.count()
-        self._thread = threading.Thread(target=self._work, name="infinikv-engine", daemon=True)
         self._counted = {"prefix_hit_tokens": 0, "prefix_miss_tokens": 0, "preemptions": 0}
         self.metrics.kv_blocks.labels(state="total").set(self.engine.pool.total)
 
     # -- the HTTP side ------------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
     def submit(
         self, prompt: list[int], policy: PolicyConfig, sampling: GenerationConfig, stream: bool
     ) -> Job:
         """Queue a job; an InputError (before anything is queued) when it could never fit the pool."""
         self.engine.check(prompt, sampling)
-        job = Job(
-            prompt,
-            policy,
-            sampling,
-            stream,
-            asyncio.get_running_loop(),
-            serial=next(self._serials),
-            timeout=self.request_timeout,
-        )
+        job = self._new_job(prompt, policy, sampling, stream)
         with self._lock:
-            if self._stopping:
-                raise ShuttingDown
-            if len(self._inbox) + len(self.engine.waiting) >= self.max_queue:
-                raise QueueFull
+            self._check_room(len(self._inbox) + len(self.engine.waiting))
             self._inbox.append(job)
             self._lock.notify()
         return job
