@@ -46,19 +46,21 @@ class InfiniGenConfig(PolicyConfig):
     model's calibrated values (:meth:`resolve`, :meth:`resolve_own_query`)."""
 
     alpha: float = knob(
-        0.0,
-        "threshold in logit units: tokens within alpha of a head's best speculative score are counted "
-        "(inf = all, then the budget alone decides); 0 = the model's calibrated alpha per layer (infinikv "
-        "calibrate; it counts sequences that rehearse at the calibration text's partial_ratio, the others "
-        "fetch their budget); the paper's constant for Llama-family models is 5",
+        math.inf,
+        "threshold in logit units: tokens within alpha of a head's best speculative score are counted, the "
+        "budget caps; inf (the default) = all, so each layer fetches its budget's best-scored tokens; 0 = "
+        "the model's calibrated alpha per layer (infinikv calibrate; it counts sequences that rehearse at "
+        "the calibration text's partial_ratio, the others fetch their budget), fewer bytes where attention "
+        "is concentrated, at a cost in accuracy (docs/results-infinigen.md); the paper's constant for "
+        "Llama-family models is 5",
         low=0,
         allow_inf=True,
     )
     partial_ratio: float = knob(
         0.0,
-        "share of head_dim columns used for speculation; 0 = the model's calibrated share for the prompt's "
-        "length (infinikv calibrate: 2k, 4k and 8k windows); the paper's is 0.2 (with calibrated alphas, a "
-        "ratio other than the calibration text's fetches the budget: see alpha)",
+        "share of head_dim columns used for speculation; 0 = the widest share the model was calibrated to at "
+        "the prompt's length or a longer one (infinikv calibrate: 2k, 4k and 8k windows); the paper's is 0.2 "
+        "(with calibrated alphas, a ratio other than the calibration text's fetches the budget: see alpha)",
         low=0,
         high=1,
     )
@@ -277,9 +279,16 @@ class InfiniGenConfig(PolicyConfig):
         if name == "partial_ratio":
             entry = _length_entry(tuned, tokens) if tokens is not None else None
             if entry is not None:
+                # Uniform columns: the widest ratio calibrated at the prompt's window or a longer one. A
+                # short prompt's own ratio meets the recall rule on average, but the device budget holds the
+                # longer windows' columns, and with them rehearsal finds the values of a multi-part answer
+                # that fewer columns miss (docs/results-infinigen.md).
+                later = tuned.ratio_by_length[tuned.ratio_by_length.index(entry) :]
+                widest = entry if self.allocates_columns() else max(later, key=lambda e: e.partial_ratio)
                 ratio, source = (
-                    entry.partial_ratio,
-                    f"calibrated at {entry.tokens} tokens: {tuned.ratio_rule}",
+                    widest.partial_ratio,
+                    f"calibrated at {widest.tokens} tokens (the widest from {entry.tokens} on): "
+                    f"{tuned.ratio_rule}",
                 )
             else:
                 ratio, source = tuned.partial_ratio, f"calibrated: {tuned.ratio_rule}"
