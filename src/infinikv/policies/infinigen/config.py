@@ -46,13 +46,12 @@ class InfiniGenConfig(PolicyConfig):
     model's calibrated values (:meth:`resolve`, :meth:`resolve_own_query`)."""
 
     alpha: float = knob(
-        math.inf,
-        "threshold in logit units: tokens within alpha of a head's best speculative score are counted, the "
-        "budget caps; inf (the default) = all, so each layer fetches its budget's best-scored tokens; 0 = "
-        "the model's calibrated alpha per layer (infinikv calibrate; it counts sequences that rehearse at "
-        "the calibration text's partial_ratio, the others fetch their budget), fewer bytes where attention "
-        "is concentrated, at a cost in accuracy (docs/results-infinigen.md); the paper's constant for "
-        "Llama-family models is 5",
+        0.0,
+        "threshold in logit units: tokens within alpha of a head's best speculative score are counted "
+        "(inf = all, then the budget alone decides); 0 = the model's calibrated alpha per layer (infinikv "
+        "calibrate; it counts sequences that rehearse at the calibration text's partial_ratio, the others "
+        "fetch their budget: at the default columns, every prompt on SmolLM2-135M and Gemma-3-270M); the "
+        "paper's constant for Llama-family models is 5",
         low=0,
         allow_inf=True,
     )

@@ -24,25 +24,27 @@ Where it departs from the paper and its artifact (docs/results-infinigen.md meas
 * **Grouped-query attention**: one skewing matrix per KV head; each query head's scores are taken relative
   to its own best before the group's heads are combined by max (the KV head is fetched once for the whole
   group, so it needs the union of what its query heads want); the count is averaged over the KV heads.
-* **The budget counts** (``alpha`` inf, the default): each layer fetches its budget's best-scored tokens.
-  The paper counts the tokens within a fixed alpha of each head's best (``--alpha 5``), fetching fewer
-  where attention is concentrated; ``--alpha 0`` takes the model's calibrated alpha per layer and per way
-  of choosing instead. A calibrated alpha is a threshold on scores over the columns it was calibrated with,
-  so a sequence that rehearses with other columns fetches its budget (``InfiniGenConfig.alpha_holds``;
-  ``stats()["count_rule_used"]``); a given finite ``--alpha`` counts every sequence.
-* **Calibrated columns** (``tuning.py``): ``partial_ratio`` 0 (the default) takes the model's calibrated
-  share of columns per prompt length, stored with its skew (each sequence takes the one for its prompt
-  length, fixed at its first decode step: the shortest calibrated window at least as long, else the
-  longest). The paper's constants: ``--alpha 5 --partial-ratio 0.2``.
+* **Calibrated knobs** (``tuning.py``): ``alpha`` 0 and ``partial_ratio`` 0 (the defaults) take the model's
+  calibrated values, stored with its skew: a share of columns per prompt length and an alpha per layer and
+  per way of choosing. A sequence takes, at its first decode step, the widest share calibrated at its
+  prompt's window (the shortest at least as long, else the longest) or a longer one: a short prompt's own
+  share meets the recall rule on average, but the device budget holds the longer windows' columns, and
+  with them the rehearsal finds what fewer columns miss (the values of a multi-part answer). A calibrated
+  alpha is a threshold on scores over the columns it was calibrated with (the calibration text's), so a
+  sequence that rehearses with other columns fetches its budget instead (``InfiniGenConfig.alpha_holds``;
+  ``stats()["count_rule_used"]``); at the default columns that is every prompt on SmolLM2-135M and
+  Gemma-3-270M. A given ``--alpha`` counts every sequence. The paper's constants: ``--alpha 5
+  --partial-ratio 0.2``.
 * **A recent window** of ``window`` tokens (32) is always fetched; the paper keeps none (``--window 0``).
 * **The first layers** (``dense_layers``, 2), which no layer before rehearses, choose the budget's tokens by
   their own query once it exists (``first_layers`` own); the paper loads them whole (``--first-layers
   dense``). Later layers whose rehearsal misses what their own query finds choose the same way
   (``own_query_layers``, by default the model's calibrated ones, at most an eighth of the rehearsed layers).
-  With ``--alpha 0`` each counts with the alpha calibrated for how it chooses. Their copies wait on their
-  layer (the pool counts them apart, ``bytes_h2d_on_demand``); with ``own_query_prefetch`` such a layer
-  copies ahead the slots it chose at the step before and, once its own query has chosen, only what that
-  missed, and the rows of both copies are put in the order of its own choice (:class:`Corrected`).
+  Where calibrated alphas count, each counts with the alpha calibrated for how it chooses. Their copies
+  wait on their layer (the pool counts them apart, ``bytes_h2d_on_demand``); with ``own_query_prefetch``
+  such a layer copies ahead the slots it chose at the step before and, once its own query has chosen, only
+  what that missed, and the rows of both copies are put in the order of its own choice
+  (:class:`Corrected`).
 * **A device budget**: ``device_budget`` bounds the partial key cache (with any block bounds) as a share of
   the dense KV of the same tokens in the model's dtype. By default the keys are int8 with one float16 scale
   per token and KV head (``partial_keys``; ``rehearsal.quantize``, the scale over the widest calibrated
