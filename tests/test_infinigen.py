@@ -768,7 +768,8 @@ def test_default_knobs_are_the_calibrated_ones_and_flags_override(tiny, calibrat
 
 def test_calibration_repeats_the_ratio_rule_at_longer_windows(tiny):
     """A text long enough for a longer window (``tuning.LENGTHS`` within the model's context) gets a ratio
-    of its own there, from the same rule; a prompt takes the shortest window at least as long as itself."""
+    of its own there, from the same rule; a prompt takes the widest ratio of the shortest window at least as
+    long as itself and the longer ones."""
     skew = calibration.calibrate(tiny, text=TEXT * 6, tokens=256, save=False)  # ~5.8k byte tokens
     by_length = skew.tuned.ratio_by_length
     assert [entry.tokens for entry in by_length] == [256, 4096]  # 8192 is past the tiny model's context
@@ -777,30 +778,32 @@ def test_calibration_repeats_the_ratio_rule_at_longer_windows(tiny):
     config = InfiniGenConfig()
     assert config.resolve("partial_ratio", skew, tokens=300)[0] == by_length[1].partial_ratio
     assert config.resolve("partial_ratio", skew, tokens=9000)[0] == by_length[1].partial_ratio
-    assert config.resolve("partial_ratio", skew, tokens=256)[0] == by_length[0].partial_ratio
+    widest = max(entry.partial_ratio for entry in by_length)
+    assert config.resolve("partial_ratio", skew, tokens=256)[0] == widest
     assert config.widest_ratio(skew) == max(entry.partial_ratio for entry in by_length)
 
 
 def test_each_sequence_takes_the_ratio_of_its_prompt_length(tiny, skews, monkeypatch):
     """With ratios per length, a short and a long prompt batched together each get their own columns and
-    generate what they generate alone; the store keeps the widest columns the batch needs."""
+    generate what they generate alone; the store keeps the widest columns the batch needs. (A shorter
+    window's ratio counts where it is the wider: the short prompt takes 0.75, the long one its own 0.25.)"""
     short, long = "A short one.", PROMPTS[0]
     length = len(tiny.tokenizer(short)["input_ids"])
-    ratios = (RatioAtLength(length, 0.25, ()), RatioAtLength(4096, 0.75, ()))
+    ratios = (RatioAtLength(length, 0.75, ()), RatioAtLength(4096, 0.25, ()))
     tuned = dataclasses.replace(skews[tiny.weights_id].tuned, ratio_by_length=ratios)
     skew = dataclasses.replace(skews[tiny.weights_id], tuned=tuned)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
     spy = _Spy(monkeypatch)
     d = tiny.spec.head_dim
     alone = []
-    for prompt, ratio in ((short, 0.25), (long, 0.75)):
+    for prompt, ratio in ((short, 0.75), (long, 0.25)):
         tokens, stats = _tokens(tiny, "infinigen", prompts=[prompt], new=8, budget=0.5, window=0)
         alone += tokens
         assert stats["partial_ratio_used"] == [ratio]
         assert spy.policies[-1].layers[2].slots.partial.shape[2] == math.ceil(ratio * d)
     tokens, stats = _tokens(tiny, "infinigen", prompts=[short, long], new=8, budget=0.5, window=0)
     assert tokens == alone
-    assert stats["partial_ratio_used"] == [0.25, 0.75]
+    assert stats["partial_ratio_used"] == [0.75, 0.25]
     assert spy.policies[-1].layers[2].slots.partial.shape[2] == math.ceil(0.75 * d)
 
 
@@ -817,14 +820,18 @@ def test_calibrated_alphas_count_only_at_the_ratio_they_were_calibrated_at(tiny,
     short, long = "A short one.", PROMPTS[0]
     length = len(tiny.tokenizer(short)["input_ids"])
     tuned = skews[tiny.weights_id].tuned
-    ratios = (RatioAtLength(length, tuned.partial_ratio, ()), RatioAtLength(4096, 1.0, ()))
+    # the long prompt's window narrower than the calibration text's: it takes its own, the short the text's
+    ratios = (
+        RatioAtLength(length, tuned.partial_ratio, ()),
+        RatioAtLength(4096, tuned.partial_ratio / 2, ()),
+    )
     # alpha 0.01 on every layer: few tokens within it, so the count is far below the budget
     per_layer = [0.01] * tiny.spec.num_layers
     tuned = dataclasses.replace(_alphas_per_layer(tuned, per_layer), ratio_by_length=ratios)
     skew = dataclasses.replace(skews[tiny.weights_id], tuned=tuned)
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: skew)
     spy = _Spy(monkeypatch)
-    # int8 keys kept (the budget cuts the 1.0 ratio's columns): int4 ones would count every row by its budget
+    # int8 keys kept (should the budget cut the calibrated columns): int4 ones count every row by its budget
     knobs = dict(new=8, budget=0.5, window=0, keys_when_cut="cut")
     alone = []
     for prompt, rule in ((short, "alpha"), (long, "budget")):
