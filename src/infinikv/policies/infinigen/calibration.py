@@ -27,9 +27,9 @@ rehearsal keeps less than ``tuning.OWN_TARGET`` of what their own query finds (t
 per managed layer, the smallest alpha whose count rule keeps ``tuning.TARGET`` of that layer's dense
 attention, are stored with the skew. A second pass over a longer prefix of the same text (up to
 ``tuning.LENGTHS``, within the model's context) calibrates the ratio again at the end of each longer window:
-the narrow rehearsal that serves 2k tokens loses needles among 8k (``ratio_by_length``; the policy picks each
-sequence's ratio by its prompt length); the own-query layers are chosen over every window. The skewing
-matrices and the alphas come from the first pass alone.
+the narrow rehearsal that serves 2k tokens loses needles among 8k (``ratio_by_length``; each sequence
+takes the widest ratio of its prompt's window and the longer ones); the own-query layers are chosen over
+every window. The skewing matrices and the alphas come from the first pass alone.
 """
 
 from __future__ import annotations

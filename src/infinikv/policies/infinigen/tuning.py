@@ -27,13 +27,13 @@ Llama; 20 % of the columns). What they cost depends on the model:
   still overlap (:data:`OWN_QUERY_RULE`).
 
 The columns a rehearsal needs grow with the context: among more past tokens, more are mistaken for the
-real top-k. The ratio is therefore
-picked again, by the same rule, at the end of longer windows of the text (:data:`LENGTHS`, within the
-model's context), and a prompt takes the ratio of its length. Each rehearsed layer's own curve is kept
-too (an own-query layer's by its own query), from which :func:`allocate_ratios` spreads the same total
-columns over the layers where ``column_allocation`` is per_layer. The alphas are calibrated at the calibration
-text's ratio only, and only sequences that rehearse at that ratio are counted with them (the policy's module
-docstring says why the others fetch their budget).
+real top-k. The ratio is therefore picked again, by the same rule, at the end of longer windows of the text
+(:data:`LENGTHS`, within the model's context), and a prompt takes the widest ratio of its window and the
+longer ones (a short prompt's own ratio meets the rule on average, but the longer windows' columns find
+what fewer miss). Each rehearsed layer's own curve is kept too (an own-query layer's by its own query), from
+which :func:`allocate_ratios` spreads the same total columns over the layers where ``column_allocation`` is
+per_layer. The alphas are calibrated at the calibration text's ratio only, and only sequences that rehearse
+at that ratio are counted with them (the policy's module docstring says why the others fetch their budget).
 
 The measurement is the decode path on the dense trajectory, computed from the dense passes calibration
 already makes: query position t of the text plays a decode step whose past is tokens 0..t-1 and whose new
