@@ -102,9 +102,9 @@ def test_probe_run_is_an_infinigen_run(tiny, tiny_skew, monkeypatch, tmp_path):
 
 
 def test_probe_reads_a_store_cut_to_the_prompt_lengths_ratio(tiny, tiny_skew, monkeypatch, tmp_path):
-    """With ratios per prompt length, a prompt that takes fewer columns than the widest calibrated is probed
-    with those columns, and the probe's run is still InfiniGen's."""
-    ratios = (RatioAtLength(200, 0.25, ()), RatioAtLength(4096, 0.75, ()))
+    """With ratios per prompt length, a prompt that takes fewer columns than the widest calibrated (a shorter
+    window's) is probed with those columns, and the probe's run is still InfiniGen's."""
+    ratios = (RatioAtLength(100, 0.75, ()), RatioAtLength(4096, 0.25, ()))
     skew = dataclasses.replace(tiny_skew, tuned=dataclasses.replace(tiny_skew.tuned, ratio_by_length=ratios))
     knobs = InfiniGenConfig(alpha=3.0, budget=0.3, min_tokens=0)
     result, reference = _probe_and_infinigen(tiny, skew, monkeypatch, tmp_path, knobs)
