@@ -25,6 +25,39 @@ from .summary import against_offload
 MIB = 2**20
 
 
+# What each column of the measured table means, one line each in the report
+COLUMNS = (
+    ("tok/s", "decode tokens per second, whole batch"),
+    ("TPOT", "time per output token (one decode step)"),
+    ("MiB h2d/token", "bytes copied host→device per generated token"),
+    ("KV moved", "those bytes as a share of what full offload moves"),
+    (
+        "on demand",
+        "the part of those bytes copied without prefetch (started by the layer that reads them, once its "
+        "own query exists), as a share of them",
+    ),
+    ("KV attended", "tokens each layer attended as a share of the cached tokens"),
+    (
+        "resident",
+        "bytes the policy keeps on the compute device (partial keys, page summaries, the whole cache for "
+        "dense) as a share of the dense KV cache",
+    ),
+    ("fetch buffer", "the largest single copy (one layer's fetched rows) on the same scale"),
+    (
+        "selector reads",
+        "bytes its selector read to choose (InfiniGen's partial keys and look-ahead query projection, "
+        "Quest's page summaries, the oracle's keys) on the scale of KV moved",
+    ),
+    (
+        "selector time",
+        "all of it, as a share of the step time; of it inline: the part the decode thread ran itself, the "
+        "rest ran ahead on the pool's worker thread, beside the previous layer, on the second core",
+    ),
+    ("prefetch wait", "the part of the look-ahead and the copies not hidden behind compute, of the step"),
+    ("peak RSS", "process resident memory (model included)"),
+)
+
+
 def _cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -300,20 +333,10 @@ def write_bench_report(result: dict[str, Any], path: Path) -> None:
         "from runs interleaved in time, so machine load affects both sides alike; absolute numbers on a "
         "shared machine are noisy.",
         "",
-        "Columns: tok/s = decode tokens per second, whole batch; TPOT = time per output token (one decode "
-        "step); MiB h2d/token = bytes copied host→device per generated token; KV moved = those bytes as a "
-        "share of what full offload moves; on demand = the part of those bytes copied without prefetch "
-        "(started by the layer that reads them, once its own query exists), as a share of them; KV attended "
-        "= tokens each layer attended as a share of the cached "
-        "tokens; resident = bytes the policy keeps on the compute device (partial keys, page summaries, the "
-        "whole cache for dense) as a share of the dense KV cache; fetch buffer = the largest single copy "
-        "(one layer's fetched rows) on the same scale; selector reads = bytes its selector read "
-        "to choose (InfiniGen's partial keys and look-ahead query projection, Quest's page summaries, the "
-        "oracle's keys) on the scale of KV moved; selector time (all of it; of it inline: the part the "
-        "decode thread ran itself, the rest ran ahead on the pool's worker thread, beside the previous "
-        "layer, on the second core) and prefetch wait (the part of the look-ahead and the copies not hidden "
-        "behind compute) as shares of the step time; peak RSS = process resident memory (model "
-        "included). "
+        "Columns:",
+        "",
+        *(f"- {name}: {meaning}" for name, meaning in COLUMNS),
+        "",
         "On a CPU, host and device are the same memory: copies are real copies and counted, but there is no "
         "link, which is why the projection below exists.",
         "",
