@@ -61,7 +61,7 @@ def test_streaming_keeps_sinks_and_window(tiny):
     policy = _policy(tiny, "streaming", n_sink=2, window=5)
     k, v = _kv(21, tiny.spec)
     policy.prefill(0, k[:, :, :20], v[:, :, :20])
-    policy.key_valid = torch.arange(21)[None] >= 3  # three left-padding slots
+    policy.set_key_valid(torch.arange(21)[None] >= 3)  # three left-padding slots
     selection = policy.decode(0, k[:, :, 20:], v[:, :, 20:])
     expected = [3, 4, 16, 17, 18, 19, 20]  # first two real tokens, then the window ending at the new one
     assert selection.positions[0, 0].tolist() == expected
@@ -213,7 +213,7 @@ def test_oracle_reserves_sinks_and_window_within_its_budget(tiny, monkeypatch):
     spec, layer, n = tiny.spec, 1, 40
     policy = _policy(tiny, "oracle", budget=8, dense_layers=1, n_sink=2, window=3, min_tokens=0)
     k, v = _kv(n, spec, seed=6)
-    policy.key_valid = torch.tensor([[False] * 5 + [True] * (n - 5)])  # five slots of left padding
+    policy.set_key_valid(torch.tensor([[False] * 5 + [True] * (n - 5)]))  # five slots of left padding
     policy.prefill(layer, k, v)
     query = torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=torch.Generator().manual_seed(7))
     monkeypatch.setattr(type(spec), "query", lambda self, *args: query)

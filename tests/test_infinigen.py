@@ -553,7 +553,7 @@ def _constructed(tiny, eviction: str, padded: bool) -> InfiniGenPolicy:
     config = InfiniGenConfig(eviction=eviction, capacity=8, own_query_layers="none")
     policy = InfiniGenPolicy(config, tiny.spec, torch.device("cpu"))
     k = torch.randn(1, 2, 8, 16)
-    policy.key_valid = torch.tensor([[not padded] + [True] * 7])
+    policy.set_key_valid(torch.tensor([[not padded] + [True] * 7]))
     policy.prefill(2, k, k.clone())
     return policy
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -18,8 +21,10 @@ import pytest
 import torch
 
 from infinikv import GenerationConfig, Generator
+from infinikv.cache import InfinikvCache
 from infinikv.engine.engine import prompt_chunks
-from infinikv.policies import POLICIES, PolicyConfig, make_config
+from infinikv.forward import Driver
+from infinikv.policies import POLICIES, PolicyConfig, make_config, prepare
 from infinikv.policies.base import Policy
 
 CHUNK = GenerationConfig().prefill_chunk  # the prompt chunk of a Generator's own engine
@@ -597,3 +602,50 @@ def test_knob_combinations(policy, row, tiny, dense_runs, monkeypatch):
     dense = [r.token_ids for r in _dense("tiny", tiny, dense_runs)]
     full, _ = _run(tiny, policy, {**row, **case(policy).full})
     assert [r.token_ids for r in full] == dense, f"{policy} {row} at full setting departs from dense"
+
+
+# -- host reads ----------------------------------------------------------------------------------------------
+# What a decode step may read back to the host, per policy: InfiniGen's count rule sets how many tokens each
+# sequence fetches (n', the paper's), and so the width of the gather it starts.
+READS_ALLOWED = {"infinigen": {"_select", "_coarse_to_fine"}}
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("setting", ["defaults", "tight"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_decode_step_reads_nothing_back(policy, setting, model, request, monkeypatch):
+    """A decode step of a left-padded batch makes no host read in infinikv's code (a value read back from a
+    tensor: ``item``, ``tolist``, ``bool``, ``int``, ``nonzero`` ...), on the decode thread or the pool's
+    worker, except those :data:`READS_ALLOWED` names: each would stall a GPU's queue, and a step that reads
+    none can be captured whole."""
+    loaded = request.getfixturevalue(model)
+    knobs = case(policy).tight if setting == "tight" else {}
+    config = make_config(policy, **knobs)
+    prepare(config, loaded)
+    counting, reads = threading.Event(), []
+
+    def counted(name: str, method: Callable) -> Callable:
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if counting.is_set() and f"{os.sep}infinikv{os.sep}" in caller.co_filename:
+                reads.append(f"{name} in {caller.co_name} ({os.path.basename(caller.co_filename)})")
+            return method(self, *args, **kwargs)
+
+        return read
+
+    ids = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :11] = 0  # the first row is 29 tokens, left-padded
+    with Driver(loaded, InfinikvCache(loaded.model, config, device=loaded.device)) as driver:
+        tokens = driver.prefill(ids, mask, chunk=16).argmax(dim=-1)
+        for name in HOST_READS:
+            monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+        for _ in range(4):
+            counting.set()
+            logits = driver.step(tokens)
+            driver.policy.pool() and driver.policy.pool().drain()  # the look-ahead it queued, too
+            counting.clear()
+            tokens = logits.argmax(dim=-1)
+    allowed = READS_ALLOWED.get(policy, set())
+    assert [read for read in reads if read.split(" in ")[1].split(" ")[0] not in allowed] == []

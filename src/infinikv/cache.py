@@ -86,10 +86,11 @@ class InfinikvCache(PolicyCache):
     # -- called by the pre-attention hook ------------------------------------------------------------------
     def before_attention(self, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor) -> None:
         policy = self.policy
+        decode = self._is_decode(layer, x.shape[1])
         if not policy.spec.is_sliding(layer):
             # Last query row of a full-attention mask = which cached positions are real tokens.
-            policy.key_valid = None if mask is None else mask[:, 0, -1, :]
-        if not self._is_decode(layer, x.shape[1]):
+            policy.set_key_valid(None if mask is None else mask[:, 0, -1, :], decode)
+        if not decode:
             return
         # A step begins with layer 0's before_attention. Then, where the look-ahead runs on the pool's worker,
         # it is queued first, to run beside this layer's own choice (a copy this layer queues behind it is

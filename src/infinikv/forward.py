@@ -198,7 +198,7 @@ class Driver:
         """Hand the cache every recorded call, as the model's prefill would, without running the model."""
         for layer, k, v, key_valid in recorded.calls:
             if self.policy is not None:
-                self.policy.key_valid = _repeat_rows(key_valid, repeat)
+                self.policy.set_key_valid(_repeat_rows(key_valid, repeat))
             self.cache.update(_repeat_rows(k, repeat), _repeat_rows(v, repeat), layer)
         if self.policy is not None:
             self.policy.restore_prefill_state(_repeat_rows(recorded.state, repeat))

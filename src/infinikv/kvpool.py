@@ -325,12 +325,14 @@ class KVPool:
         fill with the new token's K/V: one copy into a buffer of the final size instead of copy + concatenate.
         """
         stores, length = (self._keys[layer], self._values[layer]), self._length[layer]
-        if getattr(self._demand, "active", False):
+        on_demand = getattr(self._demand, "active", False)
+        if on_demand:
             tokens = length if index is None else index.shape[2]
             self.counters.bytes_on_demand += _copy_bytes(stores[0], tokens)
         if index is not None and not self.device_gather:
             index = index.to("cpu")
-        if self._executor is not None:
+        # A copy on demand is waited for at once: handing it to the worker would only add the hand-off.
+        if self._executor is not None and not on_demand:
             copy = functools.partial(self._copy, stores, length, index, extra)
             queued = self._executor.submit(copy)
             return Transfer(queued, self.counters, take_over=functools.partial(self.take_over, queued, copy))

@@ -83,62 +83,52 @@ def reserved_first(scores: Tensor, reserved: Tensor) -> Tensor:
 
 
 def pick_top(
-    scores: Tensor, takes: list[int], reserved: Tensor | None = None
+    scores: Tensor, takes: list[int], reserved: Tensor | None = None, most_reserved: int | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """Each row's best entries by ``scores`` [batch, kv_heads, n]: ``takes[row]`` of them per KV head,
     ``reserved`` (bool, broadcastable to ``scores``) first; among entries tied at a row's cut, the earlier
     slots (ties are common: each query head's best is exactly 0 after ``group_relative_max``, and which of
-    them a top-k keeps would otherwise depend on the gather's width, hence on the batch).
+    them a top-k keeps would otherwise depend on the gather's width, hence on the batch). ``most_reserved``:
+    the most entries ``reserved`` can hold in a head, known on the host (None: not known).
 
     Returns (index [batch, kv_heads, max(takes)], valid): each row's entries in ascending order, so a row
     reads its tokens in the same order alone and batched. The gather is as wide as the widest row; a
-    narrower row's extra entries are hidden by ``valid`` (bool, same shape; None when no row is narrower).
+    narrower row's extra entries (its next best) are hidden by ``valid`` (bool, same shape; None when no row
+    is narrower). Nothing is read back to the host: the shapes follow from ``takes`` alone.
     """
     if reserved is not None:
-        scores = _lift_reserved(scores, reserved, takes)
-    batch, heads, n = scores.shape
+        scores = _lift_reserved(scores, reserved, takes, most_reserved)
+    batch, heads, _ = scores.shape
     width = max(takes, default=0)
-    ragged = min(takes, default=0) < width
-    # A narrower row needs its own best first (sorted by score), to hide the rest.
-    values, top = scores.topk(width, dim=-1, sorted=ragged)
+    if width == 0:
+        return torch.zeros(batch, heads, 0, dtype=torch.long, device=scores.device), None
+    ragged = min(takes) < width
+    # A narrower row needs its own cut too: the values sorted, so each row's is at its count.
+    values = scores.topk(width, dim=-1, sorted=ragged).values
+    last = values[..., -1:] if ragged else values.amin(dim=-1, keepdim=True)  # the width-th best
+    index = first_slots(_earliest_at_cut(scores, last, width), width)
+    if not ragged:
+        return index, None
     count = torch.tensor(takes, device=scores.device)[:, None, None]
-    rank = torch.arange(width, device=scores.device)
-    own = (rank < count).expand(batch, heads, width)
-    if width:
-        # Each row's value at its cut; when more entries hold it than its own top kept, the cut splits a tie.
-        last = values.amin(dim=-1, keepdim=True)  # the width-th best
-        cut = values.gather(-1, (count - 1).clamp(min=0).expand(batch, heads, 1)) if ragged else last
-        tied = scores == cut
-        splits = (tied.sum(dim=-1) != ((values == cut) & own).sum(dim=-1)) & (count[..., 0] > 0)
-        if bool(splits.any()):
-            index = first_slots(_earliest_at_cut(scores, last, width), width)  # width slots each
-            if not ragged:
-                return index, None
-            return index, _earliest_at_cut(scores, cut, count).gather(-1, index)
-    if not ragged:  # each row holds width distinct slots: marked, they read back in ascending order
-        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
-        return chosen.nonzero()[:, -1].view(batch, heads, width), None
-    index, order = top.sort(dim=-1)
-    return index, own.gather(-1, order)
+    cut = values.gather(-1, (count - 1).clamp(min=0).expand(batch, heads, 1))
+    return index, _earliest_at_cut(scores, cut, count).gather(-1, index)
 
 
-def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int]) -> Tensor:
-    """``scores`` with the ``reserved`` entries first, for :func:`pick_top`. When every row takes at least as
-    many entries as it has reserved, all of them are taken whatever their order, so +inf lifts them in one
-    pass; a shorter row needs :func:`reserved_first`'s order among them."""
-    held = reserved.sum(dim=-1).expand(scores.shape[:-1]).amax(dim=-1).tolist()  # per row: its fullest head
-    if all(take >= count for take, count in zip(takes, held, strict=True)):
+def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int], most: int | None) -> Tensor:
+    """``scores`` with the ``reserved`` entries first, for :func:`pick_top`. When every row takes at least
+    the ``most`` entries a head can have reserved, all of them are taken whatever their order, so +inf lifts
+    them in one pass; otherwise :func:`reserved_first` orders them among themselves."""
+    if most is not None and min(takes, default=0) >= most:
         return scores.masked_fill(reserved & (scores > -math.inf), math.inf)
     return reserved_first(scores, reserved)
 
 
 def _earliest_at_cut(scores: Tensor, cut: Tensor, count: Tensor | int) -> Tensor:
-    """bool, as ``scores``: each row's ``count`` best entries, those tied at its ``cut`` value taken from the
-    earliest slot on."""
+    """bool, as ``scores``: each row's ``count`` best entries (``cut``: the count-th best value), those tied
+    at its cut taken from the earliest slot on."""
     above = scores > cut
     tied = scores == cut
-    chosen = above | (tied & (tied.cumsum(dim=-1) <= count - above.sum(dim=-1, keepdim=True)))
-    return chosen & (torch.as_tensor(count, device=scores.device) > 0)
+    return above | (tied & (tied.cumsum(dim=-1) <= count - above.sum(dim=-1, keepdim=True)))
 
 
 def first_slots(mask: Tensor, width: int) -> Tensor:
@@ -195,8 +185,10 @@ class Policy:
         self.config = config
         self.spec = spec
         self.device = torch.device(device)
-        # Which cached positions are real tokens (not left padding): [batch, tokens], kept by the cache.
+        # Which cached positions are real tokens (not left padding): [batch, tokens] (None: all), and each
+        # row's left padding on the host; both set by the cache (set_key_valid).
         self.key_valid: Tensor | None = None
+        self.padding: list[int] | None = None
         self._attended_tokens = 0.0  # summed over layers and steps, averaged over batch and heads
         self._attended_calls = 0
         # The selector's work, summed over layers and steps: bytes it read on the compute device (partial
@@ -209,6 +201,20 @@ class Policy:
         self.counting = threading.Lock()
 
     # -- the seam ------------------------------------------------------------------------------------------
+    def set_key_valid(self, key_valid: Tensor | None, decode: bool = False) -> None:
+        """Which cached positions are real tokens ([batch, tokens], False on left padding; None: all), from
+        the model's mask. Outside a decode step each row's left padding is read back to the host
+        (``padding``), so that a decode step, whose new tokens are all real, reads nothing back."""
+        self.key_valid = key_valid
+        if not decode:
+            self.padding = None if key_valid is None else (~key_valid).sum(dim=1).tolist()
+
+    def real_tokens(self, n_past: int, batch: int) -> list[int]:
+        """Real (not left padding) tokens per row among the first ``n_past`` positions, on the host."""
+        if not self.padding:
+            return [n_past] * batch
+        return [max(n_past - padding, 0) for padding in self.padding]
+
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
@@ -437,7 +443,7 @@ class ScoredPolicy(HostPoolPolicy):
 
     def real_past(self, layer: int, n_past: int, batch: int) -> list[int]:
         """Real (not left padding) past tokens per row."""
-        return self.past_valid(n_past, batch).sum(dim=1).tolist()
+        return self.real_tokens(n_past, batch)
 
     def units(self, layer: int, real: list[int]) -> list[int]:
         """Units each row has (a row taking as many reads everything): its real past tokens."""
@@ -450,6 +456,10 @@ class ScoredPolicy(HostPoolPolicy):
         if not (n_sink or window):
             return None
         return sinks_and_recent(self.past_valid(n_past, batch), n_sink, window)
+
+    def most_reserved(self, layer: int) -> int | None:
+        """The most units :meth:`reserved` marks in a row, known on the host (None: not known)."""
+        return getattr(self.config, "n_sink", 0) + getattr(self.config, "window", 0)
 
     def expand(self, layer: int, index: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The slots of the chosen units ``index`` [batch, kv_heads, m] (ascending), and which are real:
@@ -500,7 +510,10 @@ class ScoredPolicy(HostPoolPolicy):
         if scores.shape[1] != self.spec.num_kv_heads:
             scores = group_relative_max(scores, scores.shape[1] // self.spec.num_kv_heads)
         index, valid = pick_top(
-            scores, takes, None if reserved is None else reserved[:, None].to(scores.device)
+            scores,
+            takes,
+            None if reserved is None else reserved[:, None].to(scores.device),
+            self.most_reserved(layer),
         )
         return self.expand(layer, index.to(self.device), valid)
 

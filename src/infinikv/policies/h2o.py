@@ -131,10 +131,11 @@ class H2OPolicy(HostPoolPolicy):
         n = self.host_pool.length(layer)
         window = self.spec.sliding_window[layer]
         if window is not None:  # sliding layers: exactly their window, no heavy hitters
+            rows = [window] * batch
             budget = torch.full((batch,), window, device=self.device)
             recent = budget
         else:
-            lengths = self.past_valid(n, batch).sum(dim=1).tolist()
+            lengths = self.real_tokens(n, batch)
             floor = self.config.min_tokens + 1  # the floor counts past tokens; this budget, the new one too
             rows = [
                 resolve_budget(self.config.budget, max(1, real), capped=False, floor=floor)
@@ -146,7 +147,7 @@ class H2OPolicy(HostPoolPolicy):
             )
             recent = budget - heavy
         self.limits[layer] = (budget, recent)
-        capacity = self.capacity[layer] = int(budget.max()) - 1  # slots the pool keeps between steps
+        capacity = self.capacity[layer] = max(rows) - 1  # slots the pool keeps between steps
         heads = self.spec.num_kv_heads
         positions = torch.arange(n, device=self.device).expand(batch, heads, n)
         score = self.score[layer]

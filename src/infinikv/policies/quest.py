@@ -66,15 +66,15 @@ class QuestPolicy(ScoredPolicy):
         # Per layer, each row's pages start at its own first real token (its left padding is never paged),
         # so a row's pages are the ones it has alone. Rows differ in how many pages they have:
         # page_max / page_min [batch, kv_heads, most pages, head_dim], a row's missing pages at -inf / +inf;
-        # n_pages [batch]; partial [batch, kv_heads, page_size, head_dim] holds the keys of each row's
-        # unfinished page, n_partial [batch] of them; first_real [batch] the slot of each row's first real
-        # token (-1: none yet).
+        # partial [batch, kv_heads, page_size, head_dim] holds the keys of each row's unfinished page. Per
+        # row, on the host (so a step reads nothing back): its full pages (n_pages), the keys of its
+        # unfinished page (n_partial) and the slot of its first real token (first_real, -1: none yet).
         self.page_max: list[Tensor | None] = [None] * layers
         self.page_min: list[Tensor | None] = [None] * layers
-        self.n_pages: list[Tensor | None] = [None] * layers
         self.partial: list[Tensor | None] = [None] * layers
-        self.n_partial: list[Tensor | None] = [None] * layers
-        self.first_real: list[Tensor | None] = [None] * layers
+        self.n_pages: list[list[int]] = [[] for _ in range(layers)]
+        self.n_partial: list[list[int]] = [[] for _ in range(layers)]
+        self.first_real: list[list[int]] = [[] for _ in range(layers)]
 
     # -- page metadata -------------------------------------------------------------------------------------
     def _add_keys(self, layer: int, k: Tensor) -> None:
@@ -84,52 +84,52 @@ class QuestPolicy(ScoredPolicy):
         batch, heads, count, dim = k.shape
         size, device = self.config.page_size, k.device
         start = self.host_pool.length(layer) - count  # called after the append
-        # Left padding: a row's real tokens are the chunk's last n_real. The counts live on the host, so a
-        # decode step (every row's token is real) never waits for the device.
-        if count == 1:
-            n_real = torch.ones(batch, dtype=torch.long)
-        else:
-            n_real = self.past_valid(start + count, batch)[:, start:].sum(dim=1).cpu()
+        # Left padding: a row's real tokens are the chunk's last n_real (in a decode step, its one token).
+        padding = self.padding or [0] * batch
+        n_real = [count - min(max(pad - start, 0), count) for pad in padding]
         if self.partial[layer] is None:
             self.page_max[layer] = k.new_empty(batch, heads, 0, dim)
             self.page_min[layer] = k.new_empty(batch, heads, 0, dim)
             self.partial[layer] = k.new_zeros(batch, heads, size, dim)
-            self.n_pages[layer] = torch.zeros(batch, dtype=torch.long)
-            self.n_partial[layer] = torch.zeros(batch, dtype=torch.long)
-            self.first_real[layer] = torch.full((batch,), -1, dtype=torch.long)
-        first = self.first_real[layer]
-        self.first_real[layer] = torch.where((first < 0) & (n_real > 0), start + count - n_real, first)
+            self.n_pages[layer], self.n_partial[layer] = [0] * batch, [0] * batch
+            self.first_real[layer] = [-1] * batch
+        self.first_real[layer] = [
+            start + count - real if first < 0 and real > 0 else first
+            for first, real in zip(self.first_real[layer], n_real, strict=True)
+        ]
         # Row r's unfinished content: its partial keys, then its real chunk keys, gathered to the front.
         held, width = self.n_partial[layer], size + count
         at = torch.arange(width)
-        source = torch.where(at < held[:, None], at, size + count - n_real[:, None] + at - held[:, None])
+        held_rows, real_rows = torch.tensor(held)[:, None], torch.tensor(n_real)[:, None]
+        source = torch.where(at < held_rows, at, size + count - real_rows + at - held_rows)
         source = source.clamp(0, width - 1).to(device)
         joined = torch.cat([self.partial[layer], k], dim=2)
         joined = joined.gather(2, source[:, None, :, None].expand(batch, heads, width, dim))
-        total = held + n_real
-        closed = total // size  # pages each row completes now
-        if int(closed.max()) > 0:
+        total = [have + real for have, real in zip(held, n_real, strict=True)]
+        closed = [n // size for n in total]  # pages each row completes now
+        if max(closed) > 0:
             blocks = joined[:, :, : width // size * size].unflatten(2, (-1, size))
             self._append_pages(layer, blocks.amax(dim=3), blocks.amin(dim=3), closed)
         # What is left after the closed pages goes to the front of the partial buffer.
-        rest = (closed[:, None] * size + torch.arange(size)).clamp(max=width - 1).to(device)
+        rest = (torch.tensor(closed)[:, None] * size + torch.arange(size)).clamp(max=width - 1).to(device)
         self.partial[layer] = joined.gather(2, rest[:, None, :, None].expand(batch, heads, size, dim))
-        self.n_partial[layer] = total - closed * size
+        self.n_partial[layer] = [n - pages * size for n, pages in zip(total, closed, strict=True)]
 
-    def _append_pages(self, layer: int, new_max: Tensor, new_min: Tensor, closed: Tensor) -> None:
+    def _append_pages(self, layer: int, new_max: Tensor, new_min: Tensor, closed: list[int]) -> None:
         """Put row r's first ``closed[r]`` of ``new_max``/``new_min`` after its ``n_pages[r]`` pages."""
-        old_max, old_min, have = self.page_max[layer], self.page_min[layer], self.n_pages[layer]
+        old_max, old_min = self.page_max[layer], self.page_min[layer]
         batch, heads, _, dim = new_max.shape
-        most = int((have + closed).max())
+        after = [have + new for have, new in zip(self.n_pages[layer], closed, strict=True)]
+        have, most = torch.tensor(self.n_pages[layer])[:, None], max(after)
         at = torch.arange(most)
-        source = torch.where(at >= have[:, None], old_max.shape[2] + at - have[:, None], at)
+        source = torch.where(at >= have, old_max.shape[2] + at - have, at)
         source = source.clamp(0, old_max.shape[2] + new_max.shape[2] - 1).to(new_max.device)
         pick = source[:, None, :, None].expand(batch, heads, most, dim)
         inf = torch.tensor(float("inf"), dtype=new_max.dtype, device=new_max.device)
-        keep = (at < (have + closed)[:, None]).to(new_max.device)[:, None, :, None]
+        keep = (at < torch.tensor(after)[:, None]).to(new_max.device)[:, None, :, None]
         self.page_max[layer] = torch.where(keep, torch.cat([old_max, new_max], dim=2).gather(2, pick), -inf)
         self.page_min[layer] = torch.where(keep, torch.cat([old_min, new_min], dim=2).gather(2, pick), inf)
-        self.n_pages[layer] = have + closed
+        self.n_pages[layer] = after
 
     # -- the seam ------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -143,16 +143,16 @@ class QuestPolicy(ScoredPolicy):
         return selection
 
     def real_past(self, layer: int, n_past: int, batch: int) -> list[int]:
-        # host tensors: no device sync
-        return (self.n_pages[layer] * self.config.page_size + self.n_partial[layer]).tolist()
+        size = self.config.page_size
+        return [pages * size + held for pages, held in zip(self.n_pages[layer], self.n_partial[layer])]
 
     def units(self, layer: int, real: list[int]) -> list[int]:
-        return self.n_pages[layer].tolist()
+        return self.n_pages[layer]
 
     def takes(self, layer: int, real: list[int]) -> list[int]:
         """Full pages per row: its budget (of its context, the new token included) less its unfinished
         page and the new token, in whole pages."""
-        size, held = self.config.page_size, self.n_partial[layer].tolist()
+        size, held = self.config.page_size, self.n_partial[layer]
         floor = self.config.min_tokens + 1  # the floor counts past tokens; this budget, the new one too
         budgets = [resolve_budget(self.config.budget, n + 1, capped=False, floor=floor) for n in real]
         return [max(0, (b - h - 1) // size) for b, h in zip(budgets, held, strict=True)]
@@ -173,16 +173,17 @@ class QuestPolicy(ScoredPolicy):
         shorter one's extra slots hidden)."""
         size, device, heads = self.config.page_size, self.device, self.spec.num_kv_heads
         first, n_pages, held = self.first_real[layer], self.n_pages[layer], self.n_partial[layer]
-        n_past, widest = self.host_pool.length(layer), int(held.max())
+        n_past, widest = self.host_pool.length(layer), max(held)
         offsets = torch.arange(size, device=device)
+        first = torch.tensor(first)
         tokens = (first.to(device)[:, None, None, None] + index[..., None] * size + offsets).flatten(2)
         at = torch.arange(widest)
-        partial = (first[:, None] + n_pages[:, None] * size + at).to(device)
+        partial = (first[:, None] + torch.tensor(n_pages)[:, None] * size + at).to(device)
         slots = torch.cat([tokens, partial[:, None].expand(-1, heads, -1)], dim=2).clamp(max=n_past - 1)
-        if valid is None and not bool((held < widest).any()):
+        if valid is None and min(held) == widest:
             return slots, None
         page_valid = index.new_ones(index.shape, dtype=torch.bool) if valid is None else valid
-        partial_valid = (at < held[:, None]).to(device)[:, None].expand(-1, heads, -1)
+        partial_valid = (at < torch.tensor(held)[:, None]).to(device)[:, None].expand(-1, heads, -1)
         return slots, torch.cat([page_valid.repeat_interleave(size, dim=2), partial_valid], dim=2)
 
     def device_bytes(self) -> int:

@@ -49,7 +49,7 @@ class StreamingPolicy(ScoredPolicy):
 
     def __init__(self, config: StreamingConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
-        self._skipped: dict[int, Tensor] = {}  # per layer: tokens skipped between sinks and window, [batch]
+        self._skipped: dict[int, list[int]] = {}  # per layer and row: tokens skipped between sinks and window
 
     def scored(self, layer: int) -> bool:
         return not self.spec.is_sliding(layer)
@@ -60,10 +60,9 @@ class StreamingPolicy(ScoredPolicy):
 
     def reserved(self, layer: int, n_past: int, batch: int) -> Tensor:
         """The first ``n_sink`` real tokens and the last ``window`` - 1 past slots."""
-        valid = self.past_valid(n_past, batch)
         kept = self.config.n_sink + self.config.window - 1
-        self._skipped[layer] = (valid.sum(dim=1) - kept).clamp(min=0)
-        return sinks_and_recent(valid, self.config.n_sink, self.config.window - 1)
+        self._skipped[layer] = [max(real - kept, 0) for real in self.real_tokens(n_past, batch)]
+        return sinks_and_recent(self.past_valid(n_past, batch), self.config.n_sink, self.config.window - 1)
 
     def score(self, layer: int, n_past: int, batch: int) -> None:
         return None  # the sinks and the window are the whole pick
@@ -71,12 +70,13 @@ class StreamingPolicy(ScoredPolicy):
     def adjust_keys(self, layer: int, index: Tensor, keys: Tensor) -> Tensor:
         skipped = self._skipped.pop(layer, None)
         sinks = min(self.config.n_sink, keys.shape[2])
-        if skipped is None or sinks == 0 or not bool(skipped.any()):
+        if skipped is None or sinks == 0 or not any(skipped):
             return keys
+        skipped = torch.tensor(skipped, device=keys.device)
         # R(delta) on post-RoPE keys: the same rotation RoPE applies at position delta (scaling divided out).
         rope = self.spec.rope
-        cos, sin = rope(layer, keys, skipped[:, None].to(keys.device))
-        scale, _ = rope(layer, keys, torch.zeros_like(skipped[:, None]).to(keys.device))
+        cos, sin = rope(layer, keys, skipped[:, None])
+        scale, _ = rope(layer, keys, torch.zeros_like(skipped[:, None]))
         cos, sin = (cos / scale[..., :1]).unsqueeze(1), (sin / scale[..., :1]).unsqueeze(1)
         head = keys[:, :, :sinks]
         return torch.cat([head * cos + rotate_half(head) * sin, keys[:, :, sinks:]], dim=2)

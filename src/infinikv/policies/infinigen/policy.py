@@ -165,7 +165,6 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._allocations: dict[int, dict[int, float]] | None = None
         self._layer_ratios: list[dict[int, float]] = []
         self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
-        self._padding: list[int] = []  # left-padding tokens per sequence, kept on the host (no sync per step)
         self._step = 0
         # (most partial columns within the device budget, head_dim), set by the first prompt chunk's dtype
         self._cap: tuple[int, int] | None = None
@@ -208,8 +207,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if self._step:
             raise PolicyError("infinigen: a prompt chunk after decoding started is not supported")
         if not self.spec.is_sliding(layer) and self.key_valid is not None:
-            self._padding = (~self.key_valid).sum(dim=1).tolist()
-            self._real = self.key_valid.clone() if any(self._padding) else None  # None: no padding
+            self._real = self.key_valid.clone() if any(self.padding) else None  # None: no padding
         start, count = self.layers[layer].seen, k.shape[2]
         pos = torch.arange(start, start + count, device=k.device).expand(k.shape[0], k.shape[1], -1)
         partial, scale = self._partial_keys(layer, k)
@@ -224,7 +222,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         slots = self.layers[layer].slots
         if self.config.block_size <= 1 or not self.managed(layer):
             return
-        padding = self._padding or [0] * slots.pos.shape[0]
+        padding = self.padding or [0] * slots.pos.shape[0]
         if slots.bounds is None:
             slots.bounds = BlockBounds(self.config.block_size, padding, slots.pos.device)
         bounds = slots.bounds
@@ -719,7 +717,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         """``layer``'s block bounds, taken from its partial keys on first use (and after the pool is cut)."""
         slots = self.layers[layer].slots
         if slots.bounds is None:
-            padding = self._padding or [0] * slots.pos.shape[0]
+            padding = self.padding or [0] * slots.pos.shape[0]
             slots.bounds = BlockBounds(self.config.block_size, padding, slots.pos.device)
             if self.config.block_size > 1:
                 reals = functools.partial(self._real_at, layer)
@@ -748,7 +746,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if shared:  # nothing evicted: slot i holds position i in every head, so one head's answer serves all
             index = torch.arange(state.seen, device=state.slots.pos.device).expand(batch, 1, -1)
         pos = self._positions_at(layer, index)
-        padding = torch.tensor(self._padding or [0] * batch, device=pos.device)[:, None, None]
+        padding = torch.tensor(self.padding or [0] * batch, device=pos.device)[:, None, None]
         near = (((pos - padding) < n_sink) | (pos >= state.seen - window)) & self._real_at(layer, index)
         return near.expand(-1, heads, -1) if shared else near
 
@@ -761,7 +759,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         n, device = state.slots.n, state.slots.pos.device
         batch, heads = state.slots.pos.shape[:2]
         if n == state.seen:  # nothing evicted: slot i holds position i, so the reserved slots are known
-            padding = torch.tensor(self._padding or [0] * batch, device=device)[:, None, None]
+            padding = torch.tensor(self.padding or [0] * batch, device=device)[:, None, None]
             sinks = padding + torch.arange(n_sink, device=device)
             recent = torch.arange(n - window, n, device=device).expand(batch, 1, -1)
             near = torch.cat([sinks, recent], dim=2).clamp(0, n - 1).expand(-1, heads, -1)
@@ -776,7 +774,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         return hits.scatter_add_(2, slot_blocks, self._reserved(layer).int()) > 0
 
     def _has_padding(self) -> bool:
-        return any(self._padding)
+        return any(self.padding or ())
 
     def real_slots(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: True where the slot holds a real token (not left padding)."""
@@ -808,7 +806,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         seen = self.layers[layer].seen
         if self._real is None:
             return [seen] * self.layers[layer].slots.pos.shape[0]
-        return [seen - padding for padding in self._padding]
+        return [seen - padding for padding in self.padding]
 
     # -- decode: attend and store ----------------------------------------------------------------------------
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
@@ -819,7 +817,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         position = self.layers[layer].seen
         self._store(layer, k_new, v_new, position)
         self.layers[layer].seen = position + 1
-        attended = positions.shape[2] if valid is None else valid.sum(dim=-1).float().mean().item()
+        attended = positions.shape[2] if valid is None else valid.sum(dim=-1).float().mean()
         self.record_attended(layer, attended + 1)
         newest = torch.full_like(positions[:, :, :1], position)
         if valid is not None:
