@@ -143,8 +143,8 @@ class QuestPolicy(ScoredPolicy):
         return selection
 
     def real_past(self, layer: int, n_past: int, batch: int) -> list[int]:
-        size = self.config.page_size
-        return [pages * size + held for pages, held in zip(self.n_pages[layer], self.n_partial[layer])]
+        size, pages = self.config.page_size, self.n_pages[layer]
+        return [full * size + held for full, held in zip(pages, self.n_partial[layer], strict=True)]
 
     def units(self, layer: int, real: list[int]) -> list[int]:
         return self.n_pages[layer]
