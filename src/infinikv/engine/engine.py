@@ -160,7 +160,7 @@ class Engine:
         """Queue a request; it is admitted at a coming step. Returns its id."""
         self.check(prompt, sampling)
         self.prepare(policy)
-        generator = torch.Generator(device="cpu")
+        generator = torch.Generator(device=self.loaded.device)  # sampling stays on the device
         if sampling.seed is not None:
             generator.manual_seed(sampling.seed)
         else:

@@ -78,7 +78,8 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
 
 def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator) -> Tensor:
     """One token per row of ``logits`` [batch, vocab]: the argmax at temperature 0, else drawn from the
-    softmax at ``config.temperature``, cut to the top-p nucleus, with ``generator``."""
+    softmax at ``config.temperature``, cut to the top-p nucleus, with ``generator`` (on the logits' device:
+    nothing is read back to the host)."""
     if config.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float()
@@ -88,16 +89,15 @@ def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator)
     # and 0 / 0 is nan.
     temperature = max(config.temperature, torch.finfo(torch.float32).tiny)
     shifted = logits - logits.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(shifted / temperature, dim=-1).cpu()
+    probs = torch.softmax(shifted / temperature, dim=-1)
     if config.top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p, always the top token (a top_p that rounds
         # to 0 in float32 would drop every token).
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= config.top_p
         outside[..., 0] = False
-        sorted_probs[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0))
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 @dataclass
