@@ -331,8 +331,9 @@ class KVPool:
             self.counters.bytes_on_demand += _copy_bytes(stores[0], tokens)
         if index is not None and not self.device_gather:
             index = index.to("cpu")
-        # A copy on demand is waited for at once: handing it to the worker would only add the hand-off.
-        if self._executor is not None and not on_demand:
+        # A copy on demand is waited for at once, and one the worker starts (a look-ahead's) would only
+        # queue behind the worker itself: both are made here.
+        if self._executor is not None and not on_demand and not on_worker():
             copy = functools.partial(self._copy, stores, length, index, extra)
             queued = self._executor.submit(copy)
             return Transfer(queued, self.counters, take_over=functools.partial(self.take_over, queued, copy))

@@ -18,12 +18,13 @@ layers copy only what their window needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import PolicyError
-from ..kvpool import KVPool, Transfer
+from ..kvpool import KVPool, Transfer, on_worker
 from ..spec import ModelSpec
 from .base import HostPoolPolicy, Selection
 from .config import PolicyConfig, knob
@@ -124,8 +125,10 @@ class QuantPolicy(HostPoolPolicy):
         self.width = min(config.group_size, spec.head_dim)  # group width along head_dim
         layers = spec.num_layers
         self.codes = self.host_pool  # packed codes (or raw K/V at 16 bits)
-        self.key_params = KVPool(layers, device, host=True, overlap="thread")  # key scale, key minimum
-        self.value_params = KVPool(layers, device, host=True, overlap="thread")  # value scale, value minimum
+        # Scales and minimums: copied by the thread that starts the codes' copy (the codes pool's worker in
+        # a look-ahead), so no further worker threads contend for the interpreter.
+        self.key_params = KVPool(layers, device, host=True, overlap="none")  # key scale, key minimum
+        self.value_params = KVPool(layers, device, host=True, overlap="none")  # value scale, value minimum
         # One set of counters: bytes moved are the sum over the three pools.
         self.key_params.counters = self.value_params.counters = self.codes.counters
         self.tail: list[tuple[Tensor, Tensor] | None] = [None] * layers  # kivi: full-precision newest tokens
@@ -177,8 +180,12 @@ class QuantPolicy(HostPoolPolicy):
     # -- loading -------------------------------------------------------------------------------------------
     def start_fetch(
         self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
-    ) -> tuple[int, list[Transfer]]:
-        return self._start(layer)
+    ) -> tuple[int, Loading]:
+        first, transfers = self._start(layer)
+        loading = Loading(lambda: self._dequantized(transfers))
+        if on_worker():  # a look-ahead on the pool's worker: it dequantizes too, beside the current layer
+            loading.wait()
+        return first, loading
 
     def _start(self, layer: int, whole: bool = False) -> tuple[int, list[Transfer]]:
         """Begin copying what ``layer``'s next token attends to (``whole``: everything) from the pool:
@@ -206,10 +213,22 @@ class QuantPolicy(HostPoolPolicy):
             transfers.append(self.value_params.fetch(layer, rows))
         return first, transfers
 
-    def _load(self, layer: int, transfers: list[Transfer], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        if not transfers:  # nothing quantized yet (kivi): the tail holds every token
-            tail_k, tail_v = self.tail[layer]
-            return tail_k.to(dtype), tail_v.to(dtype)
+    def _load(
+        self, layer: int, copied: tuple[Tensor, Tensor] | None, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """What ``layer`` attends to: the ``copied`` K/V (:meth:`_dequantized`), then the tail."""
+        tail = self.tail[layer]
+        if copied is None:  # nothing quantized yet (kivi): the tail holds every token
+            return tail[0].to(dtype), tail[1].to(dtype)
+        keys, values = copied
+        if tail is not None:
+            keys, values = torch.cat([keys, tail[0]], dim=2), torch.cat([values, tail[1]], dim=2)
+        return keys.to(dtype), values.to(dtype)
+
+    def _dequantized(self, transfers: list[Transfer]) -> tuple[Tensor, Tensor] | None:
+        """The K/V that ``transfers`` (:meth:`_start`'s) copy, dequantized (None: nothing was copied)."""
+        if not transfers:
+            return None
         if self.raw:
             return transfers[0].wait()
         (key_codes, value_codes), (key_scale, key_min), (value_scale, value_min) = (
@@ -222,10 +241,7 @@ class QuantPolicy(HostPoolPolicy):
             keys = dequantize(blocks, key_scale[:, :, :, None], key_min[:, :, :, None]).flatten(2, 3)
         else:
             keys = self._dequantize_tokens(key_codes, key_scale, key_min)
-        tail = self.tail[layer]
-        if tail is not None:
-            keys, values = torch.cat([keys, tail[0]], dim=2), torch.cat([values, tail[1]], dim=2)
-        return keys.to(dtype), values.to(dtype)
+        return keys, values
 
     def _dequantize_tokens(self, packed: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
         codes = unpack(packed, self.config.bits).unflatten(-1, (-1, self.width))
@@ -237,13 +253,13 @@ class QuantPolicy(HostPoolPolicy):
             self._store(layer, k, v)
             return k, v
         _, transfers = self._start(layer, whole=True)  # the prompt's mask spans every position
-        past_k, past_v = self._load(layer, transfers, k.dtype)
+        past_k, past_v = self._load(layer, self._dequantized(transfers), k.dtype)
         self._store(layer, k, v)
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
-        first, transfers = self.take_fetch(layer)
-        past_k, past_v = self._load(layer, transfers, k_new.dtype)
+        first, loading = self.take_fetch(layer)
+        past_k, past_v = self._load(layer, loading.wait(), k_new.dtype)
         n_past = self.seq_length(layer)
         self._store(layer, k_new, v_new)
         keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
@@ -261,3 +277,16 @@ class QuantPolicy(HostPoolPolicy):
     def close(self) -> None:
         for pool in (self.codes, self.key_params, self.value_params):
             pool.close()
+
+
+class Loading:
+    """A layer's copied K/V, dequantized once, by the first ``wait()``."""
+
+    def __init__(self, work: Callable[[], tuple[Tensor, Tensor] | None]):
+        self._work: Callable[[], tuple[Tensor, Tensor] | None] | None = work
+        self._result: tuple[Tensor, Tensor] | None = None
+
+    def wait(self) -> tuple[Tensor, Tensor] | None:
+        if self._work is not None:
+            self._result, self._work = self._work(), None
+        return self._result
