@@ -7,6 +7,7 @@ other: the loader builds one with :func:`model_spec`, the cache hands it to the 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -82,10 +83,19 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     # A signature, not __code__: some transformers versions wrap forward (torch.no_grad) and hide it.
     per_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
 
+    # The last (cos, sin) per layer type: a step's layers (and their look-aheads) share the positions
+    # tensor, so each type's rotation is computed once a step. Held by a weak reference to the positions.
+    memo: dict[tuple, tuple[weakref.ref, Tensor, Tensor]] = {}
+
     def rope(layer: int, x: Tensor, position_ids: Tensor):
-        if layer_types is not None and per_layer_type:
-            return rotary(x, position_ids, layer_types[layer])
-        return rotary(x, position_ids)
+        kind = layer_types[layer] if layer_types is not None and per_layer_type else None
+        key = (kind, x.dtype, x.device)
+        held = memo.get(key)
+        if held is not None and held[0]() is position_ids:
+            return held[1], held[2]
+        cos, sin = rotary(x, position_ids) if kind is None else rotary(x, position_ids, kind)
+        memo[key] = (weakref.ref(position_ids), cos, sin)
+        return cos, sin
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     spec = ModelSpec(

@@ -9,7 +9,8 @@ https://arxiv.org/abs/2402.02750), ``scheme="kivi"``: keys quantized per channel
 Each code is round((x - min) / scale), scale = (max - min) / (2^bits - 1), so a value comes back within
 scale / 2. Codes are packed 8 / bits to a byte; scales and minimums are kept in the KV's dtype. Every decode
 step copies a layer's packed codes and scales from the host pool (prefetched while the previous layer
-runs), dequantizes them on the device and attends densely; bytes moved count the compressed size. Groups
+runs), dequantizes them on the device (on a CPU, the look-ahead on the pool's worker dequantizes them too)
+and attends densely; bytes moved count the compressed size. Groups
 along head_dim are min(group_size, head_dim) wide. KIVI's key groups skip left padding when taking their
 minimum and maximum; they are cut on the batch's slot grid, so a batch holds only rows whose padding is a
 whole number of groups (``padding_grid``; the generator splits other batches). Gemma-3 sliding-window
