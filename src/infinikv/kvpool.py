@@ -318,11 +318,13 @@ class KVPool:
         finally:
             self._demand.active = False
 
-    def fetch(self, layer: int, index: Tensor | None = None, extra: int = 0) -> Transfer:
+    def fetch(self, layer: int, index: Tensor | None = None, extra: int = 0, now: bool = False) -> Transfer:
         """Start copying a layer's K/V (all of it, or the slots in ``index`` [batch, heads, n]) to the device.
 
         ``extra`` > 0 leaves that many uninitialised token slots after the copied ones, for the caller to
         fill with the new token's K/V: one copy into a buffer of the final size instead of copy + concatenate.
+        ``now``: on a CPU, the calling thread makes the copy (a look-ahead on the worker that reads the copy
+        itself would otherwise wait for a copy queued behind it).
         """
         stores, length = (self._keys[layer], self._values[layer]), self._length[layer]
         on_demand = getattr(self._demand, "active", False)
@@ -331,9 +333,8 @@ class KVPool:
             self.counters.bytes_on_demand += _copy_bytes(stores[0], tokens)
         if index is not None and not self.device_gather:
             index = index.to("cpu")
-        # A copy on demand is waited for at once, and one the worker starts (a look-ahead's) would only
-        # queue behind the worker itself: both are made here.
-        if self._executor is not None and not on_demand and not on_worker():
+        # A copy on demand is waited for at once: handing it to the worker would only add the hand-off.
+        if self._executor is not None and not on_demand and not now:
             copy = functools.partial(self._copy, stores, length, index, extra)
             queued = self._executor.submit(copy)
             return Transfer(queued, self.counters, take_over=functools.partial(self.take_over, queued, copy))

@@ -106,7 +106,7 @@ def pick_top(
     # A narrower row needs its own cut too: the values sorted, so each row's is at its count.
     values = scores.topk(width, dim=-1, sorted=ragged).values
     last = values[..., -1:] if ragged else values.amin(dim=-1, keepdim=True)  # the width-th best
-    index = first_slots(_earliest_at_cut(scores, last, width), width)
+    index = _slots_of(_earliest_at_cut(scores, last, width), width)
     if not ragged:
         return index, None
     count = torch.tensor(takes, device=scores.device)[:, None, None]
@@ -123,12 +123,22 @@ def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int], most: int
     return reserved_first(scores, reserved)
 
 
+def _slots_of(chosen: Tensor, width: int) -> Tensor:
+    """LongTensor [..., width]: the slots of ``chosen``, which holds exactly ``width`` True entries along its
+    last axis, ascending (:func:`first_slots` without the cut to the first ``width``)."""
+    n = chosen.shape[-1]
+    at = torch.where(chosen, chosen.cumsum(dim=-1, dtype=torch.int32) - 1, width).long()
+    index = torch.zeros(*chosen.shape[:-1], width + 1, dtype=torch.long, device=chosen.device)
+    return index.scatter_(-1, at, torch.arange(n, device=chosen.device).expand_as(chosen))[..., :width]
+
+
 def _earliest_at_cut(scores: Tensor, cut: Tensor, count: Tensor | int) -> Tensor:
     """bool, as ``scores``: each row's ``count`` best entries (``cut``: the count-th best value), those tied
     at its cut taken from the earliest slot on."""
     above = scores > cut
     tied = scores == cut
-    return above | (tied & (tied.cumsum(dim=-1) <= count - above.sum(dim=-1, keepdim=True)))
+    room = count - above.sum(dim=-1, keepdim=True, dtype=torch.int32)
+    return above | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= room))
 
 
 def first_slots(mask: Tensor, width: int) -> Tensor:

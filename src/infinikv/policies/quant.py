@@ -182,15 +182,16 @@ class QuantPolicy(HostPoolPolicy):
     def start_fetch(
         self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
     ) -> tuple[int, Loading]:
-        first, transfers = self._start(layer)
+        ahead = on_worker()  # a look-ahead on the pool's worker: it copies and dequantizes, beside the layer
+        first, transfers = self._start(layer, now=ahead)
         loading = Loading(lambda: self._dequantized(transfers))
-        if on_worker():  # a look-ahead on the pool's worker: it dequantizes too, beside the current layer
+        if ahead:
             loading.wait()
         return first, loading
 
-    def _start(self, layer: int, whole: bool = False) -> tuple[int, list[Transfer]]:
-        """Begin copying what ``layer``'s next token attends to (``whole``: everything) from the pool:
-        returns (first position copied, transfers)."""
+    def _start(self, layer: int, whole: bool = False, now: bool = False) -> tuple[int, list[Transfer]]:
+        """Begin copying what ``layer``'s next token attends to (``whole``: everything) from the pool
+        (``now``: on this thread, ``KVPool.fetch``): returns (first position copied, transfers)."""
         n = self.codes.length(layer)
         if n == 0:  # kivi: every token so far is still in the full-precision tail
             return 0, []
@@ -203,15 +204,15 @@ class QuantPolicy(HostPoolPolicy):
             first = min(first, n)
         if first == 0:
             pools = [self.codes] if self.raw else [self.codes, self.key_params, self.value_params]
-            return 0, [pool.fetch(layer) for pool in pools]
+            return 0, [pool.fetch(layer, now=now) for pool in pools]
         batch_heads = self.codes.keys(layer).shape[:2]
         rows = torch.arange(first, n).expand(*batch_heads, -1)
-        transfers = [self.codes.fetch(layer, rows)]
+        transfers = [self.codes.fetch(layer, rows, now=now)]
         if not self.raw:
             blocks = torch.arange(first // self.config.group_size, self.key_params.length(layer))
             key_rows = blocks.expand(*batch_heads, -1) if self.kivi else rows
-            transfers.append(self.key_params.fetch(layer, key_rows))
-            transfers.append(self.value_params.fetch(layer, rows))
+            transfers.append(self.key_params.fetch(layer, key_rows, now=now))
+            transfers.append(self.value_params.fetch(layer, rows, now=now))
         return first, transfers
 
     def _load(
