@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -180,6 +181,21 @@ def test_quant_bytes_shrink_by_expected_factor(tiny):
     # fp32 K/V: head_dim * 4 bytes per row; 4-bit: head_dim / 2 bytes of codes + a scale and a minimum.
     expected = (head_dim // 2 + 2 * 4) / (head_dim * 4)
     assert moved[4] == pytest.approx(expected * moved[16])
+
+
+@pytest.mark.parametrize("scheme", ["group", "kivi"])
+def test_quant_copies_codes_and_scales_in_one_fetch_per_layer(tiny, scheme):
+    """The scales and minimums live in the codes' pool, so each decode step makes one fetch per layer and
+    the policy starts one worker thread, not three pools' worth."""
+    threads = threading.active_count()
+    policy = _policy(tiny, "quant", bits=4, scheme=scheme, group_size=4, residual=4)
+    assert threading.active_count() <= threads + 1
+    spec, layer = tiny.spec, 0
+    policy.prefill(layer, *_kv(40, spec))
+    copies = policy.host_pool.counters.copies
+    policy.decode(layer, *_kv(1, spec, seed=1))
+    assert policy.host_pool.counters.copies == copies + 1
+    policy.close()
 
 
 def test_oracle_takes_the_top_k_of_the_real_scores(tiny, monkeypatch):

@@ -189,6 +189,34 @@ def test_pool_append_grow_fetch_and_gather():
     pool.close()
 
 
+def test_pool_fetches_named_tensors_in_one_copy():
+    """Side tensors on their own slot axis are copied with the K/V they belong to, in the order asked; the
+    fetch buffer counts the K/V."""
+    pool = KVPool(1, torch.device("cpu"), host=True, overlap="thread")
+    k, scale = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 2, 1)  # one scale per 4 tokens
+    pool.append(0, k, -k, scale=scale)
+    assert (pool.length(0), pool.length(0, "scale")) == (8, 2)
+    rows = torch.tensor([[[1, 6]] * 2])
+    keys, values, scales = pool.fetch(0, parts={"keys": rows, "values": rows, "scale": None}).wait()
+    assert torch.equal(keys, k[:, :, [1, 6]]) and torch.equal(values, -keys) and torch.equal(scales, scale)
+    pool.drain()
+    assert pool.counters.copies == 1
+    assert pool.counters.bytes_h2d == (2 * 2 * 2 * 4 + 2 * 2) * 4
+    assert pool.counters.peak_bytes == 2 * 2 * 2 * 4 * 4
+    assert pool.nbytes() == (2 * k.numel() + scale.numel()) * 4
+    pool.close()
+
+
+@pytest.mark.parametrize(("overlap", "order"), [("thread", ["ahead", "own"]), ("none", ["own", "ahead"])])
+def test_the_copier_orders_a_layer_and_the_look_ahead(overlap, order):
+    """A worker gets the next layer's look-ahead first, to run beside the layer's own choice; without one
+    the layer's own copy goes first, so it does not queue behind the next layer's."""
+    pool, ran = KVPool(1, torch.device("cpu"), host=True, overlap=overlap), []
+    pool.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
+    assert ran == order
+    pool.close()
+
+
 def test_rows_stop_at_their_own_limits(tiny):
     """Requests that differ only in their limit share a batch: each row equals its own run alone."""
     prompts, limits = PROMPTS[:2], [3, 7]

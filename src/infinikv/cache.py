@@ -92,21 +92,25 @@ class InfinikvCache(PolicyCache):
             policy.set_key_valid(None if mask is None else mask[:, 0, -1, :], decode)
         if not decode:
             return
-        # A step begins with layer 0's before_attention. Then, where the look-ahead runs on the pool's worker,
-        # it is queued first, to run beside this layer's own choice (a copy this layer queues behind it is
-        # made by the decode thread itself when needed: Transfer.wait); elsewhere the layer's own copy goes
-        # first, so that it does not queue behind the next layer's.
+
+        # A step begins with layer 0's before_attention, which starts its own copy before the look-ahead for
+        # layers 0 and 1. After that, the pool's copier orders a layer's own work and the look-ahead for the
+        # next one (``Copier.in_order``): a worker runs the look-ahead beside the layer's own choice.
+        def own() -> None:
+            policy.before_attention(layer, x, position_ids)
+
+        def ahead() -> None:
+            if policy.prefetches:  # look one layer ahead, so the copy for layer i+1 overlaps layer i
+                for target in (0, 1) if layer == 0 else (layer + 1,):
+                    if target < policy.spec.num_layers:
+                        policy.plan(target, x, position_ids)
+
         pool = policy.pool()
-        beside = layer > 0 and pool is not None and pool.threaded
-        if not beside:
-            policy.before_attention(layer, x, position_ids)
-        if policy.prefetches:
-            # Look one layer ahead, so the copy for layer i+1 overlaps layer i's compute.
-            for target in (0, 1) if layer == 0 else (layer + 1,):
-                if target < policy.spec.num_layers:
-                    policy.plan(target, x, position_ids)
-        if beside:
-            policy.before_attention(layer, x, position_ids)
+        if layer == 0 or pool is None:
+            own()
+            ahead()
+        else:
+            pool.copier.in_order(own, ahead)
 
     # -- called from the attention module via Cache.update -------------------------------------------------
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -38,8 +38,9 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from ..copiers import Transfer, on_worker
 from ..errors import PolicyError
-from ..kvpool import KVPool, Transfer, on_worker
+from ..kvpool import KVPool
 from ..spec import ModelSpec
 from .config import PolicyConfig
 

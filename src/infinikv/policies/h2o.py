@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kvpool import Transfer
+from ..copiers import Transfer
 from ..spec import ModelSpec
 from .base import HostPoolPolicy, Selection, attention, attention_weights, resolve_budget
 from .config import PolicyConfig, knob, min_tokens_knob

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kvpool import Transfer
+from ..copiers import Transfer
 from ..spec import ModelSpec
 from .base import HostPoolPolicy, Selection
 from .config import PolicyConfig, knob

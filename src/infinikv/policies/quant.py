@@ -24,14 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..copiers import Transfer, on_worker
 from ..errors import PolicyError
-from ..kvpool import KVPool, Transfer, on_worker
 from ..spec import ModelSpec
 from .base import HostPoolPolicy, Selection
 from .config import PolicyConfig, knob
 from .registry import register
 
 Tensor = torch.Tensor
+PARAMS = ("key_scale", "key_min", "value_scale", "value_min")  # stored beside the codes, in the pool
 
 
 @dataclass(frozen=True)
@@ -124,15 +125,10 @@ class QuantPolicy(HostPoolPolicy):
         self.kivi = config.kivi
         config.check_spec(spec)
         self.width = min(config.group_size, spec.head_dim)  # group width along head_dim
-        layers = spec.num_layers
-        self.codes = self.host_pool  # packed codes (or raw K/V at 16 bits)
-        # Scales and minimums: copied by the thread that starts the codes' copy (the codes pool's worker in
-        # a look-ahead), so no further worker threads contend for the interpreter.
-        self.key_params = KVPool(layers, device, host=True, overlap="none")  # key scale, key minimum
-        self.value_params = KVPool(layers, device, host=True, overlap="none")  # value scale, value minimum
-        # One set of counters: bytes moved are the sum over the three pools.
-        self.key_params.counters = self.value_params.counters = self.codes.counters
-        self.tail: list[tuple[Tensor, Tensor] | None] = [None] * layers  # kivi: full-precision newest tokens
+        # The pool holds the packed codes (or raw K/V at 16 bits) as its keys and values, and the scales and
+        # minimums beside them (PARAMS), copied with the codes in one fetch.
+        self.codes = self.host_pool
+        self.tail: list[tuple[Tensor, Tensor] | None] = [None] * spec.num_layers  # kivi: newest, unquantized
 
     # -- storage -------------------------------------------------------------------------------------------
     def seq_length(self, layer: int) -> int:
@@ -167,10 +163,9 @@ class QuantPolicy(HostPoolPolicy):
         return pack(codes.flatten(-2), self.config.bits), scale[..., 0], minimum[..., 0]
 
     def _append(self, layer: int, keys: tuple[Tensor, ...], values: tuple[Tensor, ...]) -> None:
-        """Write (packed codes, scale, minimum) of keys and values into the three pools."""
-        self.codes.append(layer, keys[0], values[0])
-        self.key_params.append(layer, keys[1], keys[2])
-        self.value_params.append(layer, values[1], values[2])
+        """Write (packed codes, scale, minimum) of keys and values into the pool."""
+        params = dict(zip(PARAMS, (*keys[1:], *values[1:]), strict=True))
+        self.codes.append(layer, keys[0], values[0], **params)
 
     def _valid(self, layer: int, start: int, count: int, device: torch.device) -> Tensor | None:
         """Which of positions start..start+count-1 are real tokens (None: all, or unknown: sliding layer)."""
@@ -183,18 +178,19 @@ class QuantPolicy(HostPoolPolicy):
         self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
     ) -> tuple[int, Loading]:
         ahead = on_worker()  # a look-ahead on the pool's worker: it copies and dequantizes, beside the layer
-        first, transfers = self._start(layer, now=ahead)
-        loading = Loading(lambda: self._dequantized(transfers))
+        first, transfer = self._start(layer, now=ahead)
+        loading = Loading(lambda: self._dequantized(transfer))
         if ahead:
             loading.wait()
         return first, loading
 
-    def _start(self, layer: int, whole: bool = False, now: bool = False) -> tuple[int, list[Transfer]]:
+    def _start(self, layer: int, whole: bool = False, now: bool = False) -> tuple[int, Transfer | None]:
         """Begin copying what ``layer``'s next token attends to (``whole``: everything) from the pool
-        (``now``: on this thread, ``KVPool.fetch``): returns (first position copied, transfers)."""
+        (``now``: on this thread, ``KVPool.fetch``): returns (first position copied, the transfer; None
+        when nothing is quantized yet)."""
         n = self.codes.length(layer)
         if n == 0:  # kivi: every token so far is still in the full-precision tail
-            return 0, []
+            return 0, None
         window = self.spec.sliding_window[layer]
         first = 0
         if window is not None and not whole:  # the next token's window starts at seq_length - window + 1
@@ -202,18 +198,16 @@ class QuantPolicy(HostPoolPolicy):
             if self.kivi:
                 first = first // self.config.group_size * self.config.group_size
             first = min(first, n)
+        names = ("keys", "values") if self.raw else ("keys", "values", *PARAMS)
         if first == 0:
-            pools = [self.codes] if self.raw else [self.codes, self.key_params, self.value_params]
-            return 0, [pool.fetch(layer, now=now) for pool in pools]
+            return 0, self.codes.fetch(layer, now=now, parts=dict.fromkeys(names))
         batch_heads = self.codes.keys(layer).shape[:2]
         rows = torch.arange(first, n).expand(*batch_heads, -1)
-        transfers = [self.codes.fetch(layer, rows, now=now)]
-        if not self.raw:
-            blocks = torch.arange(first // self.config.group_size, self.key_params.length(layer))
-            key_rows = blocks.expand(*batch_heads, -1) if self.kivi else rows
-            transfers.append(self.key_params.fetch(layer, key_rows, now=now))
-            transfers.append(self.value_params.fetch(layer, rows, now=now))
-        return first, transfers
+        parts = dict.fromkeys(names, rows)
+        if self.kivi:  # key scales and minimums: one per group of tokens
+            blocks = torch.arange(first // self.config.group_size, self.codes.length(layer, "key_scale"))
+            parts["key_scale"] = parts["key_min"] = blocks.expand(*batch_heads, -1)
+        return first, self.codes.fetch(layer, now=now, parts=parts)
 
     def _load(
         self, layer: int, copied: tuple[Tensor, Tensor] | None, dtype: torch.dtype
@@ -227,15 +221,13 @@ class QuantPolicy(HostPoolPolicy):
             keys, values = torch.cat([keys, tail[0]], dim=2), torch.cat([values, tail[1]], dim=2)
         return keys.to(dtype), values.to(dtype)
 
-    def _dequantized(self, transfers: list[Transfer]) -> tuple[Tensor, Tensor] | None:
-        """The K/V that ``transfers`` (:meth:`_start`'s) copy, dequantized (None: nothing was copied)."""
-        if not transfers:
+    def _dequantized(self, transfer: Transfer | None) -> tuple[Tensor, Tensor] | None:
+        """The K/V that ``transfer`` (:meth:`_start`'s) copies, dequantized (None: nothing was copied)."""
+        if transfer is None:
             return None
         if self.raw:
-            return transfers[0].wait()
-        (key_codes, value_codes), (key_scale, key_min), (value_scale, value_min) = (
-            t.wait() for t in transfers
-        )
+            return transfer.wait()
+        key_codes, value_codes, key_scale, key_min, value_scale, value_min = transfer.wait()
         bits = self.config.bits
         values = self._dequantize_tokens(value_codes, value_scale, value_min)
         if self.kivi:
@@ -254,8 +246,8 @@ class QuantPolicy(HostPoolPolicy):
         if self.seq_length(layer) == 0:
             self._store(layer, k, v)
             return k, v
-        _, transfers = self._start(layer, whole=True)  # the prompt's mask spans every position
-        past_k, past_v = self._load(layer, self._dequantized(transfers), k.dtype)
+        _, transfer = self._start(layer, whole=True)  # the prompt's mask spans every position
+        past_k, past_v = self._load(layer, self._dequantized(transfer), k.dtype)
         self._store(layer, k, v)
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
@@ -272,13 +264,8 @@ class QuantPolicy(HostPoolPolicy):
         return Selection(keys, values, positions)
 
     def kv_bytes(self) -> dict[str, int]:
-        host = self.codes.nbytes() + self.key_params.nbytes() + self.value_params.nbytes()
         device = sum(2 * t[0].numel() * t[0].element_size() for t in self.tail if t is not None)
-        return {"host": host, "device": device}
-
-    def close(self) -> None:
-        for pool in (self.codes, self.key_params, self.value_params):
-            pool.close()
+        return {"host": self.codes.nbytes(), "device": device}
 
 
 class Loading:

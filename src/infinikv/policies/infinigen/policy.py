@@ -94,8 +94,8 @@ from typing import Any
 
 import torch
 
+from ...copiers import Transfer
 from ...errors import PolicyError
-from ...kvpool import Transfer
 from ...spec import ModelSpec
 from ..base import HostPoolPolicy, Selection, first_slots, group_relative_max, pick_top, resolve_budget
 from ..registry import register

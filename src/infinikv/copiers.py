@@ -1,0 +1,246 @@
+"""Where and when a pool's copies and look-aheads run: one interface, three implementations.
+
+A :class:`Copier` takes a copy job (a function that makes the copy and returns its tensors) and hands back a
+:class:`Transfer` at once; ``Transfer.wait()`` gives the tensors. It also runs a policy's look-ahead
+(``ahead``: choosing what the next layer reads and starting its copy) and decides in which order a layer's
+own work and the look-ahead for the next layer start (``in_order``). Nothing that uses a copier asks which
+one it has:
+
+* :class:`StreamCopier` (CUDA): the copy is queued on a side stream, and ``wait`` makes the compute stream
+  wait on its event; look-aheads run at once (their kernels queue on the compute stream).
+* :class:`ThreadCopier` (CPU, ``overlap="thread"``): copies and look-aheads are queued, in order, on one
+  worker thread, beside the decode thread.
+* :class:`InlineCopier` (CPU, ``overlap="none"``): everything runs at once, on the calling thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+Tensor = torch.Tensor
+CopyJob = Callable[[], tuple[Tensor, ...]]
+
+
+@dataclass
+class TransferCounters:
+    bytes_h2d: int = 0  # pool -> compute device
+    bytes_d2h: int = 0  # new tokens' KV written into the pool
+    bytes_on_demand: int = 0  # of bytes_h2d: copies started by the layer that reads them (not prefetched)
+    wait_s: float = 0.0  # time the compute stream spent blocked on a copy
+    copies: int = 0  # fetches (one layer's K, V and side tensors together)
+    peak_bytes: int = 0  # the largest single fetch's K and V: the device buffer attention reads them from
+    timings: list[CopyTiming] = field(default_factory=list)  # CUDA: one per fetch, in order
+
+
+@dataclass
+class CopyTiming:
+    """CUDA events of one fetch: its copy on the copy stream, and the compute stream's wait for it; and the
+    host time spent inside fetch (the row gather into pinned memory, the launch)."""
+
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    issue_s: float = 0.0
+    wait_start: torch.cuda.Event | None = None
+    wait_end: torch.cuda.Event | None = None
+
+    def seconds(self) -> tuple[float, float]:
+        """(copy time, time the compute stream stalled on it); call once the device is synchronised."""
+        stalled = self.wait_start.elapsed_time(self.wait_end) if self.wait_end is not None else 0.0
+        return self.start.elapsed_time(self.end) / 1e3, stalled / 1e3
+
+
+class Transfer:
+    """A copy in flight, or look-ahead work that starts one (``Copier.ahead``). ``wait()`` returns its
+    result, the copied tensors on the compute device for a copy; the time it blocks is counted.
+    ``take_over``: for a queued copy, called first; it returns the copy's result when it made the copy on the
+    waiting thread itself (``ThreadCopier``), else None."""
+
+    def __init__(
+        self,
+        result: object,
+        counters: TransferCounters,
+        event: torch.cuda.Event | None = None,
+        timing: CopyTiming | None = None,
+        keep: object = None,
+        take_over: Callable[[], tuple[Tensor, ...] | None] | None = None,
+    ):
+        self._result = result
+        self._take_over = take_over
+        self._keep = keep  # inputs the copy reads, held until the compute stream waits for the copy
+        self._event = event
+        self._counters = counters
+        self._timing = timing
+
+    def done(self) -> bool:
+        """Whether the copy has finished (without waiting for it)."""
+        if isinstance(self._result, Future):
+            return self._result.done()
+        return self._event is None or self._event.query()
+
+    def wait(self) -> object:
+        if isinstance(self._result, Future) and self._take_over is not None:
+            made = self._take_over()  # work of this thread, not a wait
+            self._result = self._result if made is None else made
+        start = time.perf_counter()
+        if isinstance(self._result, Future):
+            self._result = self._result.result()
+        if self._event is not None:
+            stream = torch.cuda.current_stream()
+            self._timing.wait_start, self._timing.wait_end = _timed_event(), _timed_event()
+            self._timing.wait_start.record(stream)
+            stream.wait_event(self._event)
+            self._timing.wait_end.record(stream)
+            for tensor in self._result:  # made on the copy stream, used on this one
+                tensor.record_stream(stream)
+            self._event = self._keep = None
+        self._counters.wait_s += time.perf_counter() - start
+        return self._result
+
+
+def _timed_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
+_worker = threading.local()  # .active: this thread is a copier's worker
+
+
+def _mark_worker() -> None:
+    _worker.active = True
+
+
+def on_worker() -> bool:
+    """Whether the caller runs on a copier's worker thread (look-ahead work, beside the decode thread)."""
+    return getattr(_worker, "active", False)
+
+
+class Copier:
+    """Runs a pool's copies and look-aheads (module docstring); this base runs everything at once."""
+
+    def __init__(self, counters: TransferCounters):
+        self.counters = counters
+
+    def copy(self, job: CopyJob, queue: bool = True, keep: object = None) -> Transfer:
+        """Start ``job`` (a copy); ``queue=False``: the caller needs it at once (a copy on demand, or a
+        look-ahead reading its own copy), so a worker would only add a hand-off. ``keep``: what the copy
+        reads, held while it may still run."""
+        return Transfer(job(), self.counters)
+
+    def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
+        """Run ``work(*args)``, a look-ahead that chooses what the next layer reads and starts its copy, so
+        that it overlaps the current layer where this copier can; ``wait()`` returns its result."""
+        return Transfer(work(*args), self.counters)
+
+    def in_order(self, own: Callable[[], None], ahead: Callable[[], None]) -> None:
+        """Start a layer's ``own`` work and the look-ahead ``ahead`` for the next layer, in the order that
+        overlaps them best: here the layer's own copy first, so that it does not queue behind the next
+        layer's."""
+        own()
+        ahead()
+
+    def settle(self) -> None:
+        """Return once no copy still reads a store (before one is freed)."""
+
+    def drain(self) -> None:
+        """Return once everything started so far has run (its counters are then complete)."""
+
+    def close(self) -> None:
+        self.settle()
+
+
+class InlineCopier(Copier):
+    """CPU without overlap: every copy and look-ahead runs at once, on the calling thread."""
+
+
+class ThreadCopier(Copier):
+    """CPU: copies and look-aheads run in order on one worker thread, beside the decode thread."""
+
+    def __init__(self, counters: TransferCounters):
+        super().__init__(counters)
+        self._executor = ThreadPoolExecutor(1, initializer=_mark_worker)
+        self._choosing = False  # the worker runs a look-ahead now
+
+    def copy(self, job: CopyJob, queue: bool = True, keep: object = None) -> Transfer:
+        if not queue:
+            return Transfer(job(), self.counters)
+        queued = self._executor.submit(job)
+        return Transfer(queued, self.counters, take_over=lambda: self._take_over(queued, job))
+
+    def _take_over(self, queued: Future, job: CopyJob) -> tuple[Tensor, ...] | None:
+        """A copy a thread needs now, still queued behind a look-ahead the worker is choosing for a later
+        layer, is made by that thread itself (the choice takes longer than the copy; a copy queued behind
+        copies waits its turn). Returns its result, or None when it stays the worker's."""
+        if self._choosing and queued.cancel():
+            return job()
+        return None
+
+    def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
+        """Queued on the worker, in order with the copies, under the caller's grad and inference modes (both
+        are per thread)."""
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+        def run() -> object:
+            self._choosing = True
+            try:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    return work(*args)
+            finally:
+                self._choosing = False
+
+        return Transfer(self._executor.submit(run), self.counters)
+
+    def in_order(self, own: Callable[[], None], ahead: Callable[[], None]) -> None:
+        """The look-ahead is queued first, so it runs beside the layer's own choice; a copy the layer then
+        queues behind it is made by the decode thread itself when needed (``Transfer.wait``)."""
+        ahead()
+        own()
+
+    def drain(self) -> None:
+        """On the worker itself (an observer reading stats), nothing: it would wait for itself."""
+        if not on_worker():
+            self._executor.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+class StreamCopier(Copier):
+    """CUDA: copies on a side stream, timed by events; look-aheads at once (their kernels queue on the
+    compute stream, the copies they start on the side stream)."""
+
+    def __init__(self, counters: TransferCounters, device: torch.device):
+        super().__init__(counters)
+        self.device = device
+        self._stream = torch.cuda.Stream(device)
+
+    def copy(self, job: CopyJob, queue: bool = True, keep: object = None) -> Transfer:
+        issued = time.perf_counter()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        timing = CopyTiming(_timed_event(), _timed_event())
+        with torch.cuda.stream(self._stream):
+            timing.start.record(self._stream)
+            result = job()
+            timing.end.record(self._stream)
+        timing.issue_s = time.perf_counter() - issued
+        self.counters.timings.append(timing)
+        # The copy stream reads a device index: it stays alive until the compute stream has waited for the
+        # copy, so its memory cannot be handed to compute-stream work the copy still races with.
+        return Transfer(result, self.counters, timing.end, timing, keep=keep)
+
+    def settle(self) -> None:
+        """A device-side gather may still be reading a pinned store, and a freed pinned block can be handed
+        out again at once."""
+        self._stream.synchronize()
+
+
+def make_copier(device: torch.device, counters: TransferCounters, overlap: str = "thread") -> Copier:
+    """The copier for a pool whose copies go to ``device``: a side stream on CUDA, else a worker thread
+    (``overlap="thread"``) or none (``"none"``)."""
+    if device.type == "cuda":
+        return StreamCopier(counters, device)
+    return ThreadCopier(counters) if overlap == "thread" else InlineCopier(counters)
