@@ -241,7 +241,7 @@ def _rehearsed_from(loaded, policy, record, x, position_ids) -> bool:
     query = spec.query(layer, x, position_ids)
     grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
     partial_query = record.to_partial(grouped) * spec.scaling(layer)
-    row_columns = policy.layers[layer].row_columns
+    row_columns = policy.decoding.row_columns[layer]
     scores = rehearsal.speculative_scores(
         partial_query, record.partial_keys, row_columns, record.real_slots, record.scale
     )

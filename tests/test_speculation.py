@@ -35,6 +35,7 @@ def _constructed(tiny, tiny_skew, monkeypatch, attend_query_noise: float) -> Spe
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(1, spec.num_kv_heads, 40, spec.head_dim, generator=gen)
     policy.prefill(LAYER, k, k.clone())
+    policy.begin_decoding()
     query = 3 * torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=gen)
     monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
     policy.plan(LAYER, torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))  # from layer 1's hook

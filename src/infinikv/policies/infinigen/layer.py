@@ -14,19 +14,15 @@ Tensor = torch.Tensor
 
 @dataclass
 class LayerState:
-    """One layer's pool slots, partial-key columns, counters and the alpha it counts with."""
+    """One layer's pool slots, partial-key columns, and what its reads at one step leave for the next."""
 
     managed: bool  # selectively fetched (else it loads its full KV, or its window)
     slots: SlotTable = field(default_factory=SlotTable)
     seen: int = 0  # positions (mask columns) seen
     # [kv_heads, d, k] onto the widest calibrated columns (managed layers, from the first prompt chunk)
     projection: Tensor | None = None
-    # from the first decode step: which of the widest columns the store keeps ([kv_heads, k'], None: all),
-    # and (rows, their own columns within the store [kv_heads, k'']) for sequences that score with fewer
+    # from the first decode step: which of the widest columns the store keeps ([kv_heads, k'], None: all)
     stored: Tensor | None = None
-    row_columns: tuple[tuple[Tensor, Tensor], ...] | None = None
-    alpha: tuple[float, str] | None = None  # the alpha in use and where it came from
-    row_alpha: float | Tensor | None = None  # its alpha per sequence: one number, or [batch, 1, 1]
     # n' averaged over the batch per decode step, left on the device until stats() (no sync per step)
     selected: list[Tensor] = field(default_factory=list)
     # an own-query layer's prefetch this step (own_query_prefetch): its policy.Fetch (the slots it

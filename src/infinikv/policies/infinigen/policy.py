@@ -62,7 +62,7 @@ Where it departs from the paper and its artifact (docs/results-infinigen.md meas
 * **Choosing every N-th step** (``select_every``; 1, the paper's, by default): at the steps between, each
   managed layer reads what it read at the step before, the slot of the token it stored then, and the token
   after each of the best-scored tokens it read at the last choice (``FOLLOWED_SHARE`` of its budget), one
-  position further at each step (``_with_newest``); nothing is rehearsed and every copy starts a layer ahead.
+  position further at each step (``schedule.py``); nothing is rehearsed and every copy starts a layer ahead.
   A choice leaves room for what the steps until the next add, so every step reads within its budget. Where a
   full pool evicts, the steps between read the step before's slots and the new token, and follow nothing.
 * **Batches**: when the sequences of a batch get different n', the gather is as wide as the largest and each
@@ -97,22 +97,16 @@ import torch
 from ...copiers import Transfer
 from ...errors import PolicyError
 from ...spec import ModelSpec
-from ..base import HostPoolPolicy, Selection, first_slots, group_relative_max, pick_top, resolve_budget
+from ..base import HostPoolPolicy, Selection, first_slots, group_relative_max, pick_top
 from ..registry import register
 from . import skewfile
 from .blocks import BlockBounds, block_scores, gather_slots
 from .calibration import ensure_skew
-from .config import FOLLOWED_SHARE, PAPER_ALPHA, PAPER_PARTIAL_RATIO, PARTIAL_KEYS, InfiniGenConfig
+from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, PARTIAL_KEYS, InfiniGenConfig
 from .layer import LayerState
-from .rehearsal import (
-    Rehearsal,
-    count_rule,
-    count_within,
-    dequantized,
-    quantize,
-    speculative_scores,
-    wanted_per_head,
-)
+from .plan import DecodePlan, layer_alpha, own_query_layers, settle
+from .rehearsal import Rehearsal, count_rule, count_within, quantize, speculative_scores, wanted_per_head
+from .schedule import Schedule
 from .skewfile import Skew
 
 Tensor = torch.Tensor
@@ -149,21 +143,15 @@ class InfiniGenPolicy(HostPoolPolicy):
         config.check_spec(spec)
         self.observer = observer
         self.layers = [LayerState(config.selects(spec, layer)) for layer in range(spec.num_layers)]
+        self.schedule = Schedule.of(config)
+        # what the first decode step settles (plan.py): columns, count rules, alphas, own-query layers
+        self.decoding: DecodePlan | None = None
         # how the partial keys are stored and their bits, settled with the first prompt chunk's dtype
         self._stored_keys = config.partial_keys
         self._bits = PARTIAL_KEYS[config.partial_keys]
-        # managed layers that choose with their own input (before_attention), not one layer ahead (plan);
-        # settled with the calibration at the first decode step (own_query)
-        self._own_query: frozenset[int] | None = None
-        self._own_query_source = ""
-        # per sequence: (partial ratio in use, where it came from), fixed at the first decode step, and
-        # whether the alpha counts it (else its budget does) with the rule's name
-        self._ratios: list[tuple[float, str]] | None = None
-        self._count_rules: list[tuple[bool, str]] = []
         # columns allocated per layer, per calibration window (empty: uniform), set with the first partial
-        # keys; and per sequence, the ratio of each allocated layer (else empty)
+        # keys
         self._allocations: dict[int, dict[int, float]] | None = None
-        self._layer_ratios: list[dict[int, float]] = []
         self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
         self._step = 0
         # (most partial columns within the device budget, head_dim), set by the first prompt chunk's dtype
@@ -181,16 +169,11 @@ class InfiniGenPolicy(HostPoolPolicy):
         return self.layers[layer].managed
 
     def own_query(self) -> frozenset[int]:
-        """The managed layers that choose with their own query: the first ``dense_layers`` and the own-query
-        layers (:meth:`InfiniGenConfig.resolve_own_query`)."""
-        if self._own_query is None:
-            later, self._own_query_source = self.config.resolve_own_query(self.skew())
-            self._own_query = frozenset(
-                layer
-                for layer, state in enumerate(self.layers)
-                if state.managed and (layer < self.config.dense_layers or layer in later)
-            )
-        return self._own_query
+        """The managed layers that choose with their own query (``plan.own_query_layers``), as the first
+        decode step settles them."""
+        if self.decoding is not None:
+            return self.decoding.own_query
+        return own_query_layers(self.config, self.skew(), self.layers)[0]
 
     def limit(self, layer: int, seen: int) -> int:
         """Most tokens the pool may hold for ``layer`` after ``seen`` tokens."""
@@ -213,25 +196,11 @@ class InfiniGenPolicy(HostPoolPolicy):
         partial, scale = self._partial_keys(layer, k)
         self.layers[layer].slots.append(pos, partial, 0, scale)
         self.layers[layer].seen = start + count
-        self._bound_chunk(layer, start, count)
+        if self.config.block_size > 1 and self.managed(layer):
+            real_at = functools.partial(self._real_at, layer)
+            padding = self.padding or [0] * k.shape[0]
+            self.layers[layer].slots.bound_chunk(start, count, self.config.block_size, padding, real_at)
         return self.host_pool.extend(layer, k, v)
-
-    def _bound_chunk(self, layer: int, start: int, count: int) -> None:
-        """Block speculation: take the bounds of the blocks a prompt chunk's slots ``start``.. fall in, as the
-        chunk arrives (so the first decode step does not pay for the whole prompt's)."""
-        slots = self.layers[layer].slots
-        if self.config.block_size <= 1 or not self.managed(layer):
-            return
-        padding = self.padding or [0] * slots.pos.shape[0]
-        if slots.bounds is None:
-            slots.bounds = BlockBounds(self.config.block_size, padding, slots.pos.device)
-        bounds = slots.bounds
-        bounds.align(padding)
-        ends = bounds.block_of(torch.tensor([start, start + count - 1], device=slots.pos.device))
-        touched = torch.arange(int(ends.min()), int(ends.max()) + 1, device=slots.pos.device)
-        touched = touched.expand(*slots.pos.shape[:2], -1)
-        reals = functools.partial(self._real_at, layer)
-        bounds.refresh(touched, slots.partial, slots.scale, slots.n, reals, slots.unpacked)
 
     def _partial_keys(self, layer: int, k: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """The partial skewed keys of ``k`` [batch, kv_heads, tokens, k'] in the columns the store keeps, and
@@ -250,8 +219,6 @@ class InfiniGenPolicy(HostPoolPolicy):
             widest = self.config.widest_ratio(skew, self._cap, layer, self._allocations)
             projection = skew.projection(layer, widest, self.config.skew)
             state.projection = projection.to(k.device, k.dtype)
-        if self._step:
-            self._settle_columns(layer)
         partial, scale = quantize(torch.matmul(k, state.projection), self._bits)
         return state.in_store(partial), scale
 
@@ -264,47 +231,6 @@ class InfiniGenPolicy(HostPoolPolicy):
             state.slots.packed = self._bits == 4
         storage = dataclasses.replace(self.config, partial_keys=self._stored_keys)
         self._cap = (storage.column_cap(self.spec, element_size), self.spec.head_dim)
-
-    def _settle_columns(self, layer: int) -> None:
-        """At the first decode step: each sequence's ratio by its prompt length (on this layer, where columns
-        are allocated per layer), and the store of ``layer`` cut to the columns of the widest of them."""
-        state = self.layers[layer]
-        if state.row_columns is not None:
-            return
-        skew, flag = self.skew(), self.config.skew
-        if self._ratios is None:
-            tokens = self._real_tokens(layer)
-            resolve = self.config.resolve
-            self._ratios = [resolve("partial_ratio", skew, tokens=n, cap=self._cap) for n in tokens]
-            head_dim = self.spec.head_dim
-            self._count_rules = [
-                self.config.alpha_holds(skew, r, head_dim, self._stored_keys) for r, _ in self._ratios
-            ]
-            allocations = self._allocations or {}
-            self._layer_ratios = [
-                allocations.get(self.config.calibration_window(skew, n), {}) for n in tokens
-            ]
-        row_ratios = [
-            allocated.get(layer, ratio)
-            for allocated, (ratio, _) in zip(self._layer_ratios, self._ratios, strict=True)
-        ]
-        ratios = sorted(set(row_ratios))
-        device = state.projection.device
-        widest = skew.columns(
-            layer, self.config.widest_ratio(skew, self._cap, layer, self._allocations), flag
-        )
-        stored = skew.columns(layer, ratios[-1], flag)
-        if stored.shape[1] < widest.shape[1]:
-            state.stored = _positions(widest, stored).to(device)
-            slots = state.slots
-            slots.keep_columns(state.stored)
-            if slots.bounds is not None and slots.bounds.bounds is not None:
-                slots.bounds.keep(state.stored)
-        groups = []
-        for ratio in ratios[:-1]:  # the widest rows score with every stored column
-            rows = torch.tensor([b for b, r in enumerate(row_ratios) if r == ratio], device=device)
-            groups.append((rows, _positions(stored, skew.columns(layer, ratio, flag)).to(device)))
-        state.row_columns = tuple(groups)
 
     def skew(self) -> Skew:
         """The calibration in use (loaded from the cache on first use; one without calibrated knobs of this
@@ -327,35 +253,20 @@ class InfiniGenPolicy(HostPoolPolicy):
         return self._skew
 
     def alpha(self, layer: int) -> tuple[float, str]:
-        """``layer``'s threshold and where it came from (:meth:`InfiniGenConfig.resolve`)."""
-        state = self.layers[layer]
-        if state.alpha is None:
-            own = layer in self.own_query()
-            state.alpha = self.config.resolve("alpha", self.skew(), layer, own_query=own)
-        return state.alpha
-
-    def _row_alphas(self, layer: int, dtype: torch.dtype) -> float | Tensor:
-        """``layer``'s alpha for the sequences it counts, inf (the budget) for the others: one number when the
-        batch agrees, else [batch, 1, 1] in the scores' ``dtype`` (as a number would be)."""
-        state = self.layers[layer]
-        if state.row_alpha is None:
-            alpha = self.alpha(layer)[0]
-            per_row = [alpha if holds else math.inf for holds, _ in self._count_rules]
-            if len(set(per_row)) <= 1:
-                state.row_alpha = per_row[0] if per_row else alpha
-            else:
-                device = state.projection.device
-                state.row_alpha = torch.tensor(per_row, dtype=dtype, device=device)[:, None, None]
-        return state.row_alpha
+        """``layer``'s threshold and where it came from (``plan.layer_alpha``)."""
+        settled = None if self.decoding is None else self.decoding.alphas[layer]
+        return settled or layer_alpha(self.config, self.skew(), layer, self.own_query())
 
     # -- decode: rehearsal and prefetch ----------------------------------------------------------------------
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         if layer == 0:  # the cache calls this before anything else of a decode step
             self._step += 1
             if self._step == 1:
-                self._start_decoding()
-        if layer in self.own_query():
-            if self._reads_again(layer, self._step):  # nothing to choose: its copy started ahead (or now)
+                self.begin_decoding()
+        if layer in self.decoding.own_query:
+            if self.schedule.reads_again(
+                self.layers[layer], self._step
+            ):  # nothing to choose: its copy started ahead (or now)
                 if not self.planned(layer):
                     with self.host_pool.on_demand():
                         self._fetch_reused(layer, self._step)
@@ -365,34 +276,29 @@ class InfiniGenPolicy(HostPoolPolicy):
             self.fetch_own(layer, x, position_ids)
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if self._reads_again(layer, self._step):
+        schedule, own_query = self.schedule, self.decoding.own_query
+        if schedule.reads_again(self.layers[layer], self._step):
             if not self.planned(layer):  # layer 0's was started at the step before
                 self._fetch_reused(layer, self._step)
-        elif layer not in self.own_query():
+        elif layer not in own_query:
             super().plan(layer, x, position_ids)
-        elif layer > 0 and self.config.own_query_prefetch:
+        elif layer > 0 and schedule.own_query_prefetch:
             self._prefetch_previous(layer)
         # the next step's layer 0, beside this step's last layers (planned from layer 1 on: layer 0 has
         # taken its own fetch of this step)
         last = self.spec.num_layers - 1
-        if layer == last >= 2 and 0 in self.own_query():
-            if self._reads_again(0, self._step + 1):
+        if layer == last >= 2 and 0 in own_query:
+            if schedule.reads_again(self.layers[0], self._step + 1):
                 self._fetch_reused(0, self._step + 1)
-            elif self.config.own_query_prefetch:
+            elif schedule.own_query_prefetch:
                 self._prefetch_previous(0)
-
-    def _reads_again(self, layer: int, step: int) -> bool:
-        """Whether managed ``layer`` reads again at decode step ``step`` (``_with_newest``) instead of
-        choosing (``select_every``: steps 1, N + 1, 2N + 1, ... choose)."""
-        between = (step - 1) % self.config.select_every != 0
-        return between and self.managed(layer) and self.layers[layer].chosen is not None
 
     def _fetch_reused(self, layer: int, step: int) -> None:
         """A step between choices (``select_every``): start copying what ``layer`` reads again
-        (``_with_newest``), on the decode thread (nothing is chosen; the copy itself is queued on the pool's
-        worker like any other)."""
+        (``Schedule.with_newest``), on the decode thread (nothing is chosen; the copy itself is queued on the
+        pool's worker like any other)."""
         state = self.layers[layer]
-        index, valid = self._with_newest(layer)
+        index, valid = self.schedule.with_newest(state)
         state.chosen, state.chosen_valid = index, valid
         self._count_bytes(layer, index)
         self._count_use(layer, index, step)
@@ -401,56 +307,6 @@ class InfiniGenPolicy(HostPoolPolicy):
         state.selected.append(widths)
         positions = torch.gather(state.slots.view("pos"), 2, index)
         self.hold(layer, Fetch(self.host_pool.fetch(layer, index, extra=1), index, positions, valid))
-
-    def _with_newest(self, layer: int) -> tuple[Tensor, Tensor | None]:
-        """What ``layer`` reads at a step between choices: what it read at the step before, the slot of the
-        token it stored then and, where nothing was evicted (slot i holds position i), the token after each
-        of the tokens it follows (its best read at the last choice, one further at each step). Slots
-        [batch, kv_heads, m] ascending per row, and which of them each row reads (None: all); a slot
-        listed twice is read once (the repeat hidden)."""
-        state = self.layers[layer]
-        parts = [(state.chosen, state.chosen_valid), (state.newest, None)]
-        if state.slots.n == state.seen and state.followed is not None:
-            followed, valid = state.followed
-            state.followed = ((followed + 1).clamp(max=state.slots.n - 1), valid)
-            parts.append(state.followed)
-        index = torch.cat([slots for slots, _ in parts], dim=2)
-        valid = torch.cat([torch.ones_like(s, dtype=torch.bool) if v is None else v for s, v in parts], dim=2)
-        # in slot order, a read copy of a slot before a hidden one; then each slot's first copy is read
-        keyed, _ = (index * 2 + (~valid).long()).sort(dim=-1)
-        index, valid = keyed // 2, keyed % 2 == 0
-        valid[..., 1:] &= index[..., 1:] != index[..., :-1]
-        return index, None if bool(valid.all()) else valid
-
-    @staticmethod
-    def _best_read(
-        scores: Tensor, index: Tensor, valid: Tensor | None, takes: list[int]
-    ) -> tuple[Tensor, Tensor | None]:
-        """Of the slots ``index`` a choice reads (``valid``: None = all), each row's ``takes`` best by
-        ``scores`` ([batch, kv_heads, max(takes)]), and which of them hold a token read (None: all)."""
-        picked = scores.gather(2, index)
-        picked = picked if valid is None else picked.masked_fill(~valid, -math.inf)
-        read = torch.full_like(scores, -math.inf).scatter_reduce(2, index, picked, "amax")
-        best, shown = pick_top(read, takes)
-        held = read.gather(2, best) > -math.inf  # a token read (not padding, nor a row's hidden extra)
-        held = held if shown is None else held & shown
-        return best, None if bool(held.all()) else held
-
-    def _choice_budget(self, real: int) -> tuple[int, int]:
-        """A choosing step's budget for a sequence of ``real`` tokens, and how many of the tokens it reads
-        the steps until the next choice follow (``select_every`` N > 1: :data:`FOLLOWED_SHARE` of its
-        budget; 0 when the budget holds every token, or N is 1). The budget is the sequence's, less the room
-        for what those N - 1 steps add to what it reads (per step the tokens followed and the one stored)."""
-        floor = self.config.min_tokens
-        budget = resolve_budget(self.config.budget, max(real, 1), floor=floor)
-        if budget >= real or self.config.select_every == 1:
-            return budget, 0
-        follow = math.ceil(budget * FOLLOWED_SHARE)
-        # The budget grows by at most a token a step and each step between adds follow + 1 to the reads, so
-        # the room the last step before the next choice needs is the least a choice may take.
-        between = self.config.select_every - 1
-        last = resolve_budget(self.config.budget, real + between, floor=floor)
-        return last - between * (follow + 1), follow
 
     def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Fetch:
         """Decide what ``layer`` reads this step and start copying it from the pool. Without an input ``x`` a
@@ -472,8 +328,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             transfer, copied = self.host_pool.fetch(layer, index, extra=1), index
         self._count_bytes(layer, copied)
         self._count_use(layer, index, self._step)
-        reread = self.config.select_every > 1 and self.managed(layer)
-        if index is not None and (reread or (self.config.own_query_prefetch and layer in self.own_query())):
+        if index is not None and self.schedule.keeps_choice(state, layer in self.decoding.own_query):
             state.chosen, state.chosen_valid = index, valid  # what the next step prefetches or reads again
         self._count_offload(layer)
         positions = slots.view("pos").clone() if index is None else torch.gather(slots.view("pos"), 2, index)
@@ -543,13 +398,15 @@ class InfiniGenPolicy(HostPoolPolicy):
         k = self.host_pool.keys(layer)
         return 2 * k.shape[-1] * k.element_size()
 
-    def _start_decoding(self) -> None:
-        """At the first decode step, on the decode thread before any look-ahead runs beside it (look-aheads
-        touch only their own layer): each sequence's columns and count rule, and every pool cut to its
-        capacity where the prompt is larger."""
-        managed = [layer for layer, state in enumerate(self.layers) if state.managed]
-        if managed:
-            self._settle_columns(managed[0])
+    def begin_decoding(self) -> None:
+        """The run's plan (``plan.settle``: each sequence's columns and count rule, each layer's alpha) and
+        every pool cut to its capacity where the prompt is larger. Called by the first decode step's layer 0,
+        on the decode thread before any look-ahead runs beside it (look-aheads touch only their own layer),
+        or first by a caller that drives layers alone."""
+        stored = [layer for layer, state in enumerate(self.layers) if state.seen]
+        real_tokens = self._real_tokens(stored[0]) if stored else []
+        storage = (self._stored_keys, self._cap, self._allocations)
+        self.decoding = settle(self.config, self.spec, self.skew(), self.layers, real_tokens, storage)
         for layer, state in enumerate(self.layers):
             slots, cap = state.slots, self.limit(layer, state.seen + 1)
             if slots.n > cap:
@@ -562,12 +419,12 @@ class InfiniGenPolicy(HostPoolPolicy):
         """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, ascending per
         row, and which of them each row attends to (None: all); kept for stats and shown to the observer."""
         with self.selecting():
-            query = self._rehearsal_query(layer, x, position_ids)  # settles columns and count rules
+            query = self._rehearsal_query(layer, x, position_ids)
             real_tokens = self._real_tokens(layer)
-            budgets, follows = zip(*(self._choice_budget(n) for n in real_tokens), strict=True)
+            budgets, follows = zip(*(self.schedule.choice_budget(n) for n in real_tokens), strict=True)
             # within the floor: everything, whatever alpha counts
             whole = [n <= self.config.min_tokens for n in real_tokens]
-            alpha = self._row_alphas(layer, torch.float32)
+            alpha = self.decoding.row_alphas[layer]
             takes = self._candidate_blocks(layer, budgets, whole)
             if takes is None:
                 reserved = self._reserved(layer)
@@ -580,9 +437,9 @@ class InfiniGenPolicy(HostPoolPolicy):
                 )
         state = self.layers[layer]
         state.selected.append(counts.float().mean())
-        if self.config.select_every > 1:  # the steps between read the tokens after these
+        if self.schedule.follows:  # the steps between read the tokens after these
             takes = [min(follow, count) for follow, count in zip(follows, counts.tolist(), strict=True)]
-            state.followed = self._best_read(scores, index, valid, takes)
+            state.followed = Schedule.best_read(scores, index, valid, takes)
         if self.observer is not None:
             self.observer(
                 Rehearsal(
@@ -604,14 +461,13 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def _rehearsal_query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
         """``layer``'s partial query [batch, kv_heads, group, k] from the look-ahead input ``x``, times the
-        attention scale; settles each sequence's columns and count rule at the first decode step."""
+        attention scale."""
         spec = self.spec
         query = spec.query(layer, x, position_ids)  # [batch, heads, 1, d]
         grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
-        self._settle_columns(layer)
         # a look-ahead reads the query projection's weights (an own-query layer's query is the layer's
         # own, which it computes anyway)
-        if layer not in self.own_query():
+        if layer not in self.decoding.own_query:
             self.selector_read(spec.attention[layer].q_proj.weight)
         return self.partial_query(layer, grouped) * spec.scaling(layer)
 
@@ -623,7 +479,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         slots, scale = state.slots, self._scales(layer)
         partial_keys = slots.view("partial")
         self.selector_read(partial_keys, *([] if scale is None else [scale]))
-        return speculative_scores(query, slots.unpacked(partial_keys), state.row_columns, real, scale)
+        row_columns = self.decoding.row_columns[layer]
+        return speculative_scores(query, slots.unpacked(partial_keys), row_columns, real, scale)
 
     def _candidate_blocks(self, layer: int, budgets: list[int], whole: list[bool]) -> list[int] | None:
         """Per sequence, the candidate blocks coarse-to-fine speculation keeps (all its blocks for a row
@@ -671,7 +528,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             coarse = torch.nn.functional.pad(tokens, (1, 0), value=-math.inf)
         else:
             self.selector_read(bounds.bounds[:, :, :blocks])
-            upper = block_scores(query, bounds, blocks, state.row_columns)
+            upper = block_scores(query, bounds, blocks, self.decoding.row_columns[layer])
             coarse = group_relative_max(upper.flatten(1, 2), spec.group_size)
         chosen, chosen_valid = pick_top(coarse, takes, block_reserved)
         candidates = bounds.slots_of(chosen)  # ascending
@@ -685,7 +542,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         else:
             keys, scale = gather_slots(slots.partial, slots.scale, candidates)
             self.selector_read(keys, *([] if scale is None else [scale]))
-            fine = speculative_scores(query, slots.unpacked(keys), state.row_columns, present, scale)
+            row_columns = self.decoding.row_columns[layer]
+            fine = speculative_scores(query, slots.unpacked(keys), row_columns, present, scale)
         fine_reserved = self._reserved(layer, candidates)
         if fine_reserved is not None:
             fine_reserved &= present
@@ -705,7 +563,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             counts = torch.where(recount, every, counts)
         index, valid = pick_top(fine, counts.tolist(), fine_reserved)
         index = torch.gather(candidates, 2, index)
-        if self.observer is None and self.config.select_every == 1:
+        if self.observer is None and not self.schedule.follows:
             return fine, counts, index, valid, fine_reserved
         # as token speculation's, for the observer and for what the steps between choices follow (both go by
         # slot): the candidates' scores in their slots, -inf elsewhere
@@ -714,15 +572,10 @@ class InfiniGenPolicy(HostPoolPolicy):
         return scores, counts, index, valid, self._reserved(layer)
 
     def _bounds(self, layer: int) -> BlockBounds:
-        """``layer``'s block bounds, taken from its partial keys on first use (and after the pool is cut)."""
+        """``layer``'s block bounds (``SlotTable.block_bounds``)."""
         slots = self.layers[layer].slots
-        if slots.bounds is None:
-            padding = self.padding or [0] * slots.pos.shape[0]
-            slots.bounds = BlockBounds(self.config.block_size, padding, slots.pos.device)
-            if self.config.block_size > 1:
-                reals = functools.partial(self._real_at, layer)
-                slots.bounds.build(slots.partial, slots.scale, slots.n, reals, slots.unpacked)
-        return slots.bounds
+        padding = self.padding or [0] * slots.pos.shape[0]
+        return slots.block_bounds(self.config.block_size, padding, functools.partial(self._real_at, layer))
 
     def _scales(self, layer: int) -> Tensor | None:
         """[batch, kv_heads, 1, slots]: per-token scales of ``layer``'s quantized partial keys (or None)."""
@@ -830,24 +683,17 @@ class InfiniGenPolicy(HostPoolPolicy):
         partial, scale = self._partial_keys(layer, k)
         if slots.n < self.limit(layer, position + 1):
             self.host_pool.append(layer, k, v)
-            positions = torch.full_like(k[:, :, :, 0], position, dtype=torch.long)
-            slots.append(positions, partial, self._step, scale)
-            if self.config.select_every > 1:
-                state.newest = torch.full_like(positions, slots.n - 1)
-            if slots.bounds is not None and slots.bounds.size > 1:  # its block's bounds widen to it
-                slots.bounds.extend(slots.n - 1, dequantized(partial, scale))
+            slots.store(position, partial, self._step, scale)
+            if self.schedule.follows:
+                state.newest = torch.full_like(k[:, :, :, 0], slots.n - 1, dtype=torch.long)
             return
         victims = self._eviction_keys(layer).argmin(dim=-1)  # [batch, kv_heads]
-        if self.config.select_every > 1:
+        if self.schedule.follows:
             state.newest = victims[..., None]
         self.host_pool.write_slots(layer, victims, k, v)
-        slots.write(victims, position, partial, self._step, scale)
+        real_at = functools.partial(self._real_at, layer)
+        slots.write(victims, position, partial, self._step, scale, real_at)
         self._evicted += victims.numel()
-        bounds = slots.bounds
-        if bounds is not None and bounds.size > 1:  # the blocks written to: their bounds again
-            reals = functools.partial(self._real_at, layer)
-            touched = bounds.block_of(victims[..., None])
-            bounds.refresh(touched, slots.partial, slots.scale, slots.n, reals, slots.unpacked)
 
     def _eviction_keys(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: lower = evicted first. Tier (padding < older half < newest half), then
@@ -896,7 +742,10 @@ class InfiniGenPolicy(HostPoolPolicy):
             partial_keys_stored=self._stored_keys,
             skew_source=None if self._skew is None else f"{self._skew.source} ({self._skew.tokens} tokens)",
         )
-        alphas = [state.alpha for state in self.layers]
+        plan = self.decoding
+        if plan is None:  # no decode step yet: nothing settled
+            return out
+        alphas = plan.alphas
         if any(alphas):
             sources = dict.fromkeys(alpha[1] for alpha in alphas if alpha is not None)
             out.update(
@@ -904,27 +753,26 @@ class InfiniGenPolicy(HostPoolPolicy):
                 alpha_used=[None if alpha is None else alpha[0] for alpha in alphas],
                 alpha_source="; ".join(sources),
             )
-        if self._own_query is not None:
-            first = self.config.dense_layers
-            out.update(
-                # the later layers (the knob's), and every layer whose copy waits on its own query
-                own_query_layers_used=sorted(layer for layer in self._own_query if layer >= first),
-                own_query_source=self._own_query_source,
-                layers_by_own_query=sorted(self._own_query),
-            )
-        if self._ratios:
+        first = self.config.dense_layers
+        out.update(
+            # the later layers (the knob's), and every layer whose copy waits on its own query
+            own_query_layers_used=sorted(layer for layer in plan.own_query if layer >= first),
+            own_query_source=plan.own_query_source,
+            layers_by_own_query=sorted(plan.own_query),
+        )
+        if plan.ratios:
             out.update(
                 # per sequence of the batch (by its prompt length)
-                partial_ratio_used=[ratio for ratio, _ in self._ratios],
-                partial_ratio_source="; ".join(dict.fromkeys(source for _, source in self._ratios)),
+                partial_ratio_used=[ratio for ratio, _ in plan.ratios],
+                partial_ratio_source="; ".join(dict.fromkeys(source for _, source in plan.ratios)),
                 # per sequence: "alpha", or "budget (why)" where the calibrated alphas do not hold
-                count_rule_used=[rule for _, rule in self._count_rules],
+                count_rule_used=[rule for _, rule in plan.count_rules],
             )
-        if any(self._layer_ratios):
+        if any(plan.layer_ratios):
             # per sequence, per layer: its allocated ratio (None where the layer takes the uniform one)
             out["partial_ratio_by_layer"] = [
                 [allocated.get(layer) for layer in range(self.spec.num_layers)]
-                for allocated in self._layer_ratios
+                for allocated in plan.layer_ratios
             ]
         return out
 
@@ -963,12 +811,3 @@ class Corrected:
             rows_of.reshape(-1, dim).index_select(0, flat).view(shape) for rows_of in (keys, values)
         )
         return keys, values
-
-
-def _positions(columns: Tensor, subset: Tensor) -> Tensor:
-    """[kv_heads, k]: where each of ``subset``'s columns sits in ``columns`` [kv_heads, K] (both ascending
-    per head); the calibrated column sets are nested (the top-k of one score per head)."""
-    at = torch.searchsorted(columns, subset)
-    if not torch.equal(torch.gather(columns, 1, at.clamp(max=columns.shape[1] - 1)), subset):
-        raise PolicyError("infinigen: the partial columns of a narrower ratio are not among the wider's")
-    return at

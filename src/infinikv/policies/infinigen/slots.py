@@ -4,14 +4,21 @@ With a capacity below the tokens seen, the pool overwrites slots in place (evict
 position: the table keeps, per (sequence, KV head) and slot, the token position (mask column) it holds,
 how often and when it was last fetched (the ``counter`` and ``lru`` eviction rules), and, for layers the
 policy rehearses, the token's partial skewed key (4-bit ones packed two columns to a byte: readers take
-them through :meth:`SlotTable.unpacked`).
+them through :meth:`SlotTable.unpacked`) and, under block speculation, the bounds of their blocks
+(``blocks.BlockBounds``), which the table keeps up to date as slots are stored, overwritten and moved.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from .blocks import BlockBounds
+from .rehearsal import dequantized
+
 Tensor = torch.Tensor
+RealAt = Callable[[Tensor], Tensor]  # slots [batch, kv_heads, m] -> bool: each holds a real token
 
 
 def pack_nibbles(integers: Tensor) -> Tensor:
@@ -47,7 +54,7 @@ class SlotTable:
         # faster than the same product over keys stored a token's columns together)
         self.partial: Tensor | None = None
         self.scale: Tensor | None = None  # [batch, kv_heads, 1, cap] per-token scales of quantized keys
-        self.bounds = None  # blocks.BlockBounds of managed layers under block speculation
+        self.bounds: BlockBounds | None = None  # of managed layers under block speculation
 
     def view(self, name: str) -> Tensor:
         return getattr(self, name)[..., : self.n]
@@ -69,10 +76,25 @@ class SlotTable:
             self.scale[..., self.n : end] = scale.transpose(2, 3)
         self.n = end
 
+    def store(self, pos: int, partial: Tensor | None, step: int, scale: Tensor | None = None) -> None:
+        """Add a decode step's token at position ``pos`` to every (sequence, KV head): :meth:`append`, and
+        its block's bounds widen to it."""
+        batch, heads = self.pos.shape[:2]
+        self.append(self.pos.new_full((batch, heads, 1), pos), partial, step, scale)
+        if self.bounds is not None and self.bounds.size > 1:
+            self.bounds.extend(self.n - 1, dequantized(partial, scale))
+
     def write(
-        self, slots: Tensor, pos: int, partial: Tensor | None, step: int, scale: Tensor | None = None
+        self,
+        slots: Tensor,
+        pos: int,
+        partial: Tensor | None,
+        step: int,
+        scale: Tensor | None = None,
+        real_at: RealAt | None = None,
     ) -> None:
-        """Overwrite slot ``slots[b, h]`` of every (sequence, KV head) with a new token."""
+        """Overwrite slot ``slots[b, h]`` of every (sequence, KV head) with a new token; the bounds of the
+        blocks written to are taken again (``real_at``: which slots hold a real token)."""
         partial = self._packed(partial)
         index = slots[..., None]
         self.pos.scatter_(2, index, torch.full_like(index, pos))
@@ -83,6 +105,33 @@ class SlotTable:
             self.partial.scatter_(3, columns, partial.transpose(2, 3))
         if scale is not None:
             self.scale.scatter_(3, index[:, :, None], scale.transpose(2, 3))
+        if self.bounds is not None and self.bounds.size > 1:
+            self.bounds.refresh(
+                self.bounds.block_of(index), self.partial, self.scale, self.n, real_at, self.unpacked
+            )
+
+    def bound_chunk(
+        self, start: int, count: int, block_size: int, padding: list[int], real_at: RealAt
+    ) -> None:
+        """Block speculation: the bounds of the blocks a prompt chunk's slots ``start``.. fall in, taken as
+        the chunk arrives (so the first decode step does not pay for the whole prompt's); ``padding``: each
+        row's left padding so far, where its blocks start."""
+        if self.bounds is None:
+            self.bounds = BlockBounds(block_size, padding, self.pos.device)
+        self.bounds.align(padding)
+        ends = self.bounds.block_of(torch.tensor([start, start + count - 1], device=self.pos.device))
+        touched = torch.arange(int(ends.min()), int(ends.max()) + 1, device=self.pos.device)
+        touched = touched.expand(*self.pos.shape[:2], -1)
+        self.bounds.refresh(touched, self.partial, self.scale, self.n, real_at, self.unpacked)
+
+    def block_bounds(self, block_size: int, padding: list[int], real_at: RealAt) -> BlockBounds:
+        """The bounds of the slots' blocks, taken from the partial keys on first use (and after
+        :meth:`keep` moved the slots)."""
+        if self.bounds is None:
+            self.bounds = BlockBounds(block_size, padding, self.pos.device)
+            if block_size > 1:
+                self.bounds.build(self.partial, self.scale, self.n, real_at, self.unpacked)
+        return self.bounds
 
     def keep(self, index: Tensor) -> None:
         for name in ("pos", "fetches", "last"):
@@ -108,6 +157,8 @@ class SlotTable:
         if self.packed:
             table = pack_nibbles(table.transpose(2, 3)).transpose(2, 3).contiguous()
         self.partial = table
+        if self.bounds is not None and self.bounds.bounds is not None:
+            self.bounds.keep(kept)
 
     def nbytes(self) -> int:
         """Device bytes of the partial keys (and their scales) in use, and of their block bounds."""
