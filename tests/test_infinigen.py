@@ -499,6 +499,21 @@ def test_selection_respects_budget_padding_and_top_token(tiny, calibrated, monke
                 assert ((~is_padding).sum(-1) == min(past_real, width)).all()
 
 
+def test_a_count_by_the_budget_is_taken_on_the_host(tiny, calibrated, monkeypatch):
+    """Where every row counts by its budget (alpha inf, nothing evicted), the gather's width comes from the
+    host, with no read: it is the count rule's, row by row, in a left-padded batch."""
+    spy = _Spy(monkeypatch)
+    _tokens(tiny, "infinigen", new=6, alpha=math.inf, budget=0.25)
+    assert spy.records
+    for record in spy.records:
+        counts = record.counts.tolist()
+        assert len(set(counts)) > 1  # rows of different lengths: the widths differ
+        assert record.index.shape[-1] == max(counts)
+        taken = [record.index.shape[-1]] * len(counts) if record.valid is None else record.valid.sum(-1)
+        for row, count in enumerate(counts):
+            assert (torch.as_tensor(taken[row]) == count).all()
+
+
 def test_dense_and_sliding_layers(tiny_gemma, calibrated, monkeypatch):
     spy = _Spy(monkeypatch)
     _tokens(tiny_gemma, "infinigen", prompts=[PROMPTS[0]], new=8, dense_layers=1)

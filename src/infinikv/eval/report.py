@@ -427,8 +427,9 @@ METHOD = """
   (dense = 1).
 - **Resident.** Bytes the policy keeps on the compute device at the end of the run (its KV cache, partial
   keys, page summaries, scores) divided by the dense KV cache of the same tokens (dense = 1). The largest
-  single copy (the fetch buffer: one layer's fetched rows, on the same scale) is shown in its own column
-  (`fetch_buffer_fraction`); it is not an axis of the front.
+  single copy (the fetch buffer: one layer's fetched K/V rows, on the same scale; quant's: its codes, not
+  the scales copied with them) is shown in its own column (`fetch_buffer_fraction`); it is not an axis of
+  the front.
 - **Selector reads.** Bytes the policy's selector read to choose what to fetch during decode (InfiniGen: its
   partial keys and the look-ahead query projection; Quest: page summaries; the oracle: every key; H2O: its
   accumulated scores), on the scale of KV fetched. Its share of the decode time is `selector_time_fraction`.

@@ -41,10 +41,8 @@ def _round_outward(value: Tensor, up: bool) -> Tensor:
     """``value`` (float32) as bfloat16, rounded up (``up``) or down: still a bound of what it bounded."""
     rounded = value.to(BOUND_DTYPE)
     off = rounded.float() < value if up else rounded.float() > value
-    if bool(off.any()):
-        toward = torch.tensor(math.inf if up else -math.inf, dtype=BOUND_DTYPE)
-        rounded = torch.where(off, torch.nextafter(rounded, toward), rounded)
-    return rounded
+    toward = torch.tensor(math.inf if up else -math.inf, dtype=BOUND_DTYPE, device=value.device)
+    return torch.where(off, torch.nextafter(rounded, toward), rounded)  # no read: a decode step extends
 
 
 class BlockBounds:
@@ -61,9 +59,8 @@ class BlockBounds:
     def align(self, padding: list[int]) -> None:
         """Start each row's blocks at its first real token, after ``padding`` slots. A prompt's chunks may
         show more of a row's padding as they come; its blocks hold no real token until its first one."""
-        self.offsets = torch.tensor([p % self.size for p in padding], device=self.offsets.device)[
-            :, None, None
-        ]
+        self.row_offsets = [p % self.size for p in padding]  # on the host, so a block's number needs no read
+        self.offsets = torch.tensor(self.row_offsets, device=self.offsets.device)[:, None, None]
 
     def block_of(self, slots: Tensor) -> Tensor:
         """The block of each slot of ``slots`` [batch, kv_heads, m]."""
@@ -133,7 +130,13 @@ class BlockBounds:
         [batch, kv_heads, 1, k]: its block's bounds widen to it (a new block starts with it alone)."""
         batch, heads, _, k = keys.shape
         blocks = self.block_of(torch.full((batch, heads, 1), slot, device=keys.device))
-        self._grow(int(blocks.max()) + 1, batch, heads, k, keys.device)
+        self._grow(
+            max((slot - offset + self.size) // self.size for offset in self.row_offsets) + 1,
+            batch,
+            heads,
+            k,
+            keys.device,
+        )
         rows = self._rows(blocks)
         token = torch.cat([_round_outward(keys, up=True), -_round_outward(keys, up=False)], dim=-1)
         table, filled = self.bounds.view(-1, 2 * k), self.filled.view(-1)

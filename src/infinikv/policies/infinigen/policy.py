@@ -430,15 +430,20 @@ class InfiniGenPolicy(HostPoolPolicy):
                 reserved = self._reserved(layer)
                 scores = self._token_scores(layer, query)
                 counts = count_within(scores, alpha, budgets, reserved, whole)
-                index, valid = pick_top(scores, counts.tolist(), reserved)  # the gather's size: one host sync
+                widths = self._budget_counts(layer, real_tokens, budgets, alpha)
+                if widths is None:  # an alpha counts: the gather's width is read back (one host sync)
+                    widths = counts.tolist()
+                index, valid = pick_top(scores, widths, reserved)
             else:
                 scores, counts, index, valid, reserved = self._coarse_to_fine(
                     layer, query, takes, alpha, budgets, whole
                 )
+                widths = None
         state = self.layers[layer]
         state.selected.append(counts.float().mean())
         if self.schedule.follows:  # the steps between read the tokens after these
-            takes = [min(follow, count) for follow, count in zip(follows, counts.tolist(), strict=True)]
+            widths = counts.tolist() if widths is None else widths
+            takes = [min(follow, count) for follow, count in zip(follows, widths, strict=True)]
             state.followed = Schedule.best_read(scores, index, valid, takes)
         if self.observer is not None:
             self.observer(
@@ -458,6 +463,17 @@ class InfiniGenPolicy(HostPoolPolicy):
                 )
             )
         return index, valid
+
+    def _budget_counts(
+        self, layer: int, real_tokens: list[int], budgets: tuple[int, ...], alpha: float | Tensor
+    ) -> list[int] | None:
+        """n' per sequence where the host knows it without a read: every row counts by its budget (alpha
+        inf) over a pool that evicted nothing, so each wants all its real tokens and ``count_within`` gives
+        the smaller of those and its budget. None where an alpha counts or slots were evicted."""
+        state = self.layers[layer]
+        if not (isinstance(alpha, float) and alpha == math.inf) or state.slots.n != state.seen:
+            return None
+        return [max(0, min(real, budget)) for real, budget in zip(real_tokens, budgets, strict=True)]
 
     def _rehearsal_query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
         """``layer``'s partial query [batch, kv_heads, group, k] from the look-ahead input ``x``, times the
