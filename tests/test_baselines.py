@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 import torch
@@ -185,11 +184,8 @@ def test_quant_bytes_shrink_by_expected_factor(tiny):
 
 @pytest.mark.parametrize("scheme", ["group", "kivi"])
 def test_quant_copies_codes_and_scales_in_one_fetch_per_layer(tiny, scheme):
-    """The scales and minimums live in the codes' pool, so each decode step makes one fetch per layer and
-    the policy starts one worker thread, not three pools' worth."""
-    threads = threading.active_count()
+    """The scales and minimums live in the codes' pool, so each decode step makes one fetch per layer."""
     policy = _policy(tiny, "quant", bits=4, scheme=scheme, group_size=4, residual=4)
-    assert threading.active_count() <= threads + 1
     spec, layer = tiny.spec, 0
     policy.prefill(layer, *_kv(40, spec))
     copies = policy.host_pool.counters.copies

@@ -205,6 +205,9 @@ def test_pool_fetches_named_tensors_in_one_copy():
     assert pool.counters.peak_bytes == 2 * 2 * 2 * 4 * 4
     assert pool.nbytes() == (2 * k.numel() + scale.numel()) * 4
     pool.close()
+    keys, _ = pool.fetch(0).wait()  # after close (statistics read after a run): on the calling thread
+    assert torch.equal(keys, k)
+    pool.drain()
 
 
 @pytest.mark.parametrize(("overlap", "order"), [("thread", ["ahead", "own"]), ("none", ["own", "ahead"])])

@@ -162,11 +162,11 @@ class ThreadCopier(Copier):
 
     def __init__(self, counters: TransferCounters):
         super().__init__(counters)
-        self._executor = ThreadPoolExecutor(1, initializer=_mark_worker)
+        self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(1, initializer=_mark_worker)
         self._choosing = False  # the worker runs a look-ahead now
 
     def copy(self, job: CopyJob, queue: bool = True, keep: object = None) -> Transfer:
-        if not queue:
+        if not queue or self._executor is None:  # wanted now, or closed: on this thread
             return Transfer(job(), self.counters)
         queued = self._executor.submit(job)
         return Transfer(queued, self.counters, take_over=lambda: self._take_over(queued, job))
@@ -182,6 +182,8 @@ class ThreadCopier(Copier):
     def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
         """Queued on the worker, in order with the copies, under the caller's grad and inference modes (both
         are per thread)."""
+        if self._executor is None:  # closed: on this thread
+            return Transfer(work(*args), self.counters)
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
         def run() -> object:
@@ -202,11 +204,15 @@ class ThreadCopier(Copier):
 
     def drain(self) -> None:
         """On the worker itself (an observer reading stats), nothing: it would wait for itself."""
-        if not on_worker():
+        if self._executor is not None and not on_worker():
             self._executor.submit(lambda: None).result()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Wait for what is queued and stop the worker; a later copy runs on the calling thread (statistics
+        read after a run)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
 
 class StreamCopier(Copier):

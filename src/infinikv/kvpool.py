@@ -213,8 +213,9 @@ class KVPool:
         on_demand = getattr(self._demand, "active", False)
         if on_demand:
             self.counters.bytes_on_demand += self._parts_bytes(sources, parts)
-        if not self.device_gather:
-            parts = {name: None if rows is None else rows.to("cpu") for name, rows in parts.items()}
+        if not self.device_gather:  # one host copy per distinct index (K and V share theirs)
+            on_host = {id(rows): rows.to("cpu") for rows in parts.values() if rows is not None}
+            parts = {name: None if rows is None else on_host[id(rows)] for name, rows in parts.items()}
         job = functools.partial(self._copy, sources, parts, extra)
         # A copy on demand is waited for at once: handing it to a worker would only add the hand-off.
         return self.copier.copy(job, queue=not (on_demand or now), keep=parts)
@@ -235,15 +236,18 @@ class KVPool:
     def _copy(
         self, sources: Mapping[str, tuple[Tensor, int]], parts: Mapping[str, Tensor | None], extra: int
     ) -> tuple[Tensor, ...]:
-        out = []
+        out, numbered = [], {}  # row numbers per (index, store shape): K and V share theirs
         for name, rows in parts.items():
             store, length = sources[name]
             if rows is None:
                 out.append(self._into(store[:, :, :length], extra))
-            else:
-                batch, heads, _, width = store.shape
-                numbers = self._row_numbers(store.shape, rows, extra)
-                out.append(self._gather_rows(store, numbers, (batch, heads, rows.shape[2] + extra, width)))
+                continue
+            batch, heads, _, width = store.shape
+            key = (id(rows), store.shape[:3])
+            if key not in numbered:
+                numbered[key] = self._row_numbers(store.shape, rows, extra)
+            shape = (batch, heads, rows.shape[2] + extra, width)
+            out.append(self._gather_rows(store, numbered[key], shape))
         copied = self._parts_bytes(sources, parts)
         with self._counting:  # the worker and a thread that took a queued copy over may both count
             self.counters.bytes_h2d += copied

@@ -402,7 +402,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         """The run's plan (``plan.settle``: each sequence's columns and count rule, each layer's alpha) and
         every pool cut to its capacity where the prompt is larger. Called by the first decode step's layer 0,
         on the decode thread before any look-ahead runs beside it (look-aheads touch only their own layer),
-        or first by a caller that drives layers alone."""
+        or first by a caller that drives layers alone; once per run."""
+        if self.decoding is not None:
+            return
         stored = [layer for layer, state in enumerate(self.layers) if state.seen]
         real_tokens = self._real_tokens(stored[0]) if stored else []
         storage = (self._stored_keys, self._cap, self._allocations)
