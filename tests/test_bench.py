@@ -265,7 +265,7 @@ def test_fetch_with_a_spare_slot_copies_once_and_counts_only_the_cached_tokens()
 
     from infinikv.kvpool import KVPool
 
-    pool = KVPool(1, torch.device("cpu"), host=True, overlap="none")
+    pool = KVPool(1, torch.device("cpu"), overlap="none")
     k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
     pool.append(0, k, v)
     keys, values = pool.fetch(0, extra=1).wait()

@@ -32,7 +32,7 @@ def tiny_cuda() -> LoadedModel:
 
 
 def _pool(tokens: int, batch: int = 2, heads: int = 4, dim: int = 64) -> tuple[KVPool, torch.Tensor]:
-    pool = KVPool(1, CUDA, host=True)
+    pool = KVPool(1, CUDA)
     k = torch.randn(batch, heads, tokens, dim, device=CUDA)
     pool.append(0, k, -k)
     return pool, k
@@ -40,21 +40,19 @@ def _pool(tokens: int, batch: int = 2, heads: int = 4, dim: int = 64) -> tuple[K
 
 def test_pool_is_pinned_host_memory():
     pool, k = _pool(300)
-    assert pool.keys(0).device.type == "cpu" and pool.keys(0).is_pinned()
-    assert pool.values(0).is_pinned()
-    # Pinned blocks come in powers of two bytes; the pool uses the whole block: 300 tokens of 2 KiB rows
-    # get a 1 MiB block, room for 512.
-    assert pool.capacity(0) == 512
+    for part in ("keys", "values"):
+        arena = pool.blocks.arena(0, part, 4, 64, k.dtype)
+        assert arena.segments and all(s.tensor.device.type == "cpu" for s in arena.segments)
+        assert all(s.tensor.is_pinned() for s in arena.segments)
+    assert torch.equal(pool.keys(0), k.cpu()) and torch.equal(pool.values(0), -k.cpu())
     assert pool.nbytes() == 2 * k.numel() * k.element_size()
     assert pool.counters.bytes_d2h == 2 * k.numel() * k.element_size()
     pool.close()
 
 
-@pytest.mark.parametrize("tokens", [1 << 16, (1 << 16) - 8], ids=["exact", "spare-capacity"])
+@pytest.mark.parametrize("tokens", [1 << 16, (1 << 16) - 8], ids=["whole-blocks", "a-partial-block"])
 def test_fetch_returns_before_the_copy_and_wait_gives_the_data(tokens):
     pool, k = _pool(tokens)  # 128 MiB per tensor
-    # With spare capacity (as after any growth) the live tokens are a strided view of the store.
-    assert pool.keys(0).is_contiguous() == (tokens == 1 << 16)
     # Keep the compute stream busy: the copy stream waits for it, so the copy cannot have finished when
     # fetch returns, whatever the link's speed.
     torch.cuda._sleep(200_000_000)

@@ -174,7 +174,7 @@ def test_token_id_prompts_equal_their_text(tiny, monkeypatch):
 
 
 def test_pool_append_grow_fetch_and_gather():
-    pool = KVPool(1, torch.device("cpu"), host=True, overlap="thread")
+    pool = KVPool(1, torch.device("cpu"), overlap="thread")
     chunks = [torch.randn(2, 3, n, 4) for n in (200, 100, 1)]
     for chunk in chunks:
         pool.append(0, chunk, -chunk)
@@ -192,7 +192,7 @@ def test_pool_append_grow_fetch_and_gather():
 def test_pool_fetches_named_tensors_in_one_copy():
     """Side tensors on their own slot axis are copied with the K/V they belong to, in the order asked; the
     fetch buffer counts the K/V."""
-    pool = KVPool(1, torch.device("cpu"), host=True, overlap="thread")
+    pool = KVPool(1, torch.device("cpu"), overlap="thread")
     k, scale = torch.randn(1, 2, 8, 4), torch.randn(1, 2, 2, 1)  # one scale per 4 tokens
     pool.append(0, k, -k, scale=scale)
     assert (pool.length(0), pool.length(0, "scale")) == (8, 2)
@@ -214,7 +214,7 @@ def test_pool_fetches_named_tensors_in_one_copy():
 def test_the_copier_orders_a_layer_and_the_look_ahead(overlap, order):
     """A worker gets the next layer's look-ahead first, to run beside the layer's own choice; without one
     the layer's own copy goes first, so it does not queue behind the next layer's."""
-    pool, ran = KVPool(1, torch.device("cpu"), host=True, overlap=overlap), []
+    pool, ran = KVPool(1, torch.device("cpu"), overlap=overlap), []
     pool.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
     assert ran == order
     pool.close()

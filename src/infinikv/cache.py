@@ -24,6 +24,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .errors import ModelError
 from .hooks import ONE_USE, UNSUPPORTED, PolicyCache, install
+from .paged import BlockStore
 from .policies import Policy, PolicyConfig, Selection, make_policy
 from .spec import model_spec
 
@@ -82,6 +83,19 @@ class InfinikvCache(PolicyCache):
         self.prefill_log: list[tuple[int, Tensor, Tensor, Tensor | None]] | None = None
         layers = [PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)]
         super().__init__(layers=layers)
+
+    def reserve(self, tokens: int) -> None:
+        """Expect prompts of about ``tokens`` tokens per row (``KVPool.reserve``: where the blocks go)."""
+        pool = self.policy.pool()
+        if pool is not None:
+            pool.reserve(tokens)
+
+    def draw_from(self, blocks: BlockStore) -> None:
+        """Store the policy's host pool in ``blocks``, a block store shared with other caches (the engine's),
+        instead of its own (``KVPool.draw_from``); before the first prompt chunk."""
+        pool = self.policy.pool()
+        if pool is not None:
+            pool.draw_from(blocks)
 
     # -- called by the pre-attention hook ------------------------------------------------------------------
     def before_attention(self, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor) -> None:

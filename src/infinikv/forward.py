@@ -153,6 +153,8 @@ class Driver:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         attention_mask = attention_mask.to(device)
+        if self.policy is not None:
+            self.cache.reserve(input_ids.shape[1])
         family = self._memo_family(memo)
         key = None if family is None else memo.key(self.loaded.name, family, input_ids, chunk)
         recorded = None if key is None else memo.get(key)

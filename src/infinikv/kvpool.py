@@ -1,17 +1,23 @@
 """The host KV pool and the copies from it to the compute device.
 
-The pool holds, per layer, named tensors in host memory (pinned when the compute device is CUDA), each
-shaped [batch, kv_heads, slots, width]: ``keys`` and ``values``, and whatever a policy stores beside them on
-its own slot axis (quantized KV's scales and minimums). Policies read from it in one of two ways:
+The pool holds, per layer, named parts in host memory (pinned when the compute device is CUDA), each seen as
+[batch, kv_heads, slots, width]: ``keys`` and ``values``, and whatever a policy stores beside them on its
+own slot axis (quantized KV's scales and minimums). Each part is paged: its slots live in fixed-size blocks
+of a :class:`~infinikv.paged.BlockStore`, listed per row (sequence) in a block table, so a part grows a
+block at a time and is never regrown by copying. The store is the pool's own (growing) unless the pool
+draws from a shared one (``draw_from``: the engine's, bounded by its memory budget); either way every block
+goes back to it when the pool closes. Policies read from the pool in one of two ways:
 
 * ``fetch(layer)`` copies the whole layer (full offload),
 * ``fetch(layer, index)`` gathers the rows named by ``index`` ([batch, kv_heads, n] token slots) and copies
-  only those (selective policies); ``parts`` names other tensors and their rows, fetched in the same copy.
+  only those (selective policies); ``parts`` names other parts and their rows, fetched in the same copy.
 
 Both return a :class:`~infinikv.copiers.Transfer` at once; ``Transfer.wait()`` hands back the device
-tensors. The pool's :class:`~infinikv.copiers.Copier` decides where the copy runs (a CUDA side stream, a CPU
-worker thread, or the calling thread). Every byte that crosses is counted, and so are the bytes of copies
-started on demand (``on_demand``: by the layer that reads them, so nothing overlaps them), apart.
+tensors. A slot's row in its block is found through the block table, on the device that holds the index,
+so a gather needs no read back. The pool's :class:`~infinikv.copiers.Copier` decides where the copy runs (a
+CUDA side stream, a CPU worker thread, or the calling thread). Every byte that crosses is counted, and so
+are the bytes of copies started on demand (``on_demand``: by the layer that reads them, so nothing
+overlaps them), apart.
 
 ``ahead(work, ...)`` hands a policy's look-ahead (choosing what the next layer reads, then starting its copy)
 to the copier: on a CPU worker it overlaps the current layer's compute as the copy does; elsewhere it runs
@@ -30,10 +36,12 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from .copiers import Copier, Transfer, TransferCounters, make_copier
+from .paged import BlockArena, BlockStore, Segment
 
 Tensor = torch.Tensor
 KV = ("keys", "values")
@@ -46,52 +54,146 @@ class _DeviceArray:
         self.__cuda_array_interface__ = interface
 
 
-def _copy_bytes(store: Tensor, tokens: int) -> int:
-    """Bytes copied for ``tokens`` slots of every (sequence, head) of ``store``."""
-    batch, heads, _, width = store.shape
-    return batch * heads * tokens * width * store.element_size()
+class _Part:
+    """One (layer, part) of a pool: its arena, each row's block table and the slots in use."""
+
+    def __init__(self, arena: BlockArena, rows: int):
+        self.arena = arena
+        self.rows = rows
+        self.tables: list[list[int]] = [[] for _ in range(rows)]
+        self.length = 0
+        self._on: dict[
+            torch.device, Tensor
+        ] = {}  # the block table as a tensor per device (rebuilt on change)
+
+    def table(self, device: torch.device) -> Tensor:
+        """[rows, blocks] block numbers on ``device``: immutable, so a queued copy may keep it."""
+        table = self._on.get(device)
+        if table is None:
+            table = torch.tensor(self.tables, dtype=torch.long, device=device).view(self.rows, -1)
+            self._on[device] = table
+        return table
+
+    def cover(self, slots: int, reserve_tokens: int) -> None:
+        """Blocks for ``slots`` slots in every row (a growing arena adds a segment for ``reserve_tokens``
+        slots of every row if it must grow)."""
+        size = self.arena.block_tokens
+        need = -(-slots // size) - len(self.tables[0])
+        if need <= 0:
+            return
+        reserve = self.rows * -(-max(reserve_tokens, slots) // size)
+        taken = self.arena.take(need * self.rows, reserve)  # one run per row, ascending when new
+        for row, table in enumerate(self.tables):
+            table.extend(taken[row * need : (row + 1) * need])
+        self._on = {}
+
+    def release(self) -> None:
+        """Give every block back (``length`` stays: what was held, for the statistics)."""
+        for table in self.tables:
+            self.arena.give_back(table)
+        self.tables = [[] for _ in range(self.rows)]
+        self._on = {}
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot of one (row, head)."""
+        return self.arena.width * self.arena.dtype.itemsize
+
+    def nbytes(self, slots: int | None = None) -> int:
+        """Bytes of ``slots`` (default: those in use) slots of every (row, head)."""
+        slots = self.length if slots is None else slots
+        return self.rows * self.arena.heads * slots * self.slot_bytes()
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What a copy reads of a part, as the part stood when the copy was started."""
+
+    segments: tuple[Segment, ...]
+    table: Tensor  # [rows, blocks], on the device the rows are numbered on
+    length: int
+    rows: int
+    heads: int
+    block_tokens: int
+    part: _Part
+
+    def nbytes(self, slots: int | None = None) -> int:
+        return self.part.nbytes(self.length if slots is None else slots)
+
+
+def _row_numbers(source: _Source, index: Tensor, extra: int) -> Tensor:
+    """Row numbers, over the arena's blocks seen as rows of ``width`` values, of the slots in ``index``
+    [rows, heads, n], plus ``extra`` spare rows per (row, head) that point at slot 0 (the caller overwrites
+    them). A slot past the table's blocks (a hidden entry) reads its row's last block."""
+    rows, heads, size = source.rows, source.heads, source.block_tokens
+    index = index.to(source.table.device)
+    if extra:
+        index = torch.cat([index, index.new_zeros(rows, heads, extra)], dim=2)
+    which = (index // size).clamp(max=source.table.shape[1] - 1)
+    blocks = source.table.gather(1, which.flatten(1)).view_as(index)
+    head = torch.arange(heads, device=index.device).view(1, heads, 1)
+    return ((blocks * heads + head) * size + index % size).view(-1)
+
+
+def _segment_rows(source: _Source, segment: Segment) -> int:
+    """The row number of ``segment``'s first row."""
+    return segment.first * source.heads * source.block_tokens
 
 
 class KVPool:
-    """Per-layer named tensors of one batch in host memory (``keys``, ``values`` and any side tensors a
-    policy stores on its own slot axis), with counted copies to the compute device.
+    """Per-layer named parts of one batch in host memory (``keys``, ``values`` and any side tensors a
+    policy stores on its own slot axis), paged in blocks, with counted copies to the compute device.
 
-    Each tensor grows by a quarter, so appending one token per step is amortised O(1). Slots are token
-    positions unless a policy rewrites slots in place (eviction), in which case it keeps its own map.
+    Slots are token positions unless a policy rewrites slots in place (eviction), in which case it keeps its
+    own map.
     """
 
     def __init__(
-        self, num_layers: int, compute_device: torch.device, host: bool = True, overlap: str = "thread"
+        self, num_layers: int, compute_device: torch.device, overlap: str = "thread", block_tokens: int = 128
     ):
         self.num_layers = num_layers
         self.compute_device = torch.device(compute_device)
         self.on_cuda = self.compute_device.type == "cuda"
-        # host=False keeps the store on the compute device (dense): nothing crosses, nothing is counted.
-        self.host = host
-        self.storage = torch.device("cpu") if host else self.compute_device
-        self._stores: list[dict[str, Tensor]] = [{} for _ in range(num_layers)]
-        self._lengths: list[dict[str, int]] = [{} for _ in range(num_layers)]
+        # the pool's own store, until it draws from a shared one
+        self.blocks = BlockStore(block_tokens, pin=self.on_cuda)
+        self._parts: list[dict[str, _Part]] = [{} for _ in range(num_layers)]
+        self._reserve_tokens = 0
+        self.rows = 0  # sequences in the batch (known at the first append)
         self.counters = TransferCounters()
-        self.copier: Copier = make_copier(
-            self.compute_device if host else torch.device("cpu"), self.counters, overlap if host else "none"
-        )
-        self.device_gather = self.on_cuda and self.host  # cleared if the pinned store is not device-visible
+        self.copier: Copier = make_copier(self.compute_device, self.counters, overlap)
+        self.device_gather = self.on_cuda  # cleared if the pinned store is not device-visible
         self._demand = threading.local()  # .active: fetches now are on demand (``on_demand``)
         self._counting = threading.Lock()
 
     # -- storage ------------------------------------------------------------------------------------------
-    def length(self, layer: int, name: str = "keys") -> int:
-        """Slots ``layer``'s tensor ``name`` holds."""
-        return self._lengths[layer].get(name, 0)
+    def draw_from(self, blocks: BlockStore) -> None:
+        """Take blocks from ``blocks`` (a store shared with other pools) instead of the pool's own; before
+        anything is stored."""
+        if any(self._parts):
+            raise RuntimeError("a pool draws from another block store only before it stores anything")
+        self.blocks = blocks
 
-    def capacity(self, layer: int) -> int:
-        """Slots ``layer``'s keys hold before they grow (0 before its first append)."""
-        stored = self._stores[layer].get("keys")
-        return 0 if stored is None else stored.shape[2]
+    def reserve(self, tokens: int) -> None:
+        """Expect about ``tokens`` slots per row: a growing store's first segment holds them and a quarter
+        more, so that one run's blocks lie in one segment (a hint; nothing is allocated now)."""
+        self._reserve_tokens = tokens + max(tokens // 4, 256)
+
+    def length(self, layer: int, name: str = "keys") -> int:
+        """Slots ``layer``'s part ``name`` holds."""
+        part = self._parts[layer].get(name)
+        return 0 if part is None else part.length
+
+    def slot_bytes(self, layer: int, name: str = "keys") -> int:
+        """Bytes of one slot of one (row, KV head) of ``layer``'s part ``name``."""
+        return self._parts[layer][name].slot_bytes()
 
     def stored(self, layer: int, name: str) -> Tensor:
-        """The live slots of ``layer``'s tensor ``name``: [batch, kv_heads, length, width]."""
-        return self._stores[layer][name][:, :, : self.length(layer, name)]
+        """A copy of the live slots of ``layer``'s part ``name``, in host memory: [batch, kv_heads, length,
+        width]."""
+        source = self._source(layer, name, torch.device("cpu"))
+        index = torch.arange(source.length).expand(source.rows, source.heads, -1)
+        rows = _row_numbers(source, index, 0)
+        shape = (source.rows, source.heads, source.length, source.part.arena.width)
+        return self._host_rows(source, rows).view(shape)
 
     def keys(self, layer: int) -> Tensor:
         return self.stored(layer, "keys")
@@ -99,38 +201,39 @@ class KVPool:
     def values(self, layer: int) -> Tensor:
         return self.stored(layer, "values")
 
-    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        pin = self.host and self.on_cuda
-        return torch.empty(shape, dtype=dtype, device=self.storage, pin_memory=pin)
-
-    def _reserve(self, layer: int, name: str, like: Tensor, needed: int) -> None:
-        stored = self._stores[layer].get(name)
-        if stored is not None and stored.shape[2] >= needed:
-            return
-        # Grow by a quarter: amortised O(1) appends without doubling a long prompt's memory.
-        current = stored.shape[2] if stored is not None else 0
-        capacity = max(needed, current + max(current // 4, 256))
-        batch, heads, _, width = like.shape
-        if self.host and self.on_cuda:  # pinned blocks come in powers of two bytes: use the whole block
-            row = batch * heads * width * like.element_size()
-            capacity = (1 << (capacity * row - 1).bit_length()) // row
-        grown = self._alloc((batch, heads, capacity, width), like.dtype)
-        self.copier.settle()
-        if stored is not None:
-            n = self.length(layer, name)
-            grown[:, :, :n].copy_(stored[:, :, :n])
-        self._stores[layer][name] = grown
+    def _part(self, layer: int, name: str, like: Tensor) -> _Part:
+        part = self._parts[layer].get(name)
+        if part is None:
+            rows, heads, _, width = like.shape
+            self.rows = rows
+            arena = self.blocks.arena(layer, name, heads, width, like.dtype)
+            part = self._parts[layer][name] = _Part(arena, rows)
+        return part
 
     def append(self, layer: int, k: Tensor, v: Tensor, **side: Tensor) -> None:
         """Write new tokens' K/V ([batch, kv_heads, q, head_dim], on the compute device) into the pool, and
         any ``side`` tensors ([batch, kv_heads, q', width]) beside them, each on its own slot axis."""
         for name, new in {"keys": k, "values": v, **side}.items():
-            n, q = self.length(layer, name), new.shape[2]
-            self._reserve(layer, name, new, n + q)
-            self._stores[layer][name][:, :, n : n + q].copy_(new)
-            self._lengths[layer][name] = n + q
-            if self.host:
-                self.counters.bytes_d2h += new.numel() * new.element_size()
+            part = self._part(layer, name, new)
+            n, q = part.length, new.shape[2]
+            part.cover(n + q, self._reserve_tokens)
+            self._write(part, n, new)
+            part.length = n + q
+            self.counters.bytes_d2h += new.numel() * new.element_size()
+
+    @staticmethod
+    def _write(part: _Part, start: int, new: Tensor) -> None:
+        """``new`` [rows, heads, q, width] into slots start..start+q-1 of every row: one copy per block."""
+        size, segments, q = part.arena.block_tokens, part.arena.segments, new.shape[2]
+        for row, table in enumerate(part.tables):
+            at = start
+            while at < start + q:
+                block, offset = table[at // size], at % size
+                count = min(size - offset, start + q - at)
+                segment = next(s for s in reversed(segments) if s.first <= block)
+                target = segment.tensor[block - segment.first, :, offset : offset + count]
+                target.copy_(new[row, :, at - start : at - start + count])
+                at += count
 
     def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append a prompt chunk and return the layer's whole K/V on the device (prefill attention is dense:
@@ -144,31 +247,61 @@ class KVPool:
 
     def write_slots(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Overwrite one slot per (batch, head) with a new token's K/V (eviction). slots: [batch, heads]."""
-        index = slots.to("cpu")[:, :, None, None].expand(-1, -1, 1, k.shape[-1])
         for name, new in zip(KV, (k, v), strict=True):
-            self._stores[layer][name].scatter_(2, index, new.to("cpu"))
+            source = self._source(layer, name, torch.device("cpu"))
+            rows = _row_numbers(source, slots.to("cpu")[:, :, None], 0)
+            new = new.to("cpu").reshape(rows.shape[0], -1)
+            for segment in source.segments:
+                flat = segment.flat()
+                local = rows - _segment_rows(source, segment)
+                if len(source.segments) > 1:  # rows of other segments go to this one's spare block
+                    inside = (local >= 0) & (local < flat.shape[0])
+                    local = torch.where(inside, local, flat.shape[0] - 1)
+                flat.index_copy_(0, local, new)
         self.counters.bytes_d2h += 2 * k.numel() * k.element_size()
 
     def keep(self, layer: int, index: Tensor) -> None:
         """Evict every slot of a layer's K/V but those in ``index`` ([batch, heads, m]), which become slots
-        0..m-1. Done in host memory: nothing crosses to the compute device."""
-        kept = index.shape[2]
+        0..m-1, in fresh blocks. Done in host memory: nothing crosses to the compute device."""
+        kept = {}
         for name in KV:
-            live = self.stored(layer, name)
-            expanded = index.to(self.storage)[..., None].expand(-1, -1, -1, live.shape[-1])
-            compact = self._alloc((*live.shape[:2], max(kept, 1), live.shape[-1]), live.dtype)
-            torch.gather(live, 2, expanded, out=compact[:, :, :kept])
-            self.copier.settle()
-            self._stores[layer][name], self._lengths[layer][name] = compact, kept
+            source = self._source(layer, name, torch.device("cpu"))
+            rows = _row_numbers(source, index.to("cpu"), 0)
+            kept[name] = self._host_rows(source, rows).view(*index.shape, source.part.arena.width)
+        self.copier.drain()  # no queued copy may read a block once it is handed out again
+        self.copier.settle()
+        for name, tensor in kept.items():
+            part = self._parts[layer][name]
+            part.release()
+            part.cover(tensor.shape[2], 0)
+            self._write(part, 0, tensor)
+            part.length = tensor.shape[2]
 
     def nbytes(self) -> int:
-        """Bytes held (live slots of every tensor only, not spare capacity)."""
-        total = 0
-        for layer in range(self.num_layers):
-            for name in self._stores[layer]:
-                live = self.stored(layer, name)
-                total += live.numel() * live.element_size()
-        return total
+        """Bytes held (live slots of every part only, not the rest of their blocks)."""
+        return sum(part.nbytes() for parts in self._parts for part in parts.values())
+
+    def _source(self, layer: int, name: str, device: torch.device) -> _Source:
+        part = self._parts[layer][name]
+        arena = part.arena
+        return _Source(
+            arena.segments, part.table(device), part.length, part.rows, arena.heads, arena.block_tokens, part
+        )
+
+    @staticmethod
+    def _host_rows(source: _Source, rows: Tensor) -> Tensor:
+        """The rows ``rows`` of the arena, gathered in host memory: [len(rows), width]."""
+        out = None
+        for segment in source.segments:
+            flat = segment.flat()
+            local = rows - _segment_rows(source, segment)
+            got = flat.index_select(0, local.clamp(0, flat.shape[0] - 1))
+            if out is None:
+                out = got
+            else:
+                inside = (local >= 0) & (local < flat.shape[0])
+                out = torch.where(inside[:, None], got, out)
+        return out
 
     # -- copies to the compute device ----------------------------------------------------------------------
     def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
@@ -201,7 +334,7 @@ class KVPool:
     ) -> Transfer:
         """Start copying a layer's K/V (all of it, or the slots in ``index`` [batch, heads, n]) to the device.
 
-        ``parts`` instead names the tensors to copy, each with its own slots (None: all of them); ``wait()``
+        ``parts`` instead names the parts to copy, each with its own slots (None: all of them); ``wait()``
         returns them in that order (by default keys, then values). ``extra`` > 0 leaves that many
         uninitialised slots after the copied ones, for the caller to fill with the new token's K/V: one copy
         into a buffer of the final size instead of copy + concatenate. ``now``: the calling thread makes the
@@ -209,45 +342,45 @@ class KVPool:
         behind it).
         """
         parts = dict.fromkeys(KV, index) if parts is None else dict(parts)
-        sources = {name: (self._stores[layer][name], self.length(layer, name)) for name in parts}
-        on_demand = getattr(self._demand, "active", False)
-        if on_demand:
-            self.counters.bytes_on_demand += self._parts_bytes(sources, parts)
         if not self.device_gather:  # one host copy per distinct index (K and V share theirs)
             on_host = {id(rows): rows.to("cpu") for rows in parts.values() if rows is not None}
             parts = {name: None if rows is None else on_host[id(rows)] for name, rows in parts.items()}
+        numbering = self.compute_device if self.device_gather else torch.device("cpu")
+        sources = {name: self._source(layer, name, numbering) for name in parts}
+        on_demand = getattr(self._demand, "active", False)
+        if on_demand:
+            self.counters.bytes_on_demand += self._parts_bytes(sources, parts)
         job = functools.partial(self._copy, sources, parts, extra)
         # A copy on demand is waited for at once: handing it to a worker would only add the hand-off.
         return self.copier.copy(job, queue=not (on_demand or now), keep=parts)
 
     @staticmethod
     def _parts_bytes(
-        sources: Mapping[str, tuple[Tensor, int]],
+        sources: Mapping[str, _Source],
         parts: Mapping[str, Tensor | None],
         names: tuple[str, ...] | None = None,
     ) -> int:
         """Bytes copied for ``parts`` (those in ``names``, if given)."""
         return sum(
-            _copy_bytes(sources[name][0], sources[name][1] if rows is None else rows.shape[2])
+            sources[name].nbytes(None if rows is None else rows.shape[2])
             for name, rows in parts.items()
             if names is None or name in names
         )
 
     def _copy(
-        self, sources: Mapping[str, tuple[Tensor, int]], parts: Mapping[str, Tensor | None], extra: int
+        self, sources: Mapping[str, _Source], parts: Mapping[str, Tensor | None], extra: int
     ) -> tuple[Tensor, ...]:
-        out, numbered = [], {}  # row numbers per (index, store shape): K and V share theirs
+        out, numbered = [], {}  # row numbers per (index, part shape): K and V share theirs
         for name, rows in parts.items():
-            store, length = sources[name]
+            source = sources[name]
             if rows is None:
-                out.append(self._into(store[:, :, :length], extra))
-                continue
-            batch, heads, _, width = store.shape
-            key = (id(rows), store.shape[:3])
+                every = torch.arange(source.length, device=source.table.device)
+                rows = every.expand(source.rows, source.heads, -1)
+            key = (id(parts[name]), source.table.data_ptr(), source.table.shape)
             if key not in numbered:
-                numbered[key] = self._row_numbers(store.shape, rows, extra)
-            shape = (batch, heads, rows.shape[2] + extra, width)
-            out.append(self._gather_rows(store, numbered[key], shape))
+                numbered[key] = _row_numbers(source, rows, extra)
+            shape = (source.rows, source.heads, rows.shape[2] + extra, source.part.arena.width)
+            out.append(self._gather_rows(source, numbered[key]).view(shape))
         copied = self._parts_bytes(sources, parts)
         with self._counting:  # the worker and a thread that took a queued copy over may both count
             self.counters.bytes_h2d += copied
@@ -255,33 +388,36 @@ class KVPool:
             self.counters.copies += 1
         return tuple(out)
 
-    @staticmethod
-    def _row_numbers(store_shape: torch.Size, index: Tensor, extra: int) -> Tensor:
-        """Row numbers in the store seen as [batch * heads * capacity, head_dim] of the slots in ``index``,
-        plus ``extra`` spare rows per (sequence, head) that point at slot 0 (the caller overwrites them)."""
-        batch, heads, capacity, _ = store_shape
-        if extra:
-            index = torch.cat([index, index.new_zeros(batch, heads, extra)], dim=2)
-        offsets = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * capacity
-        return (index + offsets).view(-1)
+    def _gather_rows(self, source: _Source, rows: Tensor) -> Tensor:
+        """The arena's rows ``rows`` on the compute device, [len(rows), width]: whole rows copied by
+        index_select (a per-element gather is an order of magnitude slower); on CUDA by a kernel reading the
+        pinned store (module docstring), else into pinned memory on the host, then one asynchronous copy to
+        the device. Rows spread over several segments are read from each."""
+        out = None
+        for segment in source.segments:
+            flat = segment.flat()
+            local = rows - _segment_rows(source, segment)
+            got = self._gather_segment(flat, local.clamp(0, flat.shape[0] - 1))
+            if out is None:
+                out = got
+            else:
+                inside = ((local >= 0) & (local < flat.shape[0])).to(got.device)
+                out = torch.where(inside[:, None], got, out)
+        return out
 
-    def _gather_rows(self, store: Tensor, rows: Tensor, shape: tuple[int, ...]) -> Tensor:
-        """Whole head_dim rows copied in one index_select (a per-element gather is an order of magnitude
-        slower); on CUDA by a kernel reading the pinned store (module docstring), else into pinned memory on
-        the host, then one asynchronous copy to the device."""
-        flat = store.view(-1, store.shape[-1])
+    def _gather_segment(self, flat: Tensor, rows: Tensor) -> Tensor:
         if not self.on_cuda:
-            return flat.index_select(0, rows).view(shape)
+            return flat.index_select(0, rows)
         if self.device_gather:
             mapped = self._device_view(flat)
             if mapped is not None:
                 if not rows.is_cuda:  # a pinned source keeps the copy asynchronous
                     rows = rows.pin_memory().to(self.compute_device, non_blocking=True)
-                return mapped.index_select(0, rows).view(store.dtype).view(shape)
+                return mapped.index_select(0, rows).view(flat.dtype)
         rows = rows.to("cpu")
-        staged = torch.empty((rows.numel(), flat.shape[1]), dtype=store.dtype, pin_memory=True)
+        staged = torch.empty((rows.numel(), flat.shape[1]), dtype=flat.dtype, pin_memory=True)
         torch.index_select(flat, 0, rows, out=staged)
-        return staged.view(shape).to(self.compute_device, non_blocking=True)
+        return staged.to(self.compute_device, non_blocking=True)
 
     def _device_view(self, flat: Tensor) -> Tensor | None:
         """``flat`` (a pinned host tensor) as a CUDA tensor over the same memory, as integers of its element
@@ -307,19 +443,12 @@ class KVPool:
             return None
         return mapped
 
-    def _into(self, source: Tensor, extra: int) -> Tensor:
-        """``source`` copied to the compute device, into a buffer with ``extra`` spare token slots."""
-        batch, heads, n, dim = source.shape
-        out = torch.empty((batch, heads, n + extra, dim), dtype=source.dtype, device=self.compute_device)
-        if self.on_cuda and not source.is_contiguous():
-            # The live tokens of a store with spare capacity are strided. torch stages a strided host source
-            # through pageable memory, which blocks the caller; each (sequence, head) run is contiguous in
-            # pinned memory, so one copy per run stays asynchronous.
-            for row, run in enumerate(source.flatten(0, 1)):
-                out[row // heads, row % heads, :n].copy_(run, non_blocking=True)
-            return out
-        out[:, :, :n].copy_(source, non_blocking=self.on_cuda)
-        return out
-
     def close(self) -> None:
-        self.copier.close()  # no copy may still read the stores once they are dropped
+        """Stop the copier (no copy may still read a block once it is handed out again) and give every
+        block back to a shared store. The pool's own store goes with the pool, so until then what it holds
+        can still be read (statistics and inspection after a run)."""
+        self.copier.close()
+        if self.blocks.bounded:
+            for parts in self._parts:
+                for part in parts.values():
+                    part.release()

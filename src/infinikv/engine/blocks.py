@@ -6,10 +6,13 @@ free when the engine starts) and hands blocks to sequences as their context grow
 back when it ends or is preempted. The scheduler sees only counts: ``free``, ``blocks_for``, ``grow``
 (False when the blocks are not free, so the scheduler evicts or preempts) and ``release``.
 
-Where this departs from a paged pool (vLLM's): the blocks are an account, not the storage. Each sequence's
-policy keeps its own tensors (``kvpool.KVPool`` and its side state: InfiniGen's partial keys, Quest's page
-bounds, H2O's scores, quantised codes), which grow as the sequence does; the block count is what admission
-and preemption go by. The side state is counted with the K/V it summarises, not apart.
+The count is backed by storage: the engine's :class:`~infinikv.paged.BlockStore` holds as many blocks in
+each (layer, part) arena, and every sequence's host pool (``kvpool.KVPool``) takes its blocks there and
+gives them back when the sequence ends or is preempted, so what admission counts is what the sequences
+store. What is not paged: a policy's state on the compute device (InfiniGen's partial keys and block bounds,
+Quest's page bounds, H2O's scores), which lives and ends with the sequence's policy and is counted with the
+K/V it summarises, not apart; and ``dense``, whose K/V stay on the compute device as one tensor per layer
+(attention reads them in place).
 
 :class:`PrefixCache` keeps, for each prompt block a sequence prefilled, what the policy was handed for it
 (every layer's K/V, through ``Cache.update``), the policy's ``prefill_state`` after it and the logits of its

@@ -43,6 +43,7 @@ from ..clock import now
 from ..errors import InputError
 from ..forward import Driver, decode_rows
 from ..models import LoadedModel
+from ..paged import BlockStore
 from ..policies import PolicyConfig, policy_of, prepare
 from .blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes, free_memory_bytes, on_device, on_host
 from .ragged import RaggedCache
@@ -117,6 +118,10 @@ class Engine:
                 f"({per_block / 2**30:.2f} GiB of K/V for this model)"
             )
         self.pool = BlockPool(memory // per_block, config.block_tokens)
+        # Where every sequence's host pool keeps its K/V (and a policy's parts beside them): as many blocks
+        # as the account above, which admission and preemption go by.
+        pin = torch.device(loaded.device).type == "cuda"
+        self.blocks = BlockStore(config.block_tokens, blocks=self.pool.total, pin=pin)
         self.block_bytes = per_block
         self.prefixes = PrefixCache(self.pool) if config.prefix_cache else None
         self.waiting: deque[Sequence] = deque()
@@ -308,6 +313,7 @@ class Engine:
             self.waiting.popleft()
             seq.phase, seq.admitted_at = Phase.PREFILLING, next(self._admissions)
             cache = InfinikvCache(self.loaded.model, seq.policy, device=self.loaded.device)
+            cache.draw_from(self.blocks)
             seq.driver = Driver(self.loaded, cache)
             self.running.append(seq)
             if found:

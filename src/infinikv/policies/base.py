@@ -338,7 +338,7 @@ class HostPoolPolicy(Policy):
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device, overlap: str = "thread"):
         super().__init__(config, spec, device)
-        self.host_pool = KVPool(spec.num_layers, device, host=True, overlap=overlap)
+        self.host_pool = KVPool(spec.num_layers, device, overlap=overlap)
         self._in_flight: dict[int, Any] = {}
 
     def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Any:
@@ -531,7 +531,7 @@ class ScoredPolicy(HostPoolPolicy):
     def start_fetch(
         self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
     ) -> tuple[Tensor, Tensor | None, Transfer]:
-        n_past, batch = self.host_pool.length(layer), self.host_pool.keys(layer).shape[0]
+        n_past, batch = self.host_pool.length(layer), self.host_pool.rows
         window = self.spec.sliding_window[layer]
         if window is not None:
             # The new token's window holds it and the window - 1 tokens before it.

@@ -201,7 +201,7 @@ class QuantPolicy(HostPoolPolicy):
         names = ("keys", "values") if self.raw else ("keys", "values", *PARAMS)
         if first == 0:
             return 0, self.codes.fetch(layer, now=now, parts=dict.fromkeys(names))
-        batch_heads = self.codes.keys(layer).shape[:2]
+        batch_heads = (self.codes.rows, self.spec.num_kv_heads)
         rows = torch.arange(first, n).expand(*batch_heads, -1)
         parts = dict.fromkeys(names, rows)
         if self.kivi:  # key scales and minimums: one per group of tokens

@@ -395,8 +395,7 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def _row_bytes(self, layer: int) -> int:
         """Bytes of one token's K and V in one KV head of ``layer``'s pool."""
-        k = self.host_pool.keys(layer)
-        return 2 * k.shape[-1] * k.element_size()
+        return 2 * self.host_pool.slot_bytes(layer)
 
     def begin_decoding(self) -> None:
         """The run's plan (``plan.settle``: each sequence's columns and count rule, each layer's alpha) and
