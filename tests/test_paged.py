@@ -86,18 +86,97 @@ def test_pools_drawing_from_one_bounded_store_reuse_each_others_blocks():
     second.close()
 
 
-def test_an_engine_gives_every_block_back_when_its_requests_end(tiny):
+def test_a_shared_block_is_adopted_without_a_copy_and_copied_before_a_slot_of_it_is_overwritten():
+    """The prefix cache's way: one pool lends its blocks, another adopts them (the replayed appends write
+    nothing), and an overwrite in the adopter copies the block first, leaving the lender's tokens as they
+    were; a block goes back to the store only when its last holder gives it back."""
+    store = BlockStore(block_tokens=4, blocks=16)
+    lender, adopter = (KVPool(1, torch.device("cpu"), overlap="none") for _ in range(2))
+    lender.draw_from(store)
+    adopter.draw_from(store)
+    k = torch.randn(1, 2, 8, 3)
+    lender.append(0, k, -k)
+    held = {(name, i): lender.share(0, name, i) for name in ("keys", "values") for i in range(2)}
+    for (name, _), block in sorted(held.items(), key=lambda item: item[0][1]):
+        adopter.adopt(0, name, block, lender.arena(0, name).block(block))
+    written = adopter.counters.bytes_d2h
+    adopter.append(0, k[:, :, :4], -k[:, :, :4])  # the replayed calls, a chunk at a time
+    adopter.append(0, k[:, :, 4:], -k[:, :, 4:])
+    assert adopter.counters.bytes_d2h == written and store.blocks_in_use() == 2  # nothing new stored
+    new = torch.randn(1, 2, 1, 3)
+    adopter.append(0, new, -new)  # past the adopted blocks: a block of its own
+    assert torch.equal(adopter.keys(0), torch.cat([k, new], dim=2))
+    adopter.write_slots(0, torch.tensor([[1, 6]]), new, -new)
+    assert torch.equal(lender.keys(0), k) and torch.equal(lender.values(0), -k)
+    expected = torch.cat([k, new], dim=2)
+    expected[0, 0, 1], expected[0, 1, 6] = new[0, 0, 0], new[0, 1, 0]
+    assert torch.equal(adopter.keys(0), expected) and torch.equal(adopter.values(0), -expected)
+    lender.close()
+    adopter.close()
+    assert store.blocks_in_use() == 2  # the cache's hold
+    for (name, _), block in held.items():
+        lender.arena(0, name).give_back([block])
+    assert store.blocks_in_use() == 0
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+def test_an_engine_gives_every_block_back_when_its_requests_end(tiny, prefix_cache):
+    """Sequences draw their blocks from the engine's store and give them back when they end; what stays is
+    the prefix cache's entries, one block per (layer, part) each, until they are evicted."""
     from infinikv.engine import Engine, EngineConfig, GenerationConfig
     from infinikv.policies import make_config
 
-    engine = Engine(tiny, EngineConfig(block_tokens=16, chunk_tokens=8, kv_memory=1 << 24))
+    config = EngineConfig(block_tokens=16, chunk_tokens=8, kv_memory=1 << 24, prefix_cache=prefix_cache)
+    engine = Engine(tiny, config)
     prompt = tiny.tokenizer("the pool gives its blocks back " * 6)["input_ids"]
-    for name in ("offload", "quest", "h2o", "infinigen"):
+    for name in ("offload", "quest", "h2o", "infinigen", "dense", "quant"):
         engine.add(prompt, make_config(name), GenerationConfig(max_new_tokens=4))
     most = 0
     while engine.has_work:
         engine.step()
-        # positions a sequence stores never exceed the blocks the engine counts for it
         most = max(most, engine.blocks.blocks_in_use())
-        assert engine.blocks.blocks_in_use() <= engine.pool.used
-    assert most > 0 and engine.blocks.blocks_in_use() == 0
+        assert engine.blocks.blocks_in_use() <= engine.pool.used  # never more than the engine counts
+    assert most > 0
+    assert engine.blocks.blocks_in_use() == engine.pool.cached == (len(engine.prefixes) if prefix_cache else 0)
+    if prefix_cache:
+        engine.prefixes.evict(engine.pool.cached)
+        assert engine.blocks.blocks_in_use() == 0
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"policy": "infinigen", "capacity": 170},  # overwrites slots of adopted blocks as it grows
+        {"policy": "h2o"},  # evicts the prompt into fresh blocks at its first step
+        {"policy": "quest"},
+        {"policy": "dense"},  # no host pool: copies the cached blocks
+        {"policy": "quant", "bits": 4},
+    ],
+    ids=lambda knobs: "-".join(str(v) for v in knobs.values()),
+)
+def test_requests_sharing_cached_blocks_get_their_tokens_alone_and_leave_the_blocks_as_they_were(tiny, knobs):
+    """Three requests on one document, one after another: the second and third start from the first's
+    cached blocks (adopted or copied), and each gets the tokens it gets alone; the third's equal the first's,
+    so nothing the second did (eviction included) changed a shared block."""
+    from infinikv.engine import Engine, EngineConfig, GenerationConfig
+    from infinikv.policies import make_config
+
+    knobs = dict(knobs)
+    config = make_config(knobs.pop("policy"), **knobs)
+    document = tiny.tokenizer("The lantern over the copper river glowed all night. " * 3)["input_ids"]
+    prompts = [document + tiny.tokenizer(q)["input_ids"] for q in ("Who watched?", "Why?", "Who watched?")]
+    sampling = GenerationConfig(max_new_tokens=16)
+    engine = Engine(tiny, EngineConfig(block_tokens=16, chunk_tokens=8, kv_memory=1 << 26))
+    results = []
+    for prompt in prompts:
+        engine.add(prompt, config, sampling)
+        while engine.has_work:
+            results += [out.result for out in engine.step() if out.result is not None]
+    for prompt, result in zip(prompts, results, strict=True):
+        single = Engine(tiny, EngineConfig(block_tokens=16, chunk_tokens=8, prefix_cache=False))
+        single.add(prompt, config, sampling)
+        while single.has_work:
+            alone = [out.result for out in single.step() if out.result is not None]
+        assert result.token_ids == alone[0].token_ids
+    assert results[1].stats["prefix_hit_tokens"] >= 32 and results[2].stats["prefix_hit_tokens"] >= 32
+    assert results[2].token_ids == results[0].token_ids

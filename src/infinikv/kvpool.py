@@ -62,9 +62,10 @@ class _Part:
         self.rows = rows
         self.tables: list[list[int]] = [[] for _ in range(rows)]
         self.length = 0
-        self._on: dict[
-            torch.device, Tensor
-        ] = {}  # the block table as a tensor per device (rebuilt on change)
+        self.adopted = 0  # slots taken over in shared blocks (``KVPool.adopt``): already written
+        self.may_share = False  # a block may be held elsewhere too: copy it before overwriting a slot
+        # the block table as a tensor, per device (rebuilt when the table changes)
+        self._on: dict[torch.device, Tensor] = {}
 
     def table(self, device: torch.device) -> Tensor:
         """[rows, blocks] block numbers on ``device``: immutable, so a queued copy may keep it."""
@@ -86,6 +87,28 @@ class _Part:
         for row, table in enumerate(self.tables):
             table.extend(taken[row * need : (row + 1) * need])
         self._on = {}
+
+    def privatize(self) -> None:
+        """Give each row its own copy of every block held elsewhere too (before a slot is overwritten)."""
+        for table in self.tables:
+            for at, block in enumerate(table):
+                if self.arena.shared(block):
+                    (own,) = self.arena.take(1)
+                    self.arena.block(own).copy_(self.arena.block(block))
+                    self.arena.give_back([block])
+                    table[at] = own
+        self.may_share = False
+        self._on = {}
+
+    def adopt(self, block: int) -> None:
+        """``block``, held elsewhere, as the next block of the (one) row: see ``KVPool.adopt``."""
+        (table,) = self.tables
+        size = self.arena.block_tokens
+        if max(self.length, self.adopted) != len(table) * size:
+            raise RuntimeError("a pool adopts a block only after whole blocks")
+        self.arena.share(block)
+        table.append(block)
+        self.adopted, self.may_share, self._on = len(table) * size, True, {}
 
     def release(self) -> None:
         """Give every block back (``length`` stays: what was held, for the statistics)."""
@@ -217,9 +240,11 @@ class KVPool:
             part = self._part(layer, name, new)
             n, q = part.length, new.shape[2]
             part.cover(n + q, self._reserve_tokens)
-            self._write(part, n, new)
+            written = max(part.adopted - n, 0)  # slots of adopted blocks hold these tokens already
+            if written < q:
+                self._write(part, n + written, new[:, :, written:])
+                self.counters.bytes_d2h += new[:, :, written:].numel() * new.element_size()
             part.length = n + q
-            self.counters.bytes_d2h += new.numel() * new.element_size()
 
     @staticmethod
     def _write(part: _Part, start: int, new: Tensor) -> None:
@@ -235,6 +260,26 @@ class KVPool:
                 target.copy_(new[row, :, at - start : at - start + count])
                 at += count
 
+    def share(self, layer: int, name: str, index: int) -> int:
+        """Block ``index`` of ``layer``'s part ``name`` (one row), held once more by the caller (the engine's
+        prefix cache), which gives it back to the store when done; returns its number."""
+        part = self._parts[layer][name]
+        (table,) = part.tables
+        part.arena.share(table[index])
+        part.may_share = True
+        return table[index]
+
+    def arena(self, layer: int, name: str) -> BlockArena:
+        """Where ``layer``'s part ``name`` keeps its blocks."""
+        return self._parts[layer][name].arena
+
+    def adopt(self, layer: int, name: str, block: int, like: Tensor) -> None:
+        """Take the shared block ``block`` of the store (``like``: its view, [kv_heads, block_tokens, width])
+        as the next block of ``layer``'s part ``name`` (one row, whole blocks so far), without copying: the
+        tokens it holds are stored already, and appending them (the prefill's calls, replayed) writes
+        nothing."""
+        self._part(layer, name, like[None]).adopt(block)
+
     def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append a prompt chunk and return the layer's whole K/V on the device (prefill attention is dense:
         the chunk attends to everything stored before it, which is fetched, and to itself)."""
@@ -248,6 +293,8 @@ class KVPool:
     def write_slots(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Overwrite one slot per (batch, head) with a new token's K/V (eviction). slots: [batch, heads]."""
         for name, new in zip(KV, (k, v), strict=True):
+            if self._parts[layer][name].may_share:
+                self._parts[layer][name].privatize()
             source = self._source(layer, name, torch.device("cpu"))
             rows = _row_numbers(source, slots.to("cpu")[:, :, None], 0)
             new = new.to("cpu").reshape(rows.shape[0], -1)

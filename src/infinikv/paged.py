@@ -71,6 +71,7 @@ class BlockArena:
         self.device, self.pin, self.limit = device, pin, limit
         self.segments: tuple[Segment, ...] = ()  # replaced, never changed in place: readers keep a snapshot
         self._free: list[int] = []  # a stack: freed blocks are reused first, new ones in ascending order
+        self._holders: dict[int, int] = {}  # a block held more than once (shared): how many hold it
         self.in_use = 0  # blocks handed out and not given back
         self._lock = threading.Lock()  # sequences of one engine share an arena
 
@@ -96,10 +97,29 @@ class BlockArena:
             self.in_use += count
             return taken
 
+    def share(self, block: int) -> None:
+        """One more holder of ``block`` (a prefix cache entry, or a sequence that starts with it): it goes
+        back to the free list only when every holder has given it back."""
+        with self._lock:
+            self._holders[block] = self._holders.get(block, 1) + 1
+
+    def shared(self, block: int) -> bool:
+        return block in self._holders
+
     def give_back(self, blocks: list[int]) -> None:
         with self._lock:
-            self._free.extend(reversed(blocks))
-            self.in_use -= len(blocks)
+            for block in reversed(blocks):
+                holders = self._holders.pop(block, 1) - 1
+                if holders > 1:
+                    self._holders[block] = holders
+                elif not holders:
+                    self._free.append(block)
+                    self.in_use -= 1
+
+    def block(self, number: int) -> Tensor:
+        """Block ``number`` itself (a view): [heads, block_tokens, width]."""
+        segment = next(s for s in reversed(self.segments) if s.first <= number)
+        return segment.tensor[number - segment.first]
 
     def _grow(self, needed: int, reserve: int) -> None:
         size = self.size

@@ -18,10 +18,16 @@ K/V it summarises, not apart; and ``dense``, whose K/V stay on the compute devic
 (every layer's K/V, through ``Cache.update``), the policy's ``prefill_state`` after it and the logits of its
 last token. A block is named by a chained hash of its tokens and everything before it, within one prefill
 family (``Policy.prefill_family``, or the exact configuration for a policy of no family) and one block size,
-so a hit means the same tokens at the same positions, prefilled the same way. Each entry takes one block of
-the pool and lives in host memory. A hit is copied into the sequence's own cache (it saves the prefill's
-compute, not memory), so entries need no reference count: when the pool needs blocks, the least recently
-used entries go, a block only after the blocks that follow it.
+so a hit means the same tokens at the same positions, prefilled the same way. An entry's K/V are blocks of
+the engine's store, held by reference: a sequence whose host pool holds the prompt's K/V as handed
+(``Policy.keeps_prompt_kv``) lends its own block, and one whose pool does not (dense, quantized KV) has its
+K/V copied into a fresh block. A hit of such a policy takes the blocks into its pool without a copy
+(``KVPool.adopt``; a block shared this way is copied only if its holder overwrites a slot, which eviction
+does), and the other policies copy them into their own storage; either way the prefill's calls are replayed
+from the blocks, so the policy rebuilds its state on the device. Each entry counts one block of the
+account, also while a sequence holds it too (the count errs on the safe side); when the pool needs blocks,
+the least recently used entries go, a block only after the blocks that follow it, and their blocks return
+to the store once no sequence holds them.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..errors import InputError
+from ..paged import BlockArena
 from ..spec import ModelSpec
 
 Tensor = torch.Tensor
@@ -100,14 +107,35 @@ class BlockPool:
 
 @dataclass
 class PrefixEntry:
-    """One prompt block as its prefill left it, in host memory: the ``Cache.update`` calls (layer, K, V,
-    key_valid), the policy's ``prefill_state`` after it, and the next-token logits at its last position."""
+    """One prompt block as its prefill left it: each layer's K and V in a block of the engine's store
+    (``blocks``, held by the entry until it is evicted), the ``Cache.update`` calls that handed them over
+    (layer, first slot in the block, tokens, key_valid, in order), the policy's ``prefill_state`` after it
+    and the next-token logits at its last position (both in host memory)."""
 
     digest: bytes
     parent: bytes  # the digest of the block before it (the root for a prompt's first block)
-    calls: list[tuple[int, Tensor, Tensor, Tensor | None]]
+    calls: list[tuple[int, int, int, Tensor | None]]
     state: Any
     logits: Tensor
+    blocks: dict[tuple[int, str], tuple[BlockArena, int]] = field(default_factory=dict)
+
+    def replayed(self, device: torch.device) -> list[tuple[int, Tensor, Tensor, Tensor | None]]:
+        """The calls as the cache was handed them, (layer, K, V, key_valid), copied to ``device`` from the
+        blocks (the caller may keep or change them)."""
+        out = []
+        for layer, first, count, key_valid in self.calls:
+            kv = [
+                arena.block(block)[None, :, first : first + count].to(device, copy=True)
+                for arena, block in (self.blocks[layer, "keys"], self.blocks[layer, "values"])
+            ]
+            out.append((layer, *kv, None if key_valid is None else key_valid.to(device, copy=True)))
+        return out
+
+    def release(self) -> None:
+        """Give the entry's blocks back to the store (a sequence that adopted one still holds it)."""
+        for arena, block in self.blocks.values():
+            arena.give_back([block])
+        self.blocks = {}
 
 
 def on_host(value: Any) -> Any:
@@ -137,9 +165,9 @@ class PrefixCache:
     """Prompt blocks by chained hash, one block of ``pool`` each, evicted least-recently-used, a block before
     the blocks that follow it (evicting a block first would leave its followers unreachable).
 
-    A match is copied into the sequence's own cache at once (``Driver.restore``), so no running sequence
-    needs an entry to stay: every entry is evictable, and the pool's free blocks plus the cached ones are
-    what admission can use."""
+    A match is taken into the sequence's own cache at once (``Driver.restore``, the blocks adopted or
+    copied), so no running sequence needs an entry to stay: every entry is evictable, and the pool's free
+    blocks plus the cached ones are what admission can use."""
 
     def __init__(self, pool: BlockPool):
         self.pool = pool
@@ -178,8 +206,10 @@ class PrefixCache:
         """Keep ``entry`` if a block is free or can be freed (else it is dropped: caching is best effort)."""
         if entry.digest in self._entries:
             self._entries.move_to_end(entry.digest)
+            entry.release()
             return
         if self.pool.free < 1 and not self.evict(1):
+            entry.release()
             return
         self._entries[entry.digest] = entry
         self._followers[entry.parent] = self._followers.get(entry.parent, 0) + 1
@@ -201,7 +231,9 @@ class PrefixCache:
             )
             if victim is None:
                 break
-            parent = self._entries.pop(victim).parent
+            evicted = self._entries.pop(victim)
+            evicted.release()
+            parent = evicted.parent
             self._followers[parent] -= 1
             if not self._followers[parent]:
                 del self._followers[parent]

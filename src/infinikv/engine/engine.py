@@ -42,6 +42,7 @@ from ..cache import InfinikvCache
 from ..clock import now
 from ..errors import InputError
 from ..forward import Driver, decode_rows
+from ..kvpool import KV, KVPool
 from ..models import LoadedModel
 from ..paged import BlockStore
 from ..policies import PolicyConfig, policy_of, prepare
@@ -333,14 +334,21 @@ class Engine:
         return found
 
     def _restore(self, seq: Sequence, found: list[PrefixEntry], outputs: list[StepOutput]) -> None:
-        """Copy the cached blocks ``found``, the next ones of its prompt, into ``seq``'s cache. Each keeps its
-        last position's logits, so a prompt that ends with a cached block samples its first token at once."""
+        """Take the cached blocks ``found``, the next ones of its prompt, into ``seq``'s cache: adopted by
+        its host pool where the pool holds the prompt's K/V as handed, and replayed through the cache (which
+        stores nothing twice) so the policy builds its state. Each keeps its last position's logits, so a
+        prompt that ends with a cached block samples its first token at once."""
         restored = len(found) * self.config.block_tokens
         device = self.loaded.device
         start = now(device)
-        calls = [call for entry in found for call in entry.calls]
+        pool = self._lending_pool(seq)
+        if pool is not None:
+            for entry in found:
+                for (layer, name), (arena, block) in entry.blocks.items():
+                    pool.adopt(layer, name, block, arena.block(block))
+        calls = [call for entry in found for call in entry.replayed(device)]
         state = on_device(found[-1].state, device)
-        seq.driver.restore(on_device(calls, device), state, seq.prefilled + restored)
+        seq.driver.restore(calls, state, seq.prefilled + restored)
         seq.prefill_s += now(device) - start
         seq.prefilled, seq.digest = seq.prefilled + restored, found[-1].digest
         seq.prefix_hit_tokens += restored
@@ -363,14 +371,48 @@ class Engine:
             self.prefixes.miss_tokens += end - begin
         block = self.config.block_tokens
         if record:
-            seq.block_calls += on_host(calls)
+            seq.block_calls += calls
             if end % block == 0:
                 parent, seq.digest = seq.digest, PrefixCache.chain(seq.digest, seq.prompt[end - block : end])
                 state = on_host(seq.driver.policy.prefill_state())
-                self.prefixes.add(PrefixEntry(seq.digest, parent, seq.block_calls, state, on_host(logits)))
+                entry = PrefixEntry(seq.digest, parent, [], state, on_host(logits))
+                self._keep_block(seq, end // block - 1, entry)
+                self.prefixes.add(entry)
                 seq.block_calls = []
         if end == len(seq.prompt):
             self._prompt_read(seq, logits, outputs)
+
+    def _lending_pool(self, seq: Sequence) -> KVPool | None:
+        """``seq``'s host pool where it keeps the prompt's K/V as handed, in the engine's blocks (so a
+        cached block can be shared with it both ways); else None."""
+        policy = seq.driver.policy
+        pool = policy.pool()
+        if not policy.keeps_prompt_kv or pool is None or pool.blocks is not self.blocks:
+            return None
+        return pool
+
+    def _keep_block(self, seq: Sequence, index: int, entry: PrefixEntry) -> None:
+        """Give ``entry`` the K/V of ``seq``'s prompt block ``index``, whose calls are ``seq.block_calls``:
+        the pool's own blocks, shared, or copies in fresh blocks of the store."""
+        offsets: dict[int, int] = {}
+        for layer, k, _, key_valid in seq.block_calls:
+            first = offsets.get(layer, 0)
+            entry.calls.append((layer, first, k.shape[2], on_host(key_valid)))
+            offsets[layer] = first + k.shape[2]
+        pool = self._lending_pool(seq)
+        for layer in offsets:
+            if pool is not None and pool.length(layer) >= (index + 1) * self.config.block_tokens:
+                for name in KV:
+                    block = pool.share(layer, name, index)
+                    entry.blocks[layer, name] = (pool.arena(layer, name), block)
+                continue
+            calls = [call for call in seq.block_calls if call[0] == layer]
+            for name, tensors in zip(KV, zip(*(call[1:3] for call in calls), strict=True), strict=True):
+                whole = torch.cat(tensors, dim=2)[0]  # [kv_heads, block_tokens, head_dim]
+                arena = self.blocks.arena(layer, name, whole.shape[0], whole.shape[2], whole.dtype)
+                (block,) = arena.take(1)
+                arena.block(block).copy_(whole)
+                entry.blocks[layer, name] = (arena, block)
 
     def _prompt_read(self, seq: Sequence, logits: Tensor, outputs: list[StepOutput]) -> None:
         seq.phase, seq.block_calls = Phase.DECODING, []

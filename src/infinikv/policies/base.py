@@ -182,6 +182,9 @@ class Policy:
     # over the prompt again. "dense": prompt attention is plain dense attention over the full-precision
     # K/V and the policy keeps what it is handed. None: never shared.
     prefill_family: ClassVar[str | None] = None
+    # True when the host pool's keys and values hold each prompt chunk's K/V exactly as handed, in position
+    # order, until the first decode step: the engine's prefix cache then shares the pool's blocks.
+    keeps_prompt_kv: ClassVar[bool] = False
     # True when plan() starts a copy of a layer's KV before that layer runs (overlapping the previous
     # layer's compute); the cache calls plan() only then, and the bench's link model trusts it.
     prefetches: ClassVar[bool] = False
@@ -335,6 +338,8 @@ class HostPoolPolicy(Policy):
     densely to everything stored so far); ``plan`` (called by the cache for prefetching policies) starts a
     subclass's ``start_fetch`` one layer ahead; ``take_fetch`` in ``decode`` picks it up, or starts it then.
     """
+
+    keeps_prompt_kv = True
 
     def __init__(self, config: PolicyConfig, spec: ModelSpec, device: torch.device, overlap: str = "thread"):
         super().__init__(config, spec, device)

@@ -117,6 +117,7 @@ def dequantize(codes: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
 class QuantPolicy(HostPoolPolicy):
     config_class = QuantConfig
     prefill_family = None  # later prompt chunks attend to K/V quantized with this config's knobs
+    keeps_prompt_kv = False  # the pool holds codes
     prefetches = True
 
     def __init__(self, config: QuantConfig, spec: ModelSpec, device: torch.device):
