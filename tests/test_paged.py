@@ -137,7 +137,8 @@ def test_an_engine_gives_every_block_back_when_its_requests_end(tiny, prefix_cac
         most = max(most, engine.blocks.blocks_in_use())
         assert engine.blocks.blocks_in_use() <= engine.pool.used  # never more than the engine counts
     assert most > 0
-    assert engine.blocks.blocks_in_use() == engine.pool.cached == (len(engine.prefixes) if prefix_cache else 0)
+    cached = len(engine.prefixes) if prefix_cache else 0
+    assert engine.blocks.blocks_in_use() == engine.pool.cached == cached
     if prefix_cache:
         engine.prefixes.evict(engine.pool.cached)
         assert engine.blocks.blocks_in_use() == 0
