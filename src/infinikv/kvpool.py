@@ -31,6 +31,7 @@ seen from the device, rows are gathered on the host into pinned memory and copie
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import warnings
@@ -64,16 +65,19 @@ class _Part:
         self.length = 0
         self.adopted = 0  # slots taken over in shared blocks (``KVPool.adopt``): already written
         self.may_share = False  # a block may be held elsewhere too: copy it before overwriting a slot
-        # the block table as a tensor, per device (rebuilt when the table changes)
-        self._on: dict[torch.device, Tensor] = {}
+        # the block table as tensors, per device (rebuilt when the table changes)
+        self._on: dict[torch.device, _Layout] = {}
 
-    def table(self, device: torch.device) -> Tensor:
-        """[rows, blocks] block numbers on ``device``: immutable, so a queued copy may keep it."""
-        table = self._on.get(device)
-        if table is None:
+    def layout(self, device: torch.device) -> _Layout:
+        """The block table as tensors on ``device``: immutable, so a queued copy may keep it."""
+        layout = self._on.get(device)
+        if layout is None:
+            heads, size = self.arena.heads, self.arena.block_tokens
             table = torch.tensor(self.tables, dtype=torch.long, device=device).view(self.rows, -1)
-            self._on[device] = table
-        return table
+            runs = table[:, None, :] * heads + torch.arange(heads, device=device).view(1, heads, 1)
+            slot_rows = runs[..., None] * size + torch.arange(size, device=device)
+            layout = self._on[device] = _Layout(slot_rows.view(self.rows, heads, -1))
+        return layout
 
     def cover(self, slots: int, reserve_tokens: int) -> None:
         """Blocks for ``slots`` slots in every row (a growing arena adds a segment for ``reserve_tokens``
@@ -128,11 +132,18 @@ class _Part:
 
 
 @dataclass(frozen=True)
+class _Layout:
+    """A part's block table on one device, as what a copy needs of it."""
+
+    slot_rows: Tensor  # [rows, heads, blocks · block_tokens]: each slot's row in the arena
+
+
+@dataclass(frozen=True)
 class _Source:
     """What a copy reads of a part, as the part stood when the copy was started."""
 
     segments: tuple[Segment, ...]
-    table: Tensor  # [rows, blocks], on the device the rows are numbered on
+    layout: _Layout  # on the device the rows are numbered on
     length: int
     rows: int
     heads: int
@@ -146,20 +157,58 @@ class _Source:
 def _row_numbers(source: _Source, index: Tensor, extra: int) -> Tensor:
     """Row numbers, over the arena's blocks seen as rows of ``width`` values, of the slots in ``index``
     [rows, heads, n], plus ``extra`` spare rows per (row, head) that point at slot 0 (the caller overwrites
-    them). A slot past the table's blocks (a hidden entry) reads its row's last block."""
-    rows, heads, size = source.rows, source.heads, source.block_tokens
-    index = index.to(source.table.device)
+    them). A slot past the table's blocks (a hidden entry) reads the last one's row."""
+    slot_rows = source.layout.slot_rows
+    numbers = slot_rows.gather(2, index.to(slot_rows.device).clamp(max=slot_rows.shape[2] - 1))
     if extra:
-        index = torch.cat([index, index.new_zeros(rows, heads, extra)], dim=2)
-    which = (index // size).clamp(max=source.table.shape[1] - 1)
-    blocks = source.table.gather(1, which.flatten(1)).view_as(index)
-    head = torch.arange(heads, device=index.device).view(1, heads, 1)
-    return ((blocks * heads + head) * size + index % size).view(-1)
+        numbers = torch.cat([numbers, slot_rows[:, :, :1].expand(-1, -1, extra)], dim=2)
+    return numbers.reshape(-1)
 
 
-def _segment_rows(source: _Source, segment: Segment) -> int:
-    """The row number of ``segment``'s first row."""
-    return segment.first * source.heads * source.block_tokens
+def _read(source: _Source, numbers: Tensor, gather: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """Rows ``numbers`` of the arena, [len(numbers), width], read from each segment by ``gather(segment as
+    rows, numbers within it)`` and merged where they spread over several."""
+    if len(source.segments) == 1:  # the first segment: numbers are within it
+        tensor = source.segments[0].tensor
+        return gather(tensor.view(-1, tensor.shape[-1]), numbers)
+    out = None
+    for segment in source.segments:
+        flat = segment.tensor.view(-1, segment.tensor.shape[-1])
+        local = numbers - segment.first * source.heads * source.block_tokens
+        got = gather(flat, local.clamp(0, flat.shape[0] - 1))
+        if out is None:
+            out = got
+        else:
+            inside = ((local >= 0) & (local < flat.shape[0])).to(got.device)
+            out = torch.where(inside[:, None], got, out)
+    return out
+
+
+def _scatter(arena: BlockArena, rows: Tensor, new: Tensor) -> None:
+    """Write ``new`` [len(rows), width] to the arena's rows ``rows`` (host numbers); where the arena has
+    several segments, each segment's copy sends the rows of the others to its spare block."""
+    new = new.to(arena.device)
+    for segment in arena.segments:
+        flat = segment.tensor.view(-1, segment.tensor.shape[-1])
+        local = rows - segment.first * arena.heads * arena.block_tokens
+        if len(arena.segments) > 1:
+            local = torch.where((local >= 0) & (local < flat.shape[0]), local, flat.shape[0] - 1)
+        flat.index_copy_(0, local, new)
+
+
+def _whole(
+    source: _Source, extra: int, gather: Callable[[Tensor, Tensor], Tensor], device: torch.device
+) -> Tensor:
+    """Every slot in use of every (row, head), plus ``extra`` spare slots after them: [rows, heads, length +
+    extra, width], in one gather of rows (one copy, as contiguous as attention wants it)."""
+    shape = (source.rows, source.heads, source.length + extra, source.part.arena.width)
+    slot_rows = source.layout.slot_rows
+    if slot_rows.shape[2] == 0:
+        return torch.empty(shape, dtype=source.part.arena.dtype, device=device)
+    numbers = slot_rows[:, :, : source.length]
+    if extra:
+        numbers = torch.cat([numbers, slot_rows[:, :, :1].expand(-1, -1, extra)], dim=2)
+    return _read(source, numbers.reshape(-1), gather).view(shape)
 
 
 class KVPool:
@@ -213,10 +262,8 @@ class KVPool:
         """A copy of the live slots of ``layer``'s part ``name``, in host memory: [batch, kv_heads, length,
         width]."""
         source = self._source(layer, name, torch.device("cpu"))
-        index = torch.arange(source.length).expand(source.rows, source.heads, -1)
-        rows = _row_numbers(source, index, 0)
-        shape = (source.rows, source.heads, source.length, source.part.arena.width)
-        return self._host_rows(source, rows).view(shape)
+        gather = lambda flat, local: flat.index_select(0, local)  # noqa: E731
+        return _whole(source, 0, gather, torch.device("cpu"))
 
     def keys(self, layer: int) -> Tensor:
         return self.stored(layer, "keys")
@@ -248,9 +295,14 @@ class KVPool:
 
     @staticmethod
     def _write(part: _Part, start: int, new: Tensor) -> None:
-        """``new`` [rows, heads, q, width] into slots start..start+q-1 of every row: one copy per block."""
+        """``new`` [rows, heads, q, width] into slots start..start+q-1 of every row: a decode step's one
+        token in one copy of every row's, a prompt chunk in a copy per block."""
         size, segments, q = part.arena.block_tokens, part.arena.segments, new.shape[2]
-        for row, table in enumerate(part.tables):
+        if q == 1:
+            rows = part.layout(part.arena.device).slot_rows[:, :, start].reshape(-1)
+            _scatter(part.arena, rows, new.reshape(rows.shape[0], -1))
+            return
+        for row, table in enumerate(part.tables):  # a prompt chunk: a copy per block
             at = start
             while at < start + q:
                 block, offset = table[at // size], at % size
@@ -292,19 +344,16 @@ class KVPool:
 
     def write_slots(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Overwrite one slot per (batch, head) with a new token's K/V (eviction). slots: [batch, heads]."""
+        rows = None  # K and V share their row numbers where their tables are equal
         for name, new in zip(KV, (k, v), strict=True):
-            if self._parts[layer][name].may_share:
-                self._parts[layer][name].privatize()
-            source = self._source(layer, name, torch.device("cpu"))
-            rows = _row_numbers(source, slots.to("cpu")[:, :, None], 0)
-            new = new.to("cpu").reshape(rows.shape[0], -1)
-            for segment in source.segments:
-                flat = segment.flat()
-                local = rows - _segment_rows(source, segment)
-                if len(source.segments) > 1:  # rows of other segments go to this one's spare block
-                    inside = (local >= 0) & (local < flat.shape[0])
-                    local = torch.where(inside, local, flat.shape[0] - 1)
-                flat.index_copy_(0, local, new)
+            part = self._parts[layer][name]
+            if part.may_share:
+                part.privatize()
+            if rows is None or part.tables != self._parts[layer]["keys"].tables:
+                rows = _row_numbers(
+                    self._source(layer, name, torch.device("cpu")), slots.to("cpu")[:, :, None], 0
+                )
+            _scatter(part.arena, rows, new.reshape(rows.shape[0], -1))
         self.counters.bytes_d2h += 2 * k.numel() * k.element_size()
 
     def keep(self, layer: int, index: Tensor) -> None:
@@ -332,23 +381,13 @@ class KVPool:
         part = self._parts[layer][name]
         arena = part.arena
         return _Source(
-            arena.segments, part.table(device), part.length, part.rows, arena.heads, arena.block_tokens, part
+            arena.segments, part.layout(device), part.length, part.rows, arena.heads, arena.block_tokens, part
         )
 
     @staticmethod
     def _host_rows(source: _Source, rows: Tensor) -> Tensor:
         """The rows ``rows`` of the arena, gathered in host memory: [len(rows), width]."""
-        out = None
-        for segment in source.segments:
-            flat = segment.flat()
-            local = rows - _segment_rows(source, segment)
-            got = flat.index_select(0, local.clamp(0, flat.shape[0] - 1))
-            if out is None:
-                out = got
-            else:
-                inside = (local >= 0) & (local < flat.shape[0])
-                out = torch.where(inside[:, None], got, out)
-        return out
+        return _read(source, rows, lambda flat, local: flat.index_select(0, local))
 
     # -- copies to the compute device ----------------------------------------------------------------------
     def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
@@ -393,7 +432,12 @@ class KVPool:
             on_host = {id(rows): rows.to("cpu") for rows in parts.values() if rows is not None}
             parts = {name: None if rows is None else on_host[id(rows)] for name, rows in parts.items()}
         numbering = self.compute_device if self.device_gather else torch.device("cpu")
-        sources = {name: self._source(layer, name, numbering) for name in parts}
+        sources: dict[str, _Source] = {}
+        for name in parts:
+            source = self._source(layer, name, numbering)
+            # parts stored in step (K and V) have equal tables: one tensor, so they share row numbers
+            twin = next((s for s in sources.values() if s.part.tables == source.part.tables), None)
+            sources[name] = source if twin is None else dataclasses.replace(source, layout=twin.layout)
         on_demand = getattr(self._demand, "active", False)
         if on_demand:
             self.counters.bytes_on_demand += self._parts_bytes(sources, parts)
@@ -421,9 +465,9 @@ class KVPool:
         for name, rows in parts.items():
             source = sources[name]
             if rows is None:
-                every = torch.arange(source.length, device=source.table.device)
-                rows = every.expand(source.rows, source.heads, -1)
-            key = (id(parts[name]), source.table.data_ptr(), source.table.shape)
+                out.append(_whole(source, extra, self._gather_segment, self.compute_device))
+                continue
+            key = (id(rows), id(source.layout))
             if key not in numbered:
                 numbered[key] = _row_numbers(source, rows, extra)
             shape = (source.rows, source.heads, rows.shape[2] + extra, source.part.arena.width)
@@ -436,23 +480,13 @@ class KVPool:
         return tuple(out)
 
     def _gather_rows(self, source: _Source, rows: Tensor) -> Tensor:
-        """The arena's rows ``rows`` on the compute device, [len(rows), width]: whole rows copied by
-        index_select (a per-element gather is an order of magnitude slower); on CUDA by a kernel reading the
-        pinned store (module docstring), else into pinned memory on the host, then one asynchronous copy to
-        the device. Rows spread over several segments are read from each."""
-        out = None
-        for segment in source.segments:
-            flat = segment.flat()
-            local = rows - _segment_rows(source, segment)
-            got = self._gather_segment(flat, local.clamp(0, flat.shape[0] - 1))
-            if out is None:
-                out = got
-            else:
-                inside = ((local >= 0) & (local < flat.shape[0])).to(got.device)
-                out = torch.where(inside[:, None], got, out)
-        return out
+        """The arena's rows ``rows`` on the compute device, [len(rows), width] (``_gather_segment``)."""
+        return _read(source, rows, self._gather_segment)
 
     def _gather_segment(self, flat: Tensor, rows: Tensor) -> Tensor:
+        """Whole rows of ``flat`` (one segment) on the compute device, copied by index_select (a per-element
+        gather is an order of magnitude slower); on CUDA by a kernel reading the pinned store (module
+        docstring), else into pinned memory on the host, then one asynchronous copy to the device."""
         if not self.on_cuda:
             return flat.index_select(0, rows)
         if self.device_gather:

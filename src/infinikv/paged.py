@@ -47,11 +47,6 @@ class Segment:
     def count(self) -> int:
         return self.tensor.shape[0]
 
-    def flat(self) -> Tensor:
-        """The segment as rows of ``width`` values: row (b·heads + h)·block_tokens + s is slot s of head h in
-        its block b (counted from the segment's first block)."""
-        return self.tensor.view(-1, self.tensor.shape[-1])
-
 
 class BlockArena:
     """The blocks of one (layer, part): segments of storage, and a free list of block numbers."""
