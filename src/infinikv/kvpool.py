@@ -334,8 +334,11 @@ class KVPool:
 
     def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append a prompt chunk and return the layer's whole K/V on the device (prefill attention is dense:
-        the chunk attends to everything stored before it, which is fetched, and to itself)."""
-        if self.length(layer) == 0:
+        the chunk attends to everything stored before it, which is fetched, and to itself). A chunk that
+        adopted blocks hold already is a prefix-cache hit replayed (``adopt``), whose attention is not
+        computed: it gets itself alone, and nothing is fetched."""
+        keys = self._parts[layer].get("keys")
+        if self.length(layer) == 0 or (keys is not None and keys.length + k.shape[2] <= keys.adopted):
             self.append(layer, k, v)
             return k, v
         past_k, past_v = self.fetch(layer).wait()

@@ -10,15 +10,16 @@ kept tokens are written to fresh blocks).
 Two kinds of store:
 
 * **bounded** (``blocks`` given): the engine's, shared by every sequence it runs. ``blocks`` comes from the
-  engine's memory budget; each arena is allocated whole when first used (on a CPU the system commits its
-  pages only as they are written). The engine admits and preempts by the same count
+  engine's memory budget, which the arena never exceeds: the engine admits and preempts by the same count
   (``engine.blocks.BlockPool``), so a bounded arena never runs out; if it did, ``take`` raises
-  :class:`OutOfBlocks` rather than allocate past the budget.
+  :class:`OutOfBlocks` rather than allocate past the budget. Its first segment holds up to 256 blocks, so
+  a server whose requests hold fewer keeps to one.
 * **growing** (``blocks`` None): one run's own (the eval, the bench, a left-padded batch through a
-  ``Driver``). An arena grows by whole segments: the first one sized by the pool's reservation (a prompt and
-  a quarter more), each later one as large as all before it. Segments are never copied; a row's blocks may
-  lie in several of them, and a gather then reads each segment (``KVPool``), which is why the reservation
-  exists: in the common run everything lies in the first segment, and a gather is one ``index_select``.
+  ``Driver``). Its first segment is sized by the pool's reservation (a prompt and a quarter more).
+
+Either way an arena grows by whole segments, each as large as all before it (within the budget), allocated
+as needed, never copied. A row's blocks may lie in several segments, and a gather then reads each
+(``KVPool``); in the common run everything lies in the first one, and a gather is one ``index_select``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 Tensor = torch.Tensor
-MIN_SEGMENT_BLOCKS = 4  # a growing arena's smallest segment
+MIN_SEGMENT_BLOCKS = 4  # an arena's smallest segment
+FIRST_BOUNDED_BLOCKS = 256  # a bounded arena's first segment, at most (its budget permitting)
 
 
 class OutOfBlocks(RuntimeError):
@@ -117,17 +119,15 @@ class BlockArena:
         return segment.tensor[number - segment.first]
 
     def _grow(self, needed: int, reserve: int) -> None:
-        size = self.size
+        size, usable = self.size, self.size - len(self.segments)  # each segment has one spare block
+        blocks = max(needed, reserve, usable, MIN_SEGMENT_BLOCKS)
         if self.limit is not None:
-            if size:
+            if needed > self.limit - usable:
                 raise OutOfBlocks(f"the KV pool's {self.limit} blocks are all in use")
-            blocks = self.limit
-        else:
-            blocks = max(needed, reserve, size, MIN_SEGMENT_BLOCKS)
-        # A growing arena's segment ends with a spare block it never hands out: a write that spans segments
-        # sends each segment's rows that lie elsewhere there (``KVPool``), so no read is needed to split them.
-        spare = 0 if self.limit is not None else 1
-        shape = (blocks + spare, self.heads, self.block_tokens, self.width)
+            blocks = min(max(blocks, FIRST_BOUNDED_BLOCKS), self.limit - usable)
+        # A segment ends with a spare block it never hands out: a write that spans segments sends each
+        # segment's rows that lie elsewhere there (``KVPool``), so no read is needed to split them.
+        shape = (blocks + 1, self.heads, self.block_tokens, self.width)
         tensor = torch.empty(shape, dtype=self.dtype, device=self.device, pin_memory=self.pin)
         self.segments = (*self.segments, Segment(size, tensor))
         # new blocks below the freed ones: blocks given back are reused first
