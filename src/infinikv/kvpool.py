@@ -65,19 +65,20 @@ class _Part:
         self.length = 0
         self.adopted = 0  # slots taken over in shared blocks (``KVPool.adopt``): already written
         self.may_share = False  # a block may be held elsewhere too: copy it before overwriting a slot
-        # the block table as tensors, per device (rebuilt when the table changes)
-        self._on: dict[torch.device, _Layout] = {}
+        # the block table as each slot's row, per device (rebuilt when the table changes)
+        self._on: dict[torch.device, Tensor] = {}
 
-    def layout(self, device: torch.device) -> _Layout:
-        """The block table as tensors on ``device``: immutable, so a queued copy may keep it."""
-        layout = self._on.get(device)
-        if layout is None:
+    def slot_rows(self, device: torch.device) -> Tensor:
+        """[rows, heads, blocks · block_tokens] on ``device``: each slot's row in the arena seen as rows of
+        ``width`` values (the block table, spelt out). Immutable, so a queued copy may keep it."""
+        slot_rows = self._on.get(device)
+        if slot_rows is None:
             heads, size = self.arena.heads, self.arena.block_tokens
             table = torch.tensor(self.tables, dtype=torch.long, device=device).view(self.rows, -1)
             runs = table[:, None, :] * heads + torch.arange(heads, device=device).view(1, heads, 1)
             slot_rows = runs[..., None] * size + torch.arange(size, device=device)
-            layout = self._on[device] = _Layout(slot_rows.view(self.rows, heads, -1))
-        return layout
+            slot_rows = self._on[device] = slot_rows.view(self.rows, heads, -1)
+        return slot_rows
 
     def cover(self, slots: int, reserve_tokens: int) -> None:
         """Blocks for ``slots`` slots in every row (a growing arena adds a segment for ``reserve_tokens``
@@ -132,18 +133,11 @@ class _Part:
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """A part's block table on one device, as what a copy needs of it."""
-
-    slot_rows: Tensor  # [rows, heads, blocks · block_tokens]: each slot's row in the arena
-
-
-@dataclass(frozen=True)
 class _Source:
     """What a copy reads of a part, as the part stood when the copy was started."""
 
     segments: tuple[Segment, ...]
-    layout: _Layout  # on the device the rows are numbered on
+    slot_rows: Tensor  # ``_Part.slot_rows`` on the device the rows are numbered on
     length: int
     rows: int
     heads: int
@@ -158,7 +152,7 @@ def _row_numbers(source: _Source, index: Tensor, extra: int) -> Tensor:
     """Row numbers, over the arena's blocks seen as rows of ``width`` values, of the slots in ``index``
     [rows, heads, n], plus ``extra`` spare rows per (row, head) that point at slot 0 (the caller overwrites
     them). A slot past the table's blocks (a hidden entry) reads the last one's row."""
-    slot_rows = source.layout.slot_rows
+    slot_rows = source.slot_rows
     numbers = slot_rows.gather(2, index.to(slot_rows.device).clamp(max=slot_rows.shape[2] - 1))
     if extra:
         numbers = torch.cat([numbers, slot_rows[:, :, :1].expand(-1, -1, extra)], dim=2)
@@ -202,7 +196,7 @@ def _whole(
     """Every slot in use of every (row, head), plus ``extra`` spare slots after them: [rows, heads, length +
     extra, width], in one gather of rows (one copy, as contiguous as attention wants it)."""
     shape = (source.rows, source.heads, source.length + extra, source.part.arena.width)
-    slot_rows = source.layout.slot_rows
+    slot_rows = source.slot_rows
     if slot_rows.shape[2] == 0:
         return torch.empty(shape, dtype=source.part.arena.dtype, device=device)
     numbers = slot_rows[:, :, : source.length]
@@ -299,7 +293,7 @@ class KVPool:
         token in one copy of every row's, a prompt chunk in a copy per block."""
         size, segments, q = part.arena.block_tokens, part.arena.segments, new.shape[2]
         if q == 1:
-            rows = part.layout(part.arena.device).slot_rows[:, :, start].reshape(-1)
+            rows = part.slot_rows(part.arena.device)[:, :, start].reshape(-1)
             _scatter(part.arena, rows, new.reshape(rows.shape[0], -1))
             return
         for row, table in enumerate(part.tables):  # a prompt chunk: a copy per block
@@ -384,7 +378,13 @@ class KVPool:
         part = self._parts[layer][name]
         arena = part.arena
         return _Source(
-            arena.segments, part.layout(device), part.length, part.rows, arena.heads, arena.block_tokens, part
+            arena.segments,
+            part.slot_rows(device),
+            part.length,
+            part.rows,
+            arena.heads,
+            arena.block_tokens,
+            part,
         )
 
     @staticmethod
@@ -440,7 +440,7 @@ class KVPool:
             source = self._source(layer, name, numbering)
             # parts stored in step (K and V) have equal tables: one tensor, so they share row numbers
             twin = next((s for s in sources.values() if s.part.tables == source.part.tables), None)
-            sources[name] = source if twin is None else dataclasses.replace(source, layout=twin.layout)
+            sources[name] = source if twin is None else dataclasses.replace(source, slot_rows=twin.slot_rows)
         on_demand = getattr(self._demand, "active", False)
         if on_demand:
             self.counters.bytes_on_demand += self._parts_bytes(sources, parts)
@@ -470,7 +470,7 @@ class KVPool:
             if rows is None:
                 out.append(_whole(source, extra, self._gather_segment, self.compute_device))
                 continue
-            key = (id(rows), id(source.layout))
+            key = (id(rows), id(source.slot_rows))
             if key not in numbered:
                 numbered[key] = _row_numbers(source, rows, extra)
             shape = (source.rows, source.heads, rows.shape[2] + extra, source.part.arena.width)
