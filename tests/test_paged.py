@@ -98,7 +98,7 @@ def test_a_shared_block_is_adopted_without_a_copy_and_copied_before_a_slot_of_it
     lender.append(0, k, -k)
     held = {(name, i): lender.share(0, name, i) for name in ("keys", "values") for i in range(2)}
     for (name, _), block in sorted(held.items(), key=lambda item: item[0][1]):
-        adopter.adopt(0, name, block, lender.arena(0, name).block(block))
+        adopter.adopt(0, name, lender.arena(0, name), block)
     written = adopter.counters.bytes_d2h
     adopter.append(0, k[:, :, :4], -k[:, :, :4])  # the replayed calls, a chunk at a time
     adopter.append(0, k[:, :, 4:], -k[:, :, 4:])
@@ -110,6 +110,13 @@ def test_a_shared_block_is_adopted_without_a_copy_and_copied_before_a_slot_of_it
     assert torch.equal(lender.keys(0), k) and torch.equal(lender.values(0), -k)
     expected = torch.cat([k, new], dim=2)
     expected[0, 0, 1], expected[0, 1, 6] = new[0, 0, 0], new[0, 1, 0]
+    assert torch.equal(adopter.keys(0), expected) and torch.equal(adopter.values(0), -expected)
+    # an eviction down to fewer slots than were adopted: later tokens are stored, not taken as adopted
+    kept = torch.tensor([[[0, 2, 8], [1, 3, 8]]])
+    adopter.keep(0, kept)
+    after = torch.randn(1, 2, 2, 3)
+    adopter.append(0, after, -after)
+    expected = torch.cat([expected.gather(2, kept[..., None].expand(-1, -1, -1, 3)), after], dim=2)
     assert torch.equal(adopter.keys(0), expected) and torch.equal(adopter.values(0), -expected)
     lender.close()
     adopter.close()
@@ -148,6 +155,7 @@ def test_an_engine_gives_every_block_back_when_its_requests_end(tiny, prefix_cac
     "knobs",
     [
         {"policy": "infinigen", "capacity": 170},  # overwrites slots of adopted blocks as it grows
+        {"policy": "infinigen", "capacity": 0.5},  # evicts adopted blocks at its first step, then appends
         {"policy": "h2o"},  # evicts the prompt into fresh blocks at its first step
         {"policy": "quest"},
         {"policy": "dense"},  # no host pool: copies the cached blocks

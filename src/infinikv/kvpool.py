@@ -5,8 +5,9 @@ The pool holds, per layer, named parts in host memory (pinned when the compute d
 own slot axis (quantized KV's scales and minimums). Each part is paged: its slots live in fixed-size blocks
 of a :class:`~infinikv.paged.BlockStore`, listed per row (sequence) in a block table, so a part grows a
 block at a time and is never regrown by copying. The store is the pool's own (growing) unless the pool
-draws from a shared one (``draw_from``: the engine's, bounded by its memory budget); either way every block
-goes back to it when the pool closes. Policies read from the pool in one of two ways:
+draws from a shared one (``draw_from``: the engine's, bounded by its memory budget), to which every block
+goes back when the pool closes (the pool's own store goes with the pool). Policies read from the pool in
+one of two ways:
 
 * ``fetch(layer)`` copies the whole layer (full offload),
 * ``fetch(layer, index)`` gathers the rows named by ``index`` ([batch, kv_heads, n] token slots) and copies
@@ -116,11 +117,12 @@ class _Part:
         self.adopted, self.may_share, self._on = len(table) * size, True, {}
 
     def release(self) -> None:
-        """Give every block back (``length`` stays: what was held, for the statistics)."""
+        """Give every block back (``length`` stays: what was held, for the statistics); nothing adopted or
+        shared is left."""
         for table in self.tables:
             self.arena.give_back(table)
         self.tables = [[] for _ in range(self.rows)]
-        self._on = {}
+        self.adopted, self.may_share, self._on = 0, False, {}
 
     def slot_bytes(self) -> int:
         """Bytes of one slot of one (row, head)."""
@@ -319,12 +321,14 @@ class KVPool:
         """Where ``layer``'s part ``name`` keeps its blocks."""
         return self._parts[layer][name].arena
 
-    def adopt(self, layer: int, name: str, block: int, like: Tensor) -> None:
-        """Take the shared block ``block`` of the store (``like``: its view, [kv_heads, block_tokens, width])
-        as the next block of ``layer``'s part ``name`` (one row, whole blocks so far), without copying: the
-        tokens it holds are stored already, and appending them (the prefill's calls, replayed) writes
-        nothing."""
-        self._part(layer, name, like[None]).adopt(block)
+    def adopt(self, layer: int, name: str, arena: BlockArena, block: int) -> None:
+        """Take block ``block`` of ``arena`` (held elsewhere, in this pool's store) as the next block of
+        ``layer``'s part ``name`` (one row, whole blocks so far), without copying: the tokens it holds are
+        stored already, and appending them (the prefill's calls, replayed) writes nothing."""
+        part = self._part(layer, name, arena.block(block)[None])
+        if part.arena is not arena:
+            raise RuntimeError(f"layer {layer}'s {name} are kept in another arena than the block's")
+        part.adopt(block)
 
     def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append a prompt chunk and return the layer's whole K/V on the device (prefill attention is dense:
@@ -446,7 +450,8 @@ class KVPool:
             self.counters.bytes_on_demand += self._parts_bytes(sources, parts)
         job = functools.partial(self._copy, sources, parts, extra)
         # A copy on demand is waited for at once: handing it to a worker would only add the hand-off.
-        return self.copier.copy(job, queue=not (on_demand or now), keep=parts)
+        # the index and the slot map stay alive until the copy that reads them is waited for
+        return self.copier.copy(job, queue=not (on_demand or now), keep=(parts, sources))
 
     @staticmethod
     def _parts_bytes(

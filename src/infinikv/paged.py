@@ -12,8 +12,8 @@ Two kinds of store:
 * **bounded** (``blocks`` given): the engine's, shared by every sequence it runs. ``blocks`` comes from the
   engine's memory budget, which the arena never exceeds: the engine admits and preempts by the same count
   (``engine.blocks.BlockPool``), so a bounded arena never runs out; if it did, ``take`` raises
-  :class:`OutOfBlocks` rather than allocate past the budget. Its first segment holds up to 256 blocks, so
-  a server whose requests hold fewer keeps to one.
+  :class:`OutOfBlocks` rather than allocate past the budget. Its first segment holds at least 256 blocks
+  where the budget allows, so a server whose requests hold fewer keeps to one.
 * **growing** (``blocks`` None): one run's own (the eval, the bench, a left-padded batch through a
   ``Driver``). Its first segment is sized by the pool's reservation (a prompt and a quarter more).
 

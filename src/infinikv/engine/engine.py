@@ -14,8 +14,8 @@ reads new prompts in chunks, under a token budget.
    random generator, with its own sampling settings.
 3. **Admission.** Waiting sequences are admitted in order while ``max_running`` allows and the pool has
    blocks for their prompt, plus a block of headroom per decoding sequence. An admitted sequence first
-   takes the blocks of its prompt that the prefix cache holds (``blocks.PrefixCache``, copied into its
-   cache) and prefills only the rest.
+   takes the blocks of its prompt that the prefix cache holds (``blocks.PrefixCache``: adopted by its
+   host pool, or copied where the pool keeps something else) and prefills only the rest.
 4. **Prefill.** What is left of ``step_tokens`` goes to prompt chunks of ``chunk_tokens`` (at least one
    chunk a step), each to the admitted sequence with the fewest prompt tokens left, so a short prompt does
    not wait behind a long one. When its last chunk is read, a sequence samples its first token.
@@ -345,7 +345,7 @@ class Engine:
         if pool is not None:
             for entry in found:
                 for (layer, name), (arena, block) in entry.blocks.items():
-                    pool.adopt(layer, name, block, arena.block(block))
+                    pool.adopt(layer, name, arena, block)
         calls = [call for entry in found for call in entry.replayed(device)]
         state = on_device(found[-1].state, device)
         seq.driver.restore(calls, state, seq.prefilled + restored)
