@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -138,13 +138,18 @@ class _Part:
 class _Source:
     """What a copy reads of a part, as the part stood when the copy was started."""
 
-    segments: tuple[Segment, ...]
+    part: _Part
+    segments: tuple[Segment, ...]  # the arena's, then
     slot_rows: Tensor  # ``_Part.slot_rows`` on the device the rows are numbered on
     length: int
-    rows: int
-    heads: int
-    block_tokens: int
-    part: _Part
+
+    @property
+    def rows(self) -> int:
+        return self.part.rows
+
+    @property
+    def heads(self) -> int:
+        return self.part.arena.heads
 
     def nbytes(self, slots: int | None = None) -> int:
         return self.part.nbytes(self.length if slots is None else slots)
@@ -156,21 +161,39 @@ def _row_numbers(source: _Source, index: Tensor, extra: int) -> Tensor:
     them). A slot past the table's blocks (a hidden entry) reads the last one's row."""
     slot_rows = source.slot_rows
     numbers = slot_rows.gather(2, index.to(slot_rows.device).clamp(max=slot_rows.shape[2] - 1))
+    return _with_spares(numbers, slot_rows, extra)
+
+
+def _numbered(numbered: dict, source: _Source, index: Tensor, extra: int) -> Tensor:
+    """``_row_numbers``, kept in ``numbered`` per (index, slot map): K and V that share their slot map
+    (``KVPool._sources``) share their row numbers."""
+    key = (id(index), id(source.slot_rows))
+    if key not in numbered:
+        numbered[key] = _row_numbers(source, index, extra)
+    return numbered[key]
+
+
+def _with_spares(numbers: Tensor, slot_rows: Tensor, extra: int) -> Tensor:
+    """``numbers`` [rows, heads, n] and ``extra`` more per (row, head) pointing at slot 0, flattened."""
     if extra:
         numbers = torch.cat([numbers, slot_rows[:, :, :1].expand(-1, -1, extra)], dim=2)
     return numbers.reshape(-1)
+
+
+def _index_select(rows: Tensor, numbers: Tensor) -> Tensor:
+    """Rows ``numbers`` of ``rows``, in host memory."""
+    return rows.index_select(0, numbers)
 
 
 def _read(source: _Source, numbers: Tensor, gather: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """Rows ``numbers`` of the arena, [len(numbers), width], read from each segment by ``gather(segment as
     rows, numbers within it)`` and merged where they spread over several."""
     if len(source.segments) == 1:  # the first segment: numbers are within it
-        tensor = source.segments[0].tensor
-        return gather(tensor.view(-1, tensor.shape[-1]), numbers)
+        return gather(source.segments[0].rows(), numbers)
     out = None
     for segment in source.segments:
-        flat = segment.tensor.view(-1, segment.tensor.shape[-1])
-        local = numbers - segment.first * source.heads * source.block_tokens
+        flat = segment.rows()
+        local = numbers - source.part.arena.first_row(segment)
         got = gather(flat, local.clamp(0, flat.shape[0] - 1))
         if out is None:
             out = got
@@ -185,8 +208,8 @@ def _scatter(arena: BlockArena, rows: Tensor, new: Tensor) -> None:
     several segments, each segment's copy sends the rows of the others to its spare block."""
     new = new.to(arena.device)
     for segment in arena.segments:
-        flat = segment.tensor.view(-1, segment.tensor.shape[-1])
-        local = rows - segment.first * arena.heads * arena.block_tokens
+        flat = segment.rows()
+        local = rows - arena.first_row(segment)
         if len(arena.segments) > 1:
             local = torch.where((local >= 0) & (local < flat.shape[0]), local, flat.shape[0] - 1)
         flat.index_copy_(0, local, new)
@@ -201,10 +224,7 @@ def _whole(
     slot_rows = source.slot_rows
     if slot_rows.shape[2] == 0:
         return torch.empty(shape, dtype=source.part.arena.dtype, device=device)
-    numbers = slot_rows[:, :, : source.length]
-    if extra:
-        numbers = torch.cat([numbers, slot_rows[:, :, :1].expand(-1, -1, extra)], dim=2)
-    return _read(source, numbers.reshape(-1), gather).view(shape)
+    return _read(source, _with_spares(slot_rows[:, :, : source.length], slot_rows, extra), gather).view(shape)
 
 
 class KVPool:
@@ -257,9 +277,7 @@ class KVPool:
     def stored(self, layer: int, name: str) -> Tensor:
         """A copy of the live slots of ``layer``'s part ``name``, in host memory: [batch, kv_heads, length,
         width]."""
-        source = self._source(layer, name, torch.device("cpu"))
-        gather = lambda flat, local: flat.index_select(0, local)  # noqa: E731
-        return _whole(source, 0, gather, torch.device("cpu"))
+        return _whole(self._source(layer, name, torch.device("cpu")), 0, _index_select, torch.device("cpu"))
 
     def keys(self, layer: int) -> Tensor:
         return self.stored(layer, "keys")
@@ -293,7 +311,7 @@ class KVPool:
     def _write(part: _Part, start: int, new: Tensor) -> None:
         """``new`` [rows, heads, q, width] into slots start..start+q-1 of every row: a decode step's one
         token in one copy of every row's, a prompt chunk in a copy per block."""
-        size, segments, q = part.arena.block_tokens, part.arena.segments, new.shape[2]
+        size, q = part.arena.block_tokens, new.shape[2]
         if q == 1:
             rows = part.slot_rows(part.arena.device)[:, :, start].reshape(-1)
             _scatter(part.arena, rows, new.reshape(rows.shape[0], -1))
@@ -303,8 +321,7 @@ class KVPool:
             while at < start + q:
                 block, offset = table[at // size], at % size
                 count = min(size - offset, start + q - at)
-                segment = next(s for s in reversed(segments) if s.first <= block)
-                target = segment.tensor[block - segment.first, :, offset : offset + count]
+                target = part.arena.block(block)[:, offset : offset + count]
                 target.copy_(new[row, :, at - start : at - start + count])
                 at += count
 
@@ -345,16 +362,13 @@ class KVPool:
 
     def write_slots(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Overwrite one slot per (batch, head) with a new token's K/V (eviction). slots: [batch, heads]."""
-        rows = None  # K and V share their row numbers where their tables are equal
-        for name, new in zip(KV, (k, v), strict=True):
-            part = self._parts[layer][name]
-            if part.may_share:
-                part.privatize()
-            if rows is None or part.tables != self._parts[layer]["keys"].tables:
-                rows = _row_numbers(
-                    self._source(layer, name, torch.device("cpu")), slots.to("cpu")[:, :, None], 0
-                )
-            _scatter(part.arena, rows, new.reshape(rows.shape[0], -1))
+        for name in KV:
+            if self._parts[layer][name].may_share:
+                self._parts[layer][name].privatize()
+        index, numbered = slots.to("cpu")[:, :, None], {}
+        for source, new in zip(self._sources(layer, KV, torch.device("cpu")).values(), (k, v), strict=True):
+            rows = _numbered(numbered, source, index, 0)
+            _scatter(source.part.arena, rows, new.reshape(rows.shape[0], -1))
         self.counters.bytes_d2h += 2 * k.numel() * k.element_size()
 
     def keep(self, layer: int, index: Tensor) -> None:
@@ -364,7 +378,7 @@ class KVPool:
         for name in KV:
             source = self._source(layer, name, torch.device("cpu"))
             rows = _row_numbers(source, index.to("cpu"), 0)
-            kept[name] = self._host_rows(source, rows).view(*index.shape, source.part.arena.width)
+            kept[name] = _read(source, rows, _index_select).view(*index.shape, source.part.arena.width)
         self.copier.drain()  # no queued copy may read a block once it is handed out again
         self.copier.settle()
         for name, tensor in kept.items():
@@ -378,23 +392,19 @@ class KVPool:
         """Bytes held (live slots of every part only, not the rest of their blocks)."""
         return sum(part.nbytes() for parts in self._parts for part in parts.values())
 
+    def _sources(self, layer: int, names: Iterable[str], device: torch.device) -> dict[str, _Source]:
+        """``_source`` of each part named; parts stored in step (K and V) have equal tables and share one
+        slot map, so their row numbers are computed once (``_numbered``)."""
+        sources: dict[str, _Source] = {}
+        for name in names:
+            source = self._source(layer, name, device)
+            twin = next((s for s in sources.values() if s.part.tables == source.part.tables), None)
+            sources[name] = source if twin is None else dataclasses.replace(source, slot_rows=twin.slot_rows)
+        return sources
+
     def _source(self, layer: int, name: str, device: torch.device) -> _Source:
         part = self._parts[layer][name]
-        arena = part.arena
-        return _Source(
-            arena.segments,
-            part.slot_rows(device),
-            part.length,
-            part.rows,
-            arena.heads,
-            arena.block_tokens,
-            part,
-        )
-
-    @staticmethod
-    def _host_rows(source: _Source, rows: Tensor) -> Tensor:
-        """The rows ``rows`` of the arena, gathered in host memory: [len(rows), width]."""
-        return _read(source, rows, lambda flat, local: flat.index_select(0, local))
+        return _Source(part, part.arena.segments, part.slot_rows(device), part.length)
 
     # -- copies to the compute device ----------------------------------------------------------------------
     def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
@@ -439,18 +449,13 @@ class KVPool:
             on_host = {id(rows): rows.to("cpu") for rows in parts.values() if rows is not None}
             parts = {name: None if rows is None else on_host[id(rows)] for name, rows in parts.items()}
         numbering = self.compute_device if self.device_gather else torch.device("cpu")
-        sources: dict[str, _Source] = {}
-        for name in parts:
-            source = self._source(layer, name, numbering)
-            # parts stored in step (K and V) have equal tables: one tensor, so they share row numbers
-            twin = next((s for s in sources.values() if s.part.tables == source.part.tables), None)
-            sources[name] = source if twin is None else dataclasses.replace(source, slot_rows=twin.slot_rows)
+        sources = self._sources(layer, parts, numbering)
         on_demand = getattr(self._demand, "active", False)
         if on_demand:
             self.counters.bytes_on_demand += self._parts_bytes(sources, parts)
         job = functools.partial(self._copy, sources, parts, extra)
-        # A copy on demand is waited for at once: handing it to a worker would only add the hand-off.
-        # the index and the slot map stay alive until the copy that reads them is waited for
+        # A copy on demand is waited for at once: handing it to a worker would only add the hand-off. The
+        # index and the slot map stay alive until the copy that reads them is waited for.
         return self.copier.copy(job, queue=not (on_demand or now), keep=(parts, sources))
 
     @staticmethod
@@ -469,27 +474,22 @@ class KVPool:
     def _copy(
         self, sources: Mapping[str, _Source], parts: Mapping[str, Tensor | None], extra: int
     ) -> tuple[Tensor, ...]:
-        out, numbered = [], {}  # row numbers per (index, part shape): K and V share theirs
+        out, numbered = [], {}
         for name, rows in parts.items():
             source = sources[name]
             if rows is None:
                 out.append(_whole(source, extra, self._gather_segment, self.compute_device))
                 continue
-            key = (id(rows), id(source.slot_rows))
-            if key not in numbered:
-                numbered[key] = _row_numbers(source, rows, extra)
             shape = (source.rows, source.heads, rows.shape[2] + extra, source.part.arena.width)
-            out.append(self._gather_rows(source, numbered[key]).view(shape))
+            out.append(
+                _read(source, _numbered(numbered, source, rows, extra), self._gather_segment).view(shape)
+            )
         copied = self._parts_bytes(sources, parts)
         with self._counting:  # the worker and a thread that took a queued copy over may both count
             self.counters.bytes_h2d += copied
             self.counters.peak_bytes = max(self.counters.peak_bytes, self._parts_bytes(sources, parts, KV))
             self.counters.copies += 1
         return tuple(out)
-
-    def _gather_rows(self, source: _Source, rows: Tensor) -> Tensor:
-        """The arena's rows ``rows`` on the compute device, [len(rows), width] (``_gather_segment``)."""
-        return _read(source, rows, self._gather_segment)
 
     def _gather_segment(self, flat: Tensor, rows: Tensor) -> Tensor:
         """Whole rows of ``flat`` (one segment) on the compute device, copied by index_select (a per-element

@@ -49,6 +49,11 @@ class Segment:
     def count(self) -> int:
         return self.tensor.shape[0]
 
+    def rows(self) -> Tensor:
+        """The segment as rows of ``width`` values: row (b·heads + h)·block_tokens + s is slot s of head h in
+        its block b, counted from the segment's first block."""
+        return self.tensor.view(-1, self.tensor.shape[-1])
+
 
 class BlockArena:
     """The blocks of one (layer, part): segments of storage, and a free list of block numbers."""
@@ -113,6 +118,10 @@ class BlockArena:
                     self._free.append(block)
                     self.in_use -= 1
 
+    def first_row(self, segment: Segment) -> int:
+        """The number, over the whole arena seen as rows (``Segment.rows``), of ``segment``'s first row."""
+        return segment.first * self.heads * self.block_tokens
+
     def block(self, number: int) -> Tensor:
         """Block ``number`` itself (a view): [heads, block_tokens, width]."""
         segment = next(s for s in reversed(self.segments) if s.first <= number)
@@ -132,10 +141,6 @@ class BlockArena:
         self.segments = (*self.segments, Segment(size, tensor))
         # new blocks below the freed ones: blocks given back are reused first
         self._free[:0] = range(size + blocks - 1, size - 1, -1)
-
-    def nbytes(self) -> int:
-        """Bytes allocated (every segment, used or not)."""
-        return sum(s.tensor.numel() * s.tensor.element_size() for s in self.segments)
 
 
 class BlockStore:
@@ -172,10 +177,6 @@ class BlockStore:
                 arena = BlockArena(heads, width, dtype, self.block_tokens, self.device, self.pin, self.blocks)
                 self._arenas[key] = arena
             return arena
-
-    def nbytes(self) -> int:
-        """Bytes the store has allocated."""
-        return sum(arena.nbytes() for arena in self._arenas.values())
 
     def blocks_in_use(self) -> int:
         """The most blocks any one arena has handed out and not had back: a sequence holds blocks in every
