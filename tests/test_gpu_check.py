@@ -90,3 +90,26 @@ def test_tests_found_in_the_checkout_and_said_missing_without_one(tmp_path, monk
     result = cuda_tests.run_tests(tmp_path, timeout=1)
     assert result == {"status": cuda_tests.NO_CHECKOUT} and result["status"].startswith("not run")
     assert "\n" not in result["status"] and not any(tmp_path.iterdir())
+
+
+def test_preflight_skips_a_package_whose_extra_is_absent_without_importing_it(monkeypatch):
+    """A GPU box without an extra (lm-eval, the server's) still passes preflight: the package that needs it
+    is neither listed nor imported, and everything else is."""
+    import importlib.util
+
+    import infinikv
+    from infinikv.gpucheck import preflight
+
+    real_find_spec = importlib.util.find_spec
+    absent = {"lm_eval", "fastapi"}
+    monkeypatch.setattr(
+        preflight.importlib.util,
+        "find_spec",
+        lambda name, *args: None if name in absent else real_find_spec(name, *args),
+    )
+    for name in [name for name in sys.modules if name.startswith("infinikv.lm_eval")]:
+        monkeypatch.delitem(sys.modules, name)
+    names = preflight._modules(infinikv.__path__, "infinikv.")
+    assert "infinikv.policies.infinigen.policy" in names and "infinikv.gpucheck.preflight" in names
+    assert not [name for name in names if name.startswith(("infinikv.lm_eval", "infinikv.serve"))]
+    assert "infinikv.lm_eval" not in sys.modules

@@ -17,6 +17,32 @@ REQUIRED = ("torch", "transformers", "accelerate", "safetensors", "tokenizers", 
 OPTIONAL = ("gguf", "rdata", "matplotlib", "pytest")  # not needed by the check; reported when present
 
 
+# Subpackages that need an extra a GPU box may lack, and the module that extra provides: the check measures
+# without them, so they are not imported where it is absent.
+EXTRAS = {"infinikv.serve": "fastapi", "infinikv.serve.replicas": "ray", "infinikv.lm_eval": "lm_eval"}
+
+
+def _needs_absent_extra(name: str) -> bool:
+    return any(
+        (name == package or name.startswith(package + ".")) and importlib.util.find_spec(extra) is None
+        for package, extra in EXTRAS.items()
+    )
+
+
+def _modules(path: list[str], prefix: str) -> list[str]:
+    """Every module under ``path`` (``__main__`` left out: importing it would run a command line), those of
+    a package whose extra is absent skipped without importing the package."""
+    names = []
+    for info in pkgutil.iter_modules(path, prefix):
+        if info.name.endswith("__main__") or _needs_absent_extra(info.name):
+            continue
+        names.append(info.name)
+        if info.ispkg:
+            package = importlib.util.find_spec(info.name)
+            names += _modules(list(package.submodule_search_locations or []), info.name + ".")
+    return names
+
+
 def preflight(need_cuda: bool) -> dict[str, Any]:
     """Versions, imports and the device; raises SystemExit with one clear line when something is missing."""
     from importlib import metadata
@@ -41,17 +67,11 @@ def preflight(need_cuda: bool) -> dict[str, Any]:
     import infinikv
 
     failed = []
-    for module in pkgutil.walk_packages(infinikv.__path__, "infinikv."):
-        if module.name.endswith("__main__"):  # importing it would run the command line
-            continue
-        if module.name.startswith("infinikv.serve") and importlib.util.find_spec("fastapi") is None:
-            continue  # the server's extras are not needed to measure, and a GPU box may lack them
-        if module.name == "infinikv.serve.replicas" and importlib.util.find_spec("ray") is None:
-            continue  # serving on Ray needs the [ray] extra
+    for name in _modules(infinikv.__path__, "infinikv."):
         try:
-            importlib.import_module(module.name)
+            importlib.import_module(name)
         except Exception as exc:  # any import error is a finding; report them all at once
-            failed.append(f"{module.name}: {type(exc).__name__}: {exc}")
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
     if failed:
         raise SystemExit("gpu-check: infinikv modules fail to import:\n  " + "\n  ".join(failed))
     out: dict[str, Any] = {
