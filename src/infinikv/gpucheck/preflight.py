@@ -113,8 +113,14 @@ def measure_h2d(size: int = GIB, repeats: int = 3) -> float:
 
 
 def release_pinned() -> None:
-    """Give cached pinned blocks back (the pinned allocator keeps freed blocks, rounded up to 2^k bytes)."""
+    """Give cached pinned blocks back (the pinned allocator keeps freed blocks, rounded up to 2^k bytes).
+    A closed cache's pool is freed by the garbage collector (the cache and its layers refer to each other),
+    so that runs first: else the next policy's fit check counts the last one's pool as still held."""
+    import gc
+
     import torch
+
+    gc.collect()
 
     if torch.cuda.is_available() and hasattr(torch._C, "_host_emptyCache"):
         torch._C._host_emptyCache()
