@@ -544,28 +544,37 @@ class ScoredPolicy(HostPoolPolicy):
             index, valid = index.expand(batch, self.spec.num_kv_heads, -1), None
         else:
             index, valid = self.select(layer, n_past, batch)
-        return index, valid, self.host_pool.fetch(layer, index)
+        # one spare slot after the selected ones: decode writes the new token there, with no concatenation
+        return index, valid, self.host_pool.fetch(layer, index, extra=1)
 
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
         n_past = self.host_pool.length(layer)
         index, valid, transfer = self.take_fetch(layer)
-        past_k, past_v = transfer.wait()
+        keys, values = transfer.wait()  # the selected rows, then the spare slot
         self.host_pool.append(layer, k_new, v_new)
         index = index.to(k_new.device)
-        past_k = self.adjust_keys(layer, index, past_k)
+        past_k = keys[:, :, :-1]
+        adjusted = self.adjust_keys(layer, index, past_k)
+        if adjusted is not past_k:
+            past_k.copy_(adjusted)
+        keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
         new_position = index.new_full((*index.shape[:2], 1), n_past)
         positions = torch.cat([index, new_position], dim=2)
-        keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
         if valid is not None:
             valid = torch.cat([valid.to(k_new.device), valid.new_ones(*valid.shape[:2], 1)], dim=2)
-        # Tokens attended: what each row really sees (not its left padding, nor slots it hides).
-        batch = index.shape[0]
-        real = self.past_valid(n_past, batch).to(index.device)
+        self.record_attended(layer, self._attended(n_past, positions, valid))
+        return Selection(keys, values, positions, valid)
+
+    def _attended(self, n_past: int, positions: Tensor, valid: Tensor | None) -> int | Tensor:
+        """Tokens attended: what each row really sees (not its left padding, nor slots it hides)."""
+        if self.key_valid is None:  # no padding: every position is real
+            return positions.shape[2] if valid is None else valid.sum(dim=-1).float().mean()
+        batch = positions.shape[0]
+        real = self.past_valid(n_past, batch).to(positions.device)
         real = torch.cat([real, real.new_ones(batch, 1)], dim=1)  # the new token is real
         seen = real.gather(1, positions.flatten(1)).view_as(positions)
         seen = seen if valid is None else seen & valid
-        self.record_attended(layer, seen.sum(dim=-1).float().mean())
-        return Selection(keys, values, positions, valid)
+        return seen.sum(dim=-1).float().mean()
 
 
 # -- attention -----------------------------------------------------------------------------------------------

@@ -377,7 +377,10 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def _count_use(self, layer: int, index: Tensor | None, step: int) -> None:
         """For eviction, each slot ``layer`` reads at decode step ``step`` (``index``; None: every slot): its
-        fetch count and last use. A narrower row's padding repeats a slot it reads."""
+        fetch count and last use. A narrower row's padding repeats a slot it reads. Nothing to count where
+        the pool never evicts by them (capacity 1; a sliding layer evicts by position)."""
+        if self.config.capacity == 1 or self.spec.is_sliding(layer):
+            return
         slots = self.layers[layer].slots
         if index is None:
             slots.view("fetches").add_(1)
@@ -430,11 +433,13 @@ class InfiniGenPolicy(HostPoolPolicy):
             if takes is None:
                 reserved = self._reserved(layer)
                 scores = self._token_scores(layer, query)
-                counts = count_within(scores, alpha, budgets, reserved, whole)
                 widths = self._budget_counts(layer, real_tokens, budgets, alpha)
                 if widths is None:  # an alpha counts: the gather's width is read back (one host sync)
+                    counts = count_within(scores, alpha, budgets, reserved, whole)
                     widths = counts.tolist()
-                index, valid = pick_top(scores, widths, reserved)
+                else:  # what count_within gives here, known on the host
+                    counts = torch.tensor(widths, device=scores.device)
+                index, valid = pick_top(scores, widths, reserved, self._most_reserved(layer))
             else:
                 scores, counts, index, valid, reserved = self._coarse_to_fine(
                     layer, query, takes, alpha, budgets, whole
@@ -619,6 +624,12 @@ class InfiniGenPolicy(HostPoolPolicy):
         padding = torch.tensor(self.padding or [0] * batch, device=pos.device)[:, None, None]
         near = (((pos - padding) < n_sink) | (pos >= state.seen - window)) & self._real_at(layer, index)
         return near.expand(-1, heads, -1) if shared else near
+
+    def _most_reserved(self, layer: int) -> int | None:
+        """The most slots :meth:`_reserved` can hold in one head, where the host knows it: nothing evicted,
+        so they are at most the sinks and the window (``pick_top`` then lifts them in one pass)."""
+        state = self.layers[layer]
+        return self.config.n_sink + self.config.window if state.slots.n == state.seen else None
 
     def _reserved_blocks(self, layer: int, bounds: BlockBounds, blocks: int) -> Tensor | None:
         """bool [batch, kv_heads, blocks]: the blocks that hold a reserved slot (None: none reserved)."""
