@@ -178,13 +178,12 @@ class H2OPolicy(HostPoolPolicy):
     def start_fetch(
         self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
     ) -> Transfer:
-        return self.host_pool.fetch(layer, extra=1)  # a spare slot after the kept ones, for the new token
+        return self.host_pool.fetch(layer)
 
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
         if self.slot_pos[layer] is None:
             self._compact(layer, k_new.shape[0])
-        keys, values = self.take_fetch(layer).wait()
-        keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
+        past_k, past_v = self.take_fetch(layer).wait()
         self._new[layer] = (k_new, v_new)
         slots = self.slot_pos[layer]
         positions = torch.cat([slots, slots.new_full((*slots.shape[:2], 1), self.seen[layer])], dim=2)
@@ -192,6 +191,7 @@ class H2OPolicy(HostPoolPolicy):
         valid = torch.cat([alive, alive.new_ones(*alive.shape[:2], 1)], dim=2)
         self.seen[layer] += 1
         self.record_attended(layer, valid.sum(dim=-1).float().mean())  # what each row really sees
+        keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
         return Selection(keys, values, positions, valid)
 
     def _attend_decode(
