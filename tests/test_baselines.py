@@ -9,7 +9,7 @@ import torch
 
 from infinikv import GenerationConfig, Generator
 from infinikv.policies import make_policy
-from infinikv.policies.base import attention_weights, pick_top, reserved_first
+from infinikv.policies.base import ScoredPolicy, attention_weights, pick_top, reserved_first
 from infinikv.policies.quant import dequantize, pack, quantize, unpack
 
 FULL = [
@@ -194,7 +194,7 @@ def test_quant_copies_codes_and_scales_in_one_fetch_per_layer(tiny, scheme):
     policy.close()
 
 
-def test_oracle_takes_the_top_k_of_the_real_scores(tiny, monkeypatch):
+def test_oracle_takes_the_top_k_of_the_real_scores(tiny):
     """At a small budget the oracle picks, per KV head, exactly the k best tokens by the real logits, each
     query head measured against its own best, then the max over the group."""
     spec, layer, n = tiny.spec, 1, 40
@@ -205,8 +205,7 @@ def test_oracle_takes_the_top_k_of_the_real_scores(tiny, monkeypatch):
     query = torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=gen)
     # Head 0 of each group puts a huge logit on slot 0 (a sink); its group mates must still get their picks.
     query[:, :: spec.group_size] = 50 * k[:, :, :1] / k[:, :, :1].norm(dim=-1, keepdim=True)
-    monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
-    policy.before_attention(layer, torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
+    policy.take_query(layer, query[:, :, -1])
     index, valid = policy.select(layer, n, 1)
     assert valid is None
 
@@ -221,15 +220,14 @@ def test_oracle_takes_the_top_k_of_the_real_scores(tiny, monkeypatch):
     policy.close()
 
 
-def test_oracle_reserves_sinks_and_window_within_its_budget(tiny, monkeypatch):
+def test_oracle_reserves_sinks_and_window_within_its_budget(tiny):
     spec, layer, n = tiny.spec, 1, 40
     policy = _policy(tiny, "oracle", budget=8, dense_layers=1, n_sink=2, window=3, min_tokens=0)
     k, v = _kv(n, spec, seed=6)
     policy.set_key_valid(torch.tensor([[False] * 5 + [True] * (n - 5)]))  # five slots of left padding
     policy.prefill(layer, k, v)
     query = torch.randn(1, spec.num_heads, 1, spec.head_dim, generator=torch.Generator().manual_seed(7))
-    monkeypatch.setattr(type(spec), "query", lambda self, *args: query)
-    policy.before_attention(layer, torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.long))
+    policy.take_query(layer, query[:, :, -1])
     index, _valid = policy.select(layer, n, 1)
     assert index.shape[-1] == 8
     for head in index[0].tolist():
@@ -274,3 +272,33 @@ def test_pick_top_takes_reserved_entries_first_by_their_own_order(takes):
     assert (got[1] is None) == (expected[1] is None)
     if got[1] is not None:
         assert torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("policy", ["quest", "oracle"])
+def test_a_policy_that_chooses_with_its_query_takes_the_models_own(tiny, policy, monkeypatch):
+    """Quest and the oracle choose with the layer's real query: the one the model computed, handed over at
+    attention (equal to the layer's input projected again, as they once did), never a second projection."""
+    from infinikv.cache import InfinikvCache
+
+    spec_type, projected, handed = type(tiny.spec), {}, []
+    real_query, real_before = spec_type.query, InfinikvCache.before_attention
+
+    def before_attention(self, layer, x, mask, position_ids):
+        if x.shape[1] == 1 and self.policy.chooses_with_query(layer):
+            projected[layer] = real_query(self.policy.spec, layer, x, position_ids)[:, :, -1]
+        real_before(self, layer, x, mask, position_ids)
+
+    def take_query(self, layer, query):
+        handed.append(torch.equal(query, projected.pop(layer)))
+        self._query[layer] = query
+
+    computed = []
+    monkeypatch.setattr(
+        spec_type, "query", lambda self, *args: computed.append(args[0]) or real_query(self, *args)
+    )
+    monkeypatch.setattr(InfinikvCache, "before_attention", before_attention)
+    monkeypatch.setattr(ScoredPolicy, "take_query", take_query)
+    config = GenerationConfig(max_new_tokens=6, prefill_chunk=64)
+    Generator(tiny, policy, budget=0.3, min_tokens=0, dense_layers=0).generate(PROMPTS, config)
+    assert handed and all(handed) and not projected
+    assert computed == []  # the policy projected no query itself

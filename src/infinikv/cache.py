@@ -10,7 +10,9 @@ The cache is called three times per layer and step (``hooks.py`` installs what c
 2. ``update`` (called by the attention module after q/k/v and RoPE): prefill chunks go to
    ``policy.prefill``, decode tokens to ``policy.decode``, which returns the K/V the layer attends to;
 3. ``attend``, from the registered attention function: it fits the model's mask to the policy's selection
-   and calls ``policy.attend``.
+   and calls ``policy.attend``. A layer that chooses with its own query (``policy.chooses_with_query``:
+   Quest, the oracle) is decoded here instead of in ``update``, after ``policy.take_query`` hands it the
+   query the model computed.
 
 A forward pass is a prefill when it carries more than one token or the cache is empty; a decode step
 feeds exactly one token per sequence.
@@ -79,6 +81,8 @@ class InfinikvCache(PolicyCache):
         device = torch.device(device) if device is not None else next(model.parameters()).device
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, spec, device, **knobs)
         self._selections: dict[int, Selection] = {}
+        # decode steps' new K/V of layers that choose with their own query, until attend() has the query
+        self._waiting: dict[int, tuple[Tensor, Tensor]] = {}
         # When a list: every prefill call (layer, K, V, key_valid) is appended, for forward.PrefillMemo.
         self.prefill_log: list[tuple[int, Tensor, Tensor, Tensor | None]] | None = None
         layers = [PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)]
@@ -129,6 +133,9 @@ class InfinikvCache(PolicyCache):
     # -- called from the attention module via Cache.update -------------------------------------------------
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self._is_decode(layer, k.shape[2]):
+            if self.policy.chooses_with_query(layer):  # decoded in attend(), with the model's own query
+                self._waiting[layer] = (k, v)
+                return k, v
             selection = self.policy.decode(layer, k, v)
             self._selections[layer] = selection
             return selection.keys, selection.values
@@ -147,7 +154,13 @@ class InfinikvCache(PolicyCache):
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
     ) -> Tensor:
-        selection = self._selections.pop(layer, None)
+        waiting = self._waiting.pop(layer, None)
+        if waiting is not None:
+            self.policy.take_query(layer, q[:, :, -1])
+            selection = self.policy.decode(layer, *waiting)
+            k, v = selection.keys, selection.values
+        else:
+            selection = self._selections.pop(layer, None)
         if q.shape[2] == 1 and selection is not None:
             if mask is not None:
                 mask = mask[:, :, -1:, :]

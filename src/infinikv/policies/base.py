@@ -245,6 +245,16 @@ class Policy:
     def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
         """``layer``'s own input, before its attention; most policies need nothing here."""
 
+    def chooses_with_query(self, layer: int) -> bool:
+        """Whether ``layer``'s decode step chooses with the layer's own query: then the cache calls
+        :meth:`decode` from the attention function, after :meth:`take_query` hands it the query the model
+        computed, instead of from ``Cache.update`` (no second query projection)."""
+        return False
+
+    def take_query(self, layer: int, query: Tensor) -> None:
+        """``layer``'s real query of this decode step, [batch, heads, head_dim] (:meth:`chooses_with_query`
+        layers only)."""
+
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
         raise NotImplementedError
 
@@ -424,7 +434,8 @@ class ScoredPolicy(HostPoolPolicy):
 
     A policy whose choice for layer i+1 does not need layer i+1's query sets ``prefetches = True`` and the
     copy starts one layer early; one that needs the layer's own query sets ``query_aware = True`` and reads
-    it in :meth:`score` from ``self.query(layer)`` (captured in ``before_attention``).
+    it in :meth:`score` from ``self.query(layer)``: the model's own query, which the cache hands over
+    (``take_query``) before it calls ``decode`` from the attention function.
     """
 
     prefill_family = "dense"
@@ -491,9 +502,11 @@ class ScoredPolicy(HostPoolPolicy):
         return self._query.pop(layer)
 
     # -- the shared rules ------------------------------------------------------------------------------------
-    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        if self.query_aware and self.scored(layer):
-            self._query[layer] = self.spec.query(layer, x, position_ids)[:, :, -1]
+    def chooses_with_query(self, layer: int) -> bool:
+        return self.query_aware and self.scored(layer)
+
+    def take_query(self, layer: int, query: Tensor) -> None:
+        self._query[layer] = query
 
     def select(self, layer: int, n_past: int, batch: int) -> tuple[Tensor, Tensor | None]:
         """Past slots ``layer`` reads this step: (index [batch, kv_heads, m], each row's ascending, and
