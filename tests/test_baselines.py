@@ -281,7 +281,11 @@ def test_a_policy_that_chooses_with_its_query_takes_the_models_own(tiny, policy,
     from infinikv.cache import InfinikvCache
 
     spec_type, projected, handed = type(tiny.spec), {}, []
-    real_query, real_before = spec_type.query, InfinikvCache.before_attention
+    real_query, real_before, real_take = (
+        spec_type.query,
+        InfinikvCache.before_attention,
+        ScoredPolicy.take_query,
+    )
 
     def before_attention(self, layer, x, mask, position_ids):
         if x.shape[1] == 1 and self.policy.chooses_with_query(layer):
@@ -290,7 +294,7 @@ def test_a_policy_that_chooses_with_its_query_takes_the_models_own(tiny, policy,
 
     def take_query(self, layer, query):
         handed.append(torch.equal(query, projected.pop(layer)))
-        self._query[layer] = query
+        real_take(self, layer, query)
 
     computed = []
     monkeypatch.setattr(

@@ -109,7 +109,7 @@ def test_preflight_skips_a_package_whose_extra_is_absent_without_importing_it(mo
     )
     for name in [name for name in sys.modules if name.startswith("infinikv.lm_eval")]:
         monkeypatch.delitem(sys.modules, name)
-    names = preflight._modules(infinikv.__path__, "infinikv.")
+    names = preflight.importable_modules(infinikv.__path__, "infinikv.")
     assert "infinikv.policies.infinigen.policy" in names and "infinikv.gpucheck.preflight" in names
     assert not [name for name in names if name.startswith(("infinikv.lm_eval", "infinikv.serve"))]
     assert "infinikv.lm_eval" not in sys.modules

@@ -29,7 +29,7 @@ def _needs_absent_extra(name: str) -> bool:
     )
 
 
-def _modules(path: list[str], prefix: str) -> list[str]:
+def importable_modules(path: list[str], prefix: str) -> list[str]:
     """Every module under ``path`` (``__main__`` left out: importing it would run a command line), those of
     a package whose extra is absent skipped without importing the package."""
     names = []
@@ -39,7 +39,7 @@ def _modules(path: list[str], prefix: str) -> list[str]:
         names.append(info.name)
         if info.ispkg:
             package = importlib.util.find_spec(info.name)
-            names += _modules(list(package.submodule_search_locations or []), info.name + ".")
+            names += importable_modules(list(package.submodule_search_locations or []), info.name + ".")
     return names
 
 
@@ -67,7 +67,7 @@ def preflight(need_cuda: bool) -> dict[str, Any]:
     import infinikv
 
     failed = []
-    for name in _modules(infinikv.__path__, "infinikv."):
+    for name in importable_modules(infinikv.__path__, "infinikv."):
         try:
             importlib.import_module(name)
         except Exception as exc:  # any import error is a finding; report them all at once
