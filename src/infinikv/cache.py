@@ -140,6 +140,7 @@ class InfinikvCache(PolicyCache):
             self._selections[layer] = selection
             return selection.keys, selection.values
         self._selections.pop(layer, None)
+        self._waiting.pop(layer, None)
         if self.prefill_log is not None:
             self.prefill_log.append((layer, k, v, self.policy.key_valid))
         return self.policy.prefill(layer, k, v)

@@ -163,6 +163,7 @@ def run_context(args: argparse.Namespace) -> None:
                 return made[-1]
 
             _reset_host_peak()
+            failure = None  # (row key, reason) of a run that did not finish
             try:
                 run = run_once(
                     loaded,
@@ -174,16 +175,16 @@ def run_context(args: argparse.Namespace) -> None:
                     plan.prefill_chunk,
                 )
             except torch.OutOfMemoryError as exc:
-                made.clear()
-                release_pinned()
                 log(f"b{batch} ctx{context} {entry.name}: out of memory")
-                _emit(rows_path, {**base, "skipped": f"out of memory: {str(exc).splitlines()[0][:200]}"})
-                continue
+                failure = ("skipped", f"out of memory: {str(exc).splitlines()[0][:200]}")
             except Exception as exc:  # one policy's failure is a finding; the others still run
                 traceback.print_exc()
+                failure = ("failed", f"{type(exc).__name__}: {str(exc)[:300]}")
+            if failure is not None:
+                # outside the except block: its traceback's frames would keep the failed run's pool alive
                 made.clear()
                 release_pinned()
-                _emit(rows_path, {**base, "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                _emit(rows_path, {**base, failure[0]: failure[1]})
                 continue
             row = summarise_runs(loaded, entry, [run], batch, prompt)
             row.update(base)

@@ -9,10 +9,11 @@ A policy owns the KV cache of one generation run. The cache (``infinikv.cache``)
   start copying it from the host pool, so the copy overlaps the previous layer's compute. ``x`` is the
   normalised input of the layer whose hook runs (InfiniGen rehearses ``layer``'s attention from it);
 * ``before_attention(layer, x, position_ids)`` with ``layer``'s own normalised input, before its q/k/v
-  projections and before the look-ahead's ``plan`` of the next layer (a policy that needs the layer's real
-  query computes it here, as Quest and the oracle do through :class:`ScoredPolicy`);
+  projections and before the look-ahead's ``plan`` of the next layer;
 * ``decode(layer, k_new, v_new)`` with the new token's K/V; it stores them and returns a :class:`Selection`,
-  the K/V the layer attends to this step;
+  the K/V the layer attends to this step. A layer that chooses with its real query
+  (``chooses_with_query``: Quest and the oracle, through :class:`ScoredPolicy`) is decoded from the
+  attention function instead, once ``take_query`` has handed it the query the model computed;
 * ``attend(layer, q, k, v, mask, scaling)``, the attention itself (SDPA unless the policy needs the
   attention weights, as H2O does).
 
