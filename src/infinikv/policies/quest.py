@@ -97,8 +97,13 @@ class QuestPolicy(ScoredPolicy):
             start + count - real if first < 0 and real > 0 else first
             for first, real in zip(self.first_real[layer], n_real, strict=True)
         ]
-        # Row r's unfinished content: its partial keys, then its real chunk keys, gathered to the front.
         held, width = self.n_partial[layer], size + count
+        if n_real == [1] * batch and max(held) + 1 < size:  # a decode step that closes no page
+            rows = torch.arange(batch, device=device)
+            self.partial[layer][rows, :, torch.tensor(held, device=device)] = k[:, :, 0]
+            self.n_partial[layer] = [have + 1 for have in held]
+            return
+        # Row r's unfinished content: its partial keys, then its real chunk keys, gathered to the front.
         at = torch.arange(width)
         held_rows, real_rows = torch.tensor(held)[:, None], torch.tensor(n_real)[:, None]
         source = torch.where(at < held_rows, at, size + count - real_rows + at - held_rows)
