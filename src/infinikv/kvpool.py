@@ -374,10 +374,9 @@ class KVPool:
     def keep(self, layer: int, index: Tensor) -> None:
         """Evict every slot of a layer's K/V but those in ``index`` ([batch, heads, m]), which become slots
         0..m-1, in fresh blocks. Done in host memory: nothing crosses to the compute device."""
-        kept = {}
-        for name in KV:
-            source = self._source(layer, name, torch.device("cpu"))
-            rows = _row_numbers(source, index.to("cpu"), 0)
+        kept, index, numbered = {}, index.to("cpu"), {}
+        for name, source in self._sources(layer, KV, torch.device("cpu")).items():
+            rows = _numbered(numbered, source, index, 0)
             kept[name] = _read(source, rows, _index_select).view(*index.shape, source.part.arena.width)
         self.copier.drain()  # no queued copy may read a block once it is handed out again
         self.copier.settle()

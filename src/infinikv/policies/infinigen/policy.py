@@ -437,8 +437,8 @@ class InfiniGenPolicy(HostPoolPolicy):
                 if widths is None:  # an alpha counts: the gather's width is read back (one host sync)
                     counts = count_within(scores, alpha, budgets, reserved, whole)
                     widths = counts.tolist()
-                else:  # what count_within gives here, known on the host
-                    counts = torch.tensor(widths, device=scores.device)
+                else:  # what count_within would give is known on the host: ``widths``
+                    counts = None
                 index, valid = pick_top(scores, widths, reserved, self._most_reserved(layer))
             else:
                 scores, counts, index, valid, reserved = self._coarse_to_fine(
@@ -446,7 +446,9 @@ class InfiniGenPolicy(HostPoolPolicy):
                 )
                 widths = None
         state = self.layers[layer]
-        state.selected.append(counts.float().mean())
+        state.selected.append(counts.float().mean() if counts is not None else sum(widths) / len(widths))
+        if counts is None and self.observer is not None:
+            counts = torch.tensor(widths, device=index.device)
         if self.schedule.follows:  # the steps between read the tokens after these
             widths = counts.tolist() if widths is None else widths
             takes = [min(follow, count) for follow, count in zip(follows, widths, strict=True)]
@@ -748,7 +750,8 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
-        selected = [torch.stack(state.selected).tolist() if state.selected else [] for state in self.layers]
+        # per layer, each step's mean tokens selected: a float, or a tensor where the count was the device's
+        selected = [[float(mean) for mean in state.selected] for state in self.layers]
         steps = [n for s in selected for n in s]
         out.update(
             selected_tokens_mean=sum(steps) / len(steps) if steps else 0.0,
