@@ -44,7 +44,7 @@ Where it departs from the paper and its artifact (docs/results-infinigen.md meas
   wait on their layer (the pool counts them apart, ``bytes_h2d_on_demand``); with ``own_query_prefetch``
   such a layer copies ahead the slots it chose at the step before and, once its own query has chosen, only
   what that missed, and the rows of both copies are put in the order of its own choice
-  (:class:`Corrected`).
+  (``fetches.py``).
 * **A device budget**: ``device_budget`` bounds the partial key cache (with any block bounds) as a share of
   the dense KV of the same tokens in the model's dtype. By default the keys are int8 with one float16 scale
   per token and KV head (``partial_keys``; ``rehearsal.quantize``, the scale over the widest calibrated
@@ -86,31 +86,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...copiers import Transfer
 from ...errors import PolicyError
 from ...spec import ModelSpec
-from ..base import HostPoolPolicy, Selection, first_slots, group_relative_max, pick_top
+from ..base import HostPoolPolicy, Selection
 from ..registry import register
 from . import skewfile
-from .blocks import BlockBounds, block_scores, gather_slots
 from .calibration import ensure_skew
 from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, PARTIAL_KEYS, InfiniGenConfig
+from .eviction import eviction_keys, pool_limit
+from .fetches import Fetch, corrected
 from .layer import LayerState
 from .plan import DecodePlan, layer_alpha, own_query_layers, settle
-from .rehearsal import Rehearsal, count_rule, count_within, quantize, speculative_scores, wanted_per_head
+from .rehearsal import Rehearsal, quantize
 from .schedule import Schedule
+from .selector import RealTokens, Selector
 from .skewfile import Skew
 
 Tensor = torch.Tensor
-_SHIFT = 1 << 21  # eviction keys pack (tier, rule value, position), each below 2**21
 
 
 @register("infinigen")
@@ -152,7 +150,10 @@ class InfiniGenPolicy(HostPoolPolicy):
         # columns allocated per layer, per calibration window (empty: uniform), set with the first partial
         # keys
         self._allocations: dict[int, dict[int, float]] | None = None
-        self._real: Tensor | None = None  # [batch, prompt tokens]: True = real token, False = left padding
+        # which slots hold real tokens (left padding aside), and the choice itself (selector.py)
+        self.rows = RealTokens()
+        keep_slot_scores = observer is not None or self.schedule.follows
+        self.selector = Selector(config, self.layers, self.rows, self, keep_slot_scores)
         self._step = 0
         # (most partial columns within the device budget, head_dim), set by the first prompt chunk's dtype
         self._cap: tuple[int, int] | None = None
@@ -160,8 +161,6 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._decode_h2d = 0
         self._offload_h2d = 0  # what full offload would have moved in the same decode steps
         self._evicted = 0
-        self._block_steps = 0  # layer-steps chosen coarse to fine
-        self._block_recounts = 0  # of those, counted again over every token (a head wanted all candidates)
 
     # -- which layer does what -------------------------------------------------------------------------------
     def managed(self, layer: int) -> bool:
@@ -176,11 +175,13 @@ class InfiniGenPolicy(HostPoolPolicy):
         return own_query_layers(self.config, self.skew(), self.layers)[0]
 
     def limit(self, layer: int, seen: int) -> int:
-        """Most tokens the pool may hold for ``layer`` after ``seen`` tokens."""
-        capacity = self.config.capacity
-        tokens = math.ceil(capacity * seen) if capacity <= 1 else min(int(capacity), seen)
-        window = self.spec.sliding_window[layer]
-        return max(1, tokens if window is None else min(tokens, window))
+        """Most tokens the pool may hold for ``layer`` after ``seen`` tokens (``eviction.pool_limit``)."""
+        return pool_limit(self.config.capacity, self.spec.sliding_window[layer], seen)
+
+    def _eviction_keys(self, layer: int) -> Tensor:
+        """``layer``'s slots in the order they are overwritten (``eviction.eviction_keys``)."""
+        rule = "fifo" if self.spec.is_sliding(layer) else self.config.eviction
+        return eviction_keys(self.layers[layer].slots, self.real_slots(layer), rule)
 
     # -- prefill ---------------------------------------------------------------------------------------------
     def seq_length(self, layer: int) -> int:
@@ -189,8 +190,9 @@ class InfiniGenPolicy(HostPoolPolicy):
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self._step:
             raise PolicyError("infinigen: a prompt chunk after decoding started is not supported")
+        self.rows.padding = self.padding
         if not self.spec.is_sliding(layer) and self.key_valid is not None:
-            self._real = self.key_valid.clone() if any(self.padding) else None  # None: no padding
+            self.rows.mask = self.key_valid.clone() if any(self.padding) else None  # None: no padding
         start, count = self.layers[layer].seen, k.shape[2]
         pos = torch.arange(start, start + count, device=k.device).expand(k.shape[0], k.shape[1], -1)
         partial, scale = self._partial_keys(layer, k)
@@ -198,7 +200,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         self.layers[layer].seen = start + count
         if self.config.block_size > 1 and self.managed(layer):
             real_at = functools.partial(self._real_at, layer)
-            padding = self.padding or [0] * k.shape[0]
+            padding = self.rows.row_padding(k.shape[0])
             self.layers[layer].slots.bound_chunk(start, count, self.config.block_size, padding, real_at)
         return self.host_pool.extend(layer, k, v)
 
@@ -323,7 +325,8 @@ class InfiniGenPolicy(HostPoolPolicy):
             index = None
         prefetched, state.prefetched = state.prefetched, None
         if index is not None and prefetched is not None and prefetched.index is not None:
-            transfer, copied = self._corrected(layer, index, prefetched)
+            fetch = functools.partial(self.host_pool.fetch, layer)
+            transfer, copied = corrected(index, prefetched, state.slots.n, fetch)
         else:
             transfer, copied = self.host_pool.fetch(layer, index, extra=1), index
         self._count_bytes(layer, copied)
@@ -345,27 +348,6 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._count_bytes(layer, index)
         positions = torch.gather(self.layers[layer].slots.view("pos"), 2, index)
         self.hold(layer, Fetch(self.host_pool.fetch(layer, index, extra=1), index, positions, None))
-
-    def _corrected(self, layer: int, index: Tensor, prefetched: Fetch) -> tuple[Corrected, Tensor]:
-        """Own-query prefetch: ``index``'s rows [batch, kv_heads, m] from those ``prefetched`` copied ahead,
-        and the correction (the slots it missed, copied now). Returns the rows and the slots copied now (a
-        row with fewer misses padded with its first)."""
-        ahead = prefetched.index
-        batch, heads, width = ahead.shape
-        # where each slot sits among the prefetched rows (-1: not there); a repeated slot holds the same row
-        where = torch.full((batch, heads, self.layers[layer].slots.n), -1, device=ahead.device)
-        where.scatter_(2, ahead, torch.arange(width, device=ahead.device).expand_as(ahead))
-        at = where.gather(2, index)
-        missed = at < 0
-        misses = missed.sum(dim=-1, keepdim=True)
-        count = int(misses.max())
-        correction = index.gather(2, first_slots(missed, count))  # each row's misses, padded with its first
-        # each row's place in [prefetched rows, their spare slot, correction rows], then the spare for the new
-        # token (decode writes it)
-        source = torch.where(missed, width + missed.long().cumsum(dim=-1), at)
-        source = torch.cat([source, source.new_full((batch, heads, 1), width)], dim=2)
-        rest = self.host_pool.fetch(layer, correction) if count else None
-        return Corrected(prefetched.transfer, rest, source), correction
 
     def _count_bytes(self, layer: int, index: Tensor | None) -> None:
         """Bytes moved by a fetch of ``layer``'s slots ``index`` (None: every slot)."""
@@ -408,7 +390,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if self.decoding is not None:
             return
         stored = [layer for layer, state in enumerate(self.layers) if state.seen]
-        real_tokens = self._real_tokens(stored[0]) if stored else []
+        real_tokens = self.rows.count(self.layers[stored[0]]) if stored else []
         storage = (self._stored_keys, self._cap, self._allocations)
         self.decoding = settle(self.config, self.spec, self.skew(), self.layers, real_tokens, storage)
         for layer, state in enumerate(self.layers):
@@ -421,67 +403,42 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     def _select(self, layer: int, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
         """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, ascending per
-        row, and which of them each row attends to (None: all); kept for stats and shown to the observer."""
+        row, and which of them each row attends to (None: all) (``selector.Selector``); kept for stats and
+        shown to the observer."""
+        state = self.layers[layer]
         with self.selecting():
             query = self._rehearsal_query(layer, x, position_ids)
-            real_tokens = self._real_tokens(layer)
+            real_tokens = self.rows.count(state)
             budgets, follows = zip(*(self.schedule.choice_budget(n) for n in real_tokens), strict=True)
-            # within the floor: everything, whatever alpha counts
-            whole = [n <= self.config.min_tokens for n in real_tokens]
-            alpha = self.decoding.row_alphas[layer]
-            takes = self._candidate_blocks(layer, budgets, whole)
-            if takes is None:
-                reserved = self._reserved(layer)
-                scores = self._token_scores(layer, query)
-                widths = self._budget_counts(layer, real_tokens, budgets, alpha)
-                if widths is None:  # an alpha counts: the gather's width is read back (one host sync)
-                    counts = count_within(scores, alpha, budgets, reserved, whole)
-                    widths = counts.tolist()
-                else:  # what count_within would give is known on the host: ``widths``
-                    counts = None
-                index, valid = pick_top(scores, widths, reserved, self._most_reserved(layer))
-            else:
-                scores, counts, index, valid, reserved = self._coarse_to_fine(
-                    layer, query, takes, alpha, budgets, whole
-                )
-                widths = None
-        state = self.layers[layer]
+            choice = self.selector.choose(
+                layer, query, self.decoding, real_tokens, budgets, self.spec.group_size
+            )
+        index, valid, counts, widths = choice.index, choice.valid, choice.counts, choice.widths
         state.selected.append(counts.float().mean() if counts is not None else sum(widths) / len(widths))
         if counts is None and self.observer is not None:
             counts = torch.tensor(widths, device=index.device)
         if self.schedule.follows:  # the steps between read the tokens after these
             widths = counts.tolist() if widths is None else widths
             takes = [min(follow, count) for follow, count in zip(follows, widths, strict=True)]
-            state.followed = Schedule.best_read(scores, index, valid, takes)
+            state.followed = Schedule.best_read(choice.scores, index, valid, takes)
         if self.observer is not None:
             self.observer(
                 Rehearsal(
                     layer=layer,
                     step=self._step,
-                    scores=scores,
-                    reserved=reserved,
+                    scores=choice.scores,
+                    reserved=choice.reserved,
                     counts=counts,
                     real_tokens=tuple(real_tokens),
                     index=index,
                     valid=valid,
                     real_slots=self.real_slots(layer),
                     partial_keys=state.slots.unpacked(state.slots.view("partial")),
-                    scale=self._scales(layer),
+                    scale=self.selector.scales(layer),
                     to_partial=functools.partial(self.partial_query, layer),
                 )
             )
         return index, valid
-
-    def _budget_counts(
-        self, layer: int, real_tokens: list[int], budgets: tuple[int, ...], alpha: float | Tensor
-    ) -> list[int] | None:
-        """n' per sequence where the host knows it without a read: every row counts by its budget (alpha
-        inf) over a pool that evicted nothing, so each wants all its real tokens and ``count_within`` gives
-        the smaller of those and its budget. None where an alpha counts or slots were evicted."""
-        state = self.layers[layer]
-        if not (isinstance(alpha, float) and alpha == math.inf) or state.slots.n != state.seen:
-            return None
-        return [max(0, min(real, budget)) for real, budget in zip(real_tokens, budgets, strict=True)]
 
     def _rehearsal_query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
         """``layer``'s partial query [batch, kv_heads, group, k] from the look-ahead input ``x``, times the
@@ -495,201 +452,18 @@ class InfiniGenPolicy(HostPoolPolicy):
             self.selector_read(spec.attention[layer].q_proj.weight)
         return self.partial_query(layer, grouped) * spec.scaling(layer)
 
-    def _token_scores(self, layer: int, query: Tensor) -> Tensor:
-        """Speculative logits [batch, kv_heads, slots] of every token of ``layer`` for the partial ``query``
-        (:func:`~.rehearsal.speculative_scores`, -inf on left padding)."""
-        state = self.layers[layer]
-        real = self.real_slots(layer) if self._has_padding() else None
-        slots, scale = state.slots, self._scales(layer)
-        partial_keys = slots.view("partial")
-        self.selector_read(partial_keys, *([] if scale is None else [scale]))
-        row_columns = self.decoding.row_columns[layer]
-        return speculative_scores(query, slots.unpacked(partial_keys), row_columns, real, scale)
-
-    def _candidate_blocks(self, layer: int, budgets: list[int], whole: list[bool]) -> list[int] | None:
-        """Per sequence, the candidate blocks coarse-to-fine speculation keeps (all its blocks for a row
-        within the floor), or None when token speculation decides: blocks are off, or every row's
-        candidates would cover all of its tokens anyway."""
-        size = self.config.block_size
-        if not size:
-            return None
-        blocks = (self.layers[layer].slots.n + size - 1) // size + 1  # BlockBounds.count
-        # the reserved slots' blocks come first: room for them, and for a window that straddles a block edge
-        reserve = math.ceil((self.config.window + self.config.n_sink) / size) + 2
-        takes = [
-            blocks if full else min(math.ceil(self.config.block_candidates * budget / size) + reserve, blocks)
-            for budget, full in zip(budgets, whole, strict=True)
-        ]
-        return None if min(takes) >= blocks else takes
-
-    def _coarse_to_fine(
-        self,
-        layer: int,
-        query: Tensor,
-        takes: list[int],
-        alpha: float | Tensor,
-        budgets: list[int],
-        whole: list[bool],
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-        """Block speculation (``blocks.py``): rank blocks by their bounds, keep each row's ``takes`` best
-        (the blocks of reserved slots first), then score, count and pick tokens among them alone. Returns
-        (scores; counts; index in slots; valid; the reserved slots among the candidates). The scores are
-        the candidates' own or, with an observer or ``select_every`` > 1 (both read them by slot), every
-        slot's as token speculation gives them, -inf off the candidates.
-
-        With blocks of one token the bounds are the tokens' own scores, and it selects exactly what token
-        speculation selects: candidates are the best tokens by the same order, and a head whose candidates
-        all come within alpha (it may want more than them) is counted again over every token."""
-        state, spec = self.layers[layer], self.spec
-        slots, n = state.slots, state.slots.n
-        bounds = self._bounds(layer)
-        batch, heads = slots.pos.shape[:2]
-        blocks = bounds.count(n)
-        block_reserved = self._reserved_blocks(layer, bounds, blocks)
-        tokens = None
-        if bounds.size == 1:  # a block of one token: its bound is its score (block 0 holds nothing)
-            tokens = self._token_scores(layer, query)
-            coarse = torch.nn.functional.pad(tokens, (1, 0), value=-math.inf)
-        else:
-            self.selector_read(bounds.bounds[:, :, :blocks])
-            upper = block_scores(query, bounds, blocks, self.decoding.row_columns[layer])
-            coarse = group_relative_max(upper.flatten(1, 2), spec.group_size)
-        chosen, chosen_valid = pick_top(coarse, takes, block_reserved)
-        candidates = bounds.slots_of(chosen)  # ascending
-        present = (candidates >= 0) & (candidates < n)
-        if chosen_valid is not None:
-            present &= chosen_valid.repeat_interleave(bounds.size, dim=-1)
-        candidates = candidates.clamp(0, n - 1)
-        present &= self._real_at(layer, candidates)
-        if tokens is not None:
-            fine = torch.gather(tokens, 2, candidates).masked_fill(~present, -math.inf)
-        else:
-            keys, scale = gather_slots(slots.partial, slots.scale, candidates)
-            self.selector_read(keys, *([] if scale is None else [scale]))
-            row_columns = self.decoding.row_columns[layer]
-            fine = speculative_scores(query, slots.unpacked(keys), row_columns, present, scale)
-        fine_reserved = self._reserved(layer, candidates)
-        if fine_reserved is not None:
-            fine_reserved &= present
-        wanted, real = wanted_per_head(fine, alpha, fine_reserved)
-        counts = count_rule(wanted, real, budgets, whole)
-        with self.counting:
-            self._block_steps += 1
-        covered = torch.tensor([take >= blocks for take in takes], device=counts.device)
-        budget = torch.tensor(budgets, device=counts.device)
-        recount = ((wanted >= real) & (real > 0)).any(dim=-1) & (counts < budget) & ~covered
-        if bool(recount.any()):
-            with self.counting:
-                self._block_recounts += 1
-            if tokens is None:
-                tokens = self._token_scores(layer, query)
-            every = count_within(tokens, alpha, budgets, self._reserved(layer), whole)
-            counts = torch.where(recount, every, counts)
-        index, valid = pick_top(fine, counts.tolist(), fine_reserved)
-        index = torch.gather(candidates, 2, index)
-        if self.observer is None and not self.schedule.follows:
-            return fine, counts, index, valid, fine_reserved
-        # as token speculation's, for the observer and for what the steps between choices follow (both go by
-        # slot): the candidates' scores in their slots, -inf elsewhere
-        spread = fine.new_full((batch, heads, n + 1), -math.inf)
-        scores = spread.scatter_(2, torch.where(present, candidates, n), fine)[..., :n]
-        return scores, counts, index, valid, self._reserved(layer)
-
-    def _bounds(self, layer: int) -> BlockBounds:
-        """``layer``'s block bounds (``SlotTable.block_bounds``)."""
-        slots = self.layers[layer].slots
-        padding = self.padding or [0] * slots.pos.shape[0]
-        return slots.block_bounds(self.config.block_size, padding, functools.partial(self._real_at, layer))
-
-    def _scales(self, layer: int) -> Tensor | None:
-        """[batch, kv_heads, 1, slots]: per-token scales of ``layer``'s quantized partial keys (or None)."""
-        slots = self.layers[layer].slots
-        return None if slots.scale is None else slots.view("scale")
-
     def partial_query(self, layer: int, query: Tensor) -> Tensor:
         """``query`` [batch, kv_heads, group, d] in ``layer``'s partial columns, as its store keeps them."""
         state = self.layers[layer]
         return state.in_store(torch.matmul(query, state.projection.to(query.dtype)))
 
-    def _reserved(self, layer: int, index: Tensor | None = None) -> Tensor | None:
-        """bool [batch, kv_heads, slots] (or as ``index`` [batch, kv_heads, m], for those slots): the slots
-        of the first ``n_sink`` real tokens and of the last ``window`` past tokens (None when both are 0)."""
-        n_sink, window = self.config.n_sink, self.config.window
-        if not (n_sink or window):
-            return None
-        state = self.layers[layer]
-        batch, heads = state.slots.pos.shape[:2]
-        shared = index is None and state.slots.n == state.seen
-        if shared:  # nothing evicted: slot i holds position i in every head, so one head's answer serves all
-            index = torch.arange(state.seen, device=state.slots.pos.device).expand(batch, 1, -1)
-        pos = self._positions_at(layer, index)
-        padding = torch.tensor(self.padding or [0] * batch, device=pos.device)[:, None, None]
-        near = (((pos - padding) < n_sink) | (pos >= state.seen - window)) & self._real_at(layer, index)
-        return near.expand(-1, heads, -1) if shared else near
-
-    def _most_reserved(self, layer: int) -> int | None:
-        """The most slots :meth:`_reserved` can hold in one head, where the host knows it: nothing evicted,
-        so they are at most the sinks and the window (``pick_top`` then lifts them in one pass)."""
-        state = self.layers[layer]
-        return self.config.n_sink + self.config.window if state.slots.n == state.seen else None
-
-    def _reserved_blocks(self, layer: int, bounds: BlockBounds, blocks: int) -> Tensor | None:
-        """bool [batch, kv_heads, blocks]: the blocks that hold a reserved slot (None: none reserved)."""
-        n_sink, window = self.config.n_sink, self.config.window
-        if not (n_sink or window):
-            return None
-        state = self.layers[layer]
-        n, device = state.slots.n, state.slots.pos.device
-        batch, heads = state.slots.pos.shape[:2]
-        if n == state.seen:  # nothing evicted: slot i holds position i, so the reserved slots are known
-            padding = torch.tensor(self.padding or [0] * batch, device=device)[:, None, None]
-            sinks = padding + torch.arange(n_sink, device=device)
-            recent = torch.arange(n - window, n, device=device).expand(batch, 1, -1)
-            near = torch.cat([sinks, recent], dim=2).clamp(0, n - 1).expand(-1, heads, -1)
-            real = self._reserved(layer, near)  # out of range or padding: not reserved
-            index = torch.where(real, bounds.block_of(near), 0)  # block 0 holds no real token
-            hits = torch.zeros(batch, heads, blocks, dtype=torch.bool, device=device)
-            hits.scatter_(2, index, True)
-            hits[..., 0] = False
-            return hits
-        slot_blocks = bounds.block_of(torch.arange(n, device=device)).expand(batch, heads, n)
-        hits = torch.zeros(batch, heads, blocks, dtype=torch.int32, device=device)
-        return hits.scatter_add_(2, slot_blocks, self._reserved(layer).int()) > 0
-
-    def _has_padding(self) -> bool:
-        return any(self.padding or ())
-
     def real_slots(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: True where the slot holds a real token (not left padding)."""
-        return self._real_at(layer)
-
-    def _positions_at(self, layer: int, index: Tensor | None = None) -> Tensor:
-        """The token positions (mask columns) held by the slots ``index`` [batch, kv_heads, m] (None: every
-        slot in use)."""
-        state = self.layers[layer]
-        if index is None:
-            return state.slots.view("pos")
-        if state.slots.n == state.seen:  # nothing evicted: slot i holds position i
-            return index
-        return torch.gather(state.slots.view("pos"), 2, index)
+        return self.rows.real_at(self.layers[layer])
 
     def _real_at(self, layer: int, index: Tensor | None = None) -> Tensor:
-        """bool, as ``index`` [batch, kv_heads, m] (None: every slot in use): whether each slot holds a real
-        token (not left padding)."""
-        pos = self._positions_at(layer, index)
-        if self._real is None:
-            return torch.ones_like(pos, dtype=torch.bool)
-        prompt = self._real.shape[1]
-        real = self._real[:, None, :].expand(-1, pos.shape[1], -1)
-        in_prompt = torch.gather(real, 2, pos.clamp(max=prompt - 1))
-        return torch.where(pos < prompt, in_prompt, True)
-
-    def _real_tokens(self, layer: int) -> list[int]:
-        """Real (non-padding) tokens seen per sequence: the context the budget is a fraction of."""
-        seen = self.layers[layer].seen
-        if self._real is None:
-            return [seen] * self.layers[layer].slots.pos.shape[0]
-        return [seen - padding for padding in self.padding]
+        """``RealTokens.real_at`` of ``layer``'s slots ``index`` (None: every slot in use)."""
+        return self.rows.real_at(self.layers[layer], index)
 
     # -- decode: attend and store ----------------------------------------------------------------------------
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
@@ -725,21 +499,6 @@ class InfiniGenPolicy(HostPoolPolicy):
         slots.write(victims, position, partial, self._step, scale, real_at)
         self._evicted += victims.numel()
 
-    def _eviction_keys(self, layer: int) -> Tensor:
-        """[batch, kv_heads, slots]: lower = evicted first. Tier (padding < older half < newest half), then
-        the rule's value, then the position (older first)."""
-        slots = self.layers[layer].slots
-        pos = slots.view("pos")
-        order = pos.argsort(dim=-1)
-        rank = torch.empty_like(pos).scatter_(
-            2, order, torch.arange(slots.n, device=pos.device).expand_as(pos)
-        )
-        tier = torch.where(rank >= slots.n - slots.n // 2, 2, 1)
-        tier = torch.where(self.real_slots(layer), tier, 0)
-        rule = "fifo" if self.spec.is_sliding(layer) else self.config.eviction
-        value = {"fifo": pos, "lru": slots.view("last"), "counter": slots.view("fetches")}[rule]
-        return (tier * _SHIFT + value.clamp(max=_SHIFT - 1)) * _SHIFT + pos
-
     # -- reporting -------------------------------------------------------------------------------------------
     def device_bytes(self) -> int:
         """The partial keys (and block bounds) of every layer, and the slots kept from the step before
@@ -766,8 +525,8 @@ class InfiniGenPolicy(HostPoolPolicy):
             evicted_tokens=self._evicted,
             # coarse-to-fine speculation: layer-steps chosen among candidate blocks, and those of them
             # counted again over every token
-            block_steps=self._block_steps,
-            block_recounts=self._block_recounts,
+            block_steps=self.selector.block_steps,
+            block_recounts=self.selector.block_recounts,
             # the most partial columns the device budget allows (of head_dim), for calibrated ratios
             partial_columns_cap=None if self._cap is None else self._cap[0],
             partial_keys_stored=self._stored_keys,
@@ -806,39 +565,3 @@ class InfiniGenPolicy(HostPoolPolicy):
                 for allocated in plan.layer_ratios
             ]
         return out
-
-
-@dataclass(frozen=True)
-class Fetch:
-    """What a layer reads this step: its copy in flight, the slots it takes (None: every slot), their token
-    positions, and which of them each row attends to (None: all)."""
-
-    transfer: Transfer | Corrected
-    index: Tensor | None
-    positions: Tensor
-    valid: Tensor | None
-
-
-class Corrected:
-    """An own-query layer's rows (``own_query_prefetch``): those its prefetch copied and the correction
-    copied once its own query chose, put in the order of its own choice. ``wait()`` returns (keys, values)
-    with a spare last slot, as a fetch with ``extra=1`` does."""
-
-    def __init__(self, prefetched: Transfer, correction: Transfer | None, source: Tensor):
-        self.prefetched, self.correction = prefetched, correction
-        self.source = source  # [batch, kv_heads, m + 1]: each row's place in [prefetched + spare; correction]
-
-    def wait(self) -> tuple[Tensor, Tensor]:
-        keys, values = self.prefetched.wait()
-        if self.correction is not None:
-            more_keys, more_values = self.correction.wait()
-            keys, values = torch.cat([keys, more_keys], dim=2), torch.cat([values, more_values], dim=2)
-        batch, heads, rows, dim = keys.shape
-        # whole rows by one index_select over [batch * heads * rows, dim] (a per-element gather is slower)
-        starts = torch.arange(batch * heads, device=keys.device).view(batch, heads, 1) * rows
-        flat = (self.source + starts).view(-1)
-        shape = (batch, heads, self.source.shape[2], dim)
-        keys, values = (
-            rows_of.reshape(-1, dim).index_select(0, flat).view(shape) for rows_of in (keys, values)
-        )
-        return keys, values

@@ -1,0 +1,308 @@
+"""InfiniGen's choice for one managed layer in one decode step, from the rehearsal's partial query.
+
+:class:`Selector` scores every slot of the layer (``rehearsal.speculative_scores``), counts n' per sequence
+(``rehearsal.count_within``, or on the host where every row counts by its budget over a pool that evicted
+nothing) and takes each head's top n' with ``base.pick_top``, the reserved slots (the first ``n_sink`` real
+tokens and the last ``window``) first. With ``block_size`` above 0 it chooses coarse to fine: blocks ranked
+by the bounds of their partial keys (``blocks.py``), then tokens scored, counted and picked among the best
+blocks alone. :class:`RealTokens` says which slots of a left-padded batch hold real tokens. The policy
+decides when a layer chooses and copies what it chose (``policy.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..base import group_relative_max, pick_top
+from .blocks import BlockBounds, block_scores, gather_slots
+from .config import InfiniGenConfig
+from .layer import LayerState
+from .plan import DecodePlan
+from .rehearsal import count_rule, count_within, speculative_scores, wanted_per_head
+
+Tensor = torch.Tensor
+
+
+class Meter(Protocol):
+    """Where the selector's work is counted (the policy's statistics)."""
+
+    counting: AbstractContextManager
+
+    def selector_read(self, *tensors: Tensor) -> None: ...
+
+
+class RealTokens:
+    """Which slots of a left-padded batch hold real tokens: the prompt's mask of real positions, kept from
+    its prefill (later positions are all real), and each row's left padding on the host."""
+
+    def __init__(self) -> None:
+        self.mask: Tensor | None = None  # [batch, prompt tokens]: True = real token (None: no padding)
+        self.padding: list[int] | None = None  # per row, on the host (None: no mask seen)
+
+    def row_padding(self, batch: int) -> list[int]:
+        return self.padding or [0] * batch
+
+    @property
+    def padded(self) -> bool:
+        return any(self.padding or ())
+
+    @staticmethod
+    def positions_at(state: LayerState, index: Tensor | None = None) -> Tensor:
+        """The token positions (mask columns) held by the slots ``index`` [batch, kv_heads, m] (None: every
+        slot in use)."""
+        if index is None:
+            return state.slots.view("pos")
+        if state.slots.n == state.seen:  # nothing evicted: slot i holds position i
+            return index
+        return torch.gather(state.slots.view("pos"), 2, index)
+
+    def real_at(self, state: LayerState, index: Tensor | None = None) -> Tensor:
+        """bool, as ``index`` [batch, kv_heads, m] (None: every slot in use): whether each slot holds a real
+        token (not left padding)."""
+        pos = self.positions_at(state, index)
+        if self.mask is None:
+            return torch.ones_like(pos, dtype=torch.bool)
+        prompt = self.mask.shape[1]
+        real = self.mask[:, None, :].expand(-1, pos.shape[1], -1)
+        in_prompt = torch.gather(real, 2, pos.clamp(max=prompt - 1))
+        return torch.where(pos < prompt, in_prompt, True)
+
+    def count(self, state: LayerState) -> list[int]:
+        """Real (non-padding) tokens seen per sequence: the context the budget is a fraction of."""
+        if self.mask is None:
+            return [state.seen] * state.slots.pos.shape[0]
+        return [state.seen - padding for padding in self.padding]
+
+
+@dataclass
+class Choice:
+    """What a layer reads: slots [batch, kv_heads, max n'] ascending per row and which of them each row
+    attends to (None: all); the scores they were picked by, n' per sequence (None where the host knows it:
+    ``widths``) and the reserved slots."""
+
+    index: Tensor
+    valid: Tensor | None
+    scores: Tensor
+    counts: Tensor | None
+    widths: list[int] | None
+    reserved: Tensor | None
+
+
+class Selector:
+    """Chooses what a managed layer reads (module docstring); counts its work on ``meter``.
+    ``keep_slot_scores``: a coarse-to-fine choice returns every slot's scores, not only its candidates'
+    (an observer, and the steps between choices of ``select_every`` > 1, read them by slot)."""
+
+    def __init__(
+        self,
+        config: InfiniGenConfig,
+        layers: list[LayerState],
+        rows: RealTokens,
+        meter: Meter,
+        keep_slot_scores: bool,
+    ):
+        self.config, self.layers, self.rows, self.meter = config, layers, rows, meter
+        self.keep_slot_scores = keep_slot_scores
+        self.block_steps = 0  # layer-steps chosen coarse to fine
+        self.block_recounts = 0  # of those, counted again over every token (a head wanted all candidates)
+
+    def choose(
+        self,
+        layer: int,
+        query: Tensor,
+        plan: DecodePlan,
+        real_tokens: list[int],
+        budgets: tuple[int, ...],
+        group_size: int,
+    ) -> Choice:
+        """``layer``'s choice for the partial ``query`` [batch, kv_heads, group, k] (scaled), each sequence
+        within its budget of ``budgets`` (of its ``real_tokens``)."""
+        whole = [n <= self.config.min_tokens for n in real_tokens]  # within the floor: everything
+        alpha = plan.row_alphas[layer]
+        takes = self._candidate_blocks(layer, budgets, whole)
+        if takes is not None:
+            return self._coarse_to_fine(layer, query, plan, takes, alpha, budgets, whole, group_size)
+        reserved = self.reserved(layer)
+        scores = self.token_scores(layer, query, plan)
+        widths = self._budget_counts(layer, real_tokens, budgets, alpha)
+        if widths is None:  # an alpha counts: the gather's width is read back (one host sync)
+            counts = count_within(scores, alpha, budgets, reserved, whole)
+            widths = counts.tolist()
+        else:  # what count_within would give is known on the host: ``widths``
+            counts = None
+        index, valid = pick_top(scores, widths, reserved, self._most_reserved(layer))
+        return Choice(index, valid, scores, counts, widths, reserved)
+
+    def _budget_counts(
+        self, layer: int, real_tokens: list[int], budgets: tuple[int, ...], alpha: float | Tensor
+    ) -> list[int] | None:
+        """n' per sequence where the host knows it without a read: every row counts by its budget (alpha
+        inf) over a pool that evicted nothing, so each wants all its real tokens and ``count_within`` gives
+        the smaller of those and its budget. None where an alpha counts or slots were evicted."""
+        state = self.layers[layer]
+        if not (isinstance(alpha, float) and alpha == math.inf) or state.slots.n != state.seen:
+            return None
+        return [max(0, min(real, budget)) for real, budget in zip(real_tokens, budgets, strict=True)]
+
+    def token_scores(self, layer: int, query: Tensor, plan: DecodePlan) -> Tensor:
+        """Speculative logits [batch, kv_heads, slots] of every token of ``layer`` for the partial ``query``
+        (:func:`~.rehearsal.speculative_scores`, -inf on left padding)."""
+        state = self.layers[layer]
+        real = self.rows.real_at(state) if self.rows.padded else None
+        slots, scale = state.slots, self.scales(layer)
+        partial_keys = slots.view("partial")
+        self.meter.selector_read(partial_keys, *([] if scale is None else [scale]))
+        return speculative_scores(query, slots.unpacked(partial_keys), plan.row_columns[layer], real, scale)
+
+    def scales(self, layer: int) -> Tensor | None:
+        """[batch, kv_heads, 1, slots]: per-token scales of ``layer``'s quantized partial keys (or None)."""
+        slots = self.layers[layer].slots
+        return None if slots.scale is None else slots.view("scale")
+
+    def _candidate_blocks(self, layer: int, budgets: tuple[int, ...], whole: list[bool]) -> list[int] | None:
+        """Per sequence, the candidate blocks coarse-to-fine speculation keeps (all its blocks for a row
+        within the floor), or None when token speculation decides: blocks are off, or every row's
+        candidates would cover all of its tokens anyway."""
+        size = self.config.block_size
+        if not size:
+            return None
+        blocks = (self.layers[layer].slots.n + size - 1) // size + 1  # BlockBounds.count
+        # the reserved slots' blocks come first: room for them, and for a window that straddles a block edge
+        reserve = math.ceil((self.config.window + self.config.n_sink) / size) + 2
+        takes = [
+            blocks if full else min(math.ceil(self.config.block_candidates * budget / size) + reserve, blocks)
+            for budget, full in zip(budgets, whole, strict=True)
+        ]
+        return None if min(takes) >= blocks else takes
+
+    def _coarse_to_fine(
+        self,
+        layer: int,
+        query: Tensor,
+        plan: DecodePlan,
+        takes: list[int],
+        alpha: float | Tensor,
+        budgets: tuple[int, ...],
+        whole: list[bool],
+        group_size: int,
+    ) -> Choice:
+        """Block speculation (``blocks.py``): rank blocks by their bounds, keep each row's ``takes`` best
+        (the blocks of reserved slots first), then score, count and pick tokens among them alone. The
+        choice's scores are the candidates' own or, with an observer or ``select_every`` > 1 (both read
+        them by slot: ``keep_slot_scores``), every slot's as token speculation gives them, -inf off the
+        candidates.
+
+        With blocks of one token the bounds are the tokens' own scores, and it selects exactly what token
+        speculation selects: candidates are the best tokens by the same order, and a head whose candidates
+        all come within alpha (it may want more than them) is counted again over every token."""
+        state = self.layers[layer]
+        slots, n = state.slots, state.slots.n
+        bounds = self.bounds(layer)
+        batch, heads = slots.pos.shape[:2]
+        blocks = bounds.count(n)
+        block_reserved = self._reserved_blocks(layer, bounds, blocks)
+        tokens = None
+        if bounds.size == 1:  # a block of one token: its bound is its score (block 0 holds nothing)
+            tokens = self.token_scores(layer, query, plan)
+            coarse = torch.nn.functional.pad(tokens, (1, 0), value=-math.inf)
+        else:
+            self.meter.selector_read(bounds.bounds[:, :, :blocks])
+            upper = block_scores(query, bounds, blocks, plan.row_columns[layer])
+            coarse = group_relative_max(upper.flatten(1, 2), group_size)
+        chosen, chosen_valid = pick_top(coarse, takes, block_reserved)
+        candidates = bounds.slots_of(chosen)  # ascending
+        present = (candidates >= 0) & (candidates < n)
+        if chosen_valid is not None:
+            present &= chosen_valid.repeat_interleave(bounds.size, dim=-1)
+        candidates = candidates.clamp(0, n - 1)
+        present &= self.rows.real_at(state, candidates)
+        if tokens is not None:
+            fine = torch.gather(tokens, 2, candidates).masked_fill(~present, -math.inf)
+        else:
+            keys, scale = gather_slots(slots.partial, slots.scale, candidates)
+            self.meter.selector_read(keys, *([] if scale is None else [scale]))
+            fine = speculative_scores(query, slots.unpacked(keys), plan.row_columns[layer], present, scale)
+        fine_reserved = self.reserved(layer, candidates)
+        if fine_reserved is not None:
+            fine_reserved &= present
+        wanted, real = wanted_per_head(fine, alpha, fine_reserved)
+        counts = count_rule(wanted, real, budgets, whole)
+        with self.meter.counting:
+            self.block_steps += 1
+        covered = torch.tensor([take >= blocks for take in takes], device=counts.device)
+        budget = torch.tensor(budgets, device=counts.device)
+        recount = ((wanted >= real) & (real > 0)).any(dim=-1) & (counts < budget) & ~covered
+        if bool(recount.any()):
+            with self.meter.counting:
+                self.block_recounts += 1
+            if tokens is None:
+                tokens = self.token_scores(layer, query, plan)
+            every = count_within(tokens, alpha, budgets, self.reserved(layer), whole)
+            counts = torch.where(recount, every, counts)
+        index, valid = pick_top(fine, counts.tolist(), fine_reserved)
+        index = torch.gather(candidates, 2, index)
+        if not self.keep_slot_scores:
+            return Choice(index, valid, fine, counts, None, fine_reserved)
+        # as token speculation's, for the observer and for what the steps between choices follow (both go by
+        # slot): the candidates' scores in their slots, -inf elsewhere
+        spread = fine.new_full((batch, heads, n + 1), -math.inf)
+        scores = spread.scatter_(2, torch.where(present, candidates, n), fine)[..., :n]
+        return Choice(index, valid, scores, counts, None, self.reserved(layer))
+
+    def bounds(self, layer: int) -> BlockBounds:
+        """``layer``'s block bounds (``SlotTable.block_bounds``)."""
+        state = self.layers[layer]
+        padding = self.rows.row_padding(state.slots.pos.shape[0])
+        real_at = functools.partial(self.rows.real_at, state)
+        return state.slots.block_bounds(self.config.block_size, padding, real_at)
+
+    def reserved(self, layer: int, index: Tensor | None = None) -> Tensor | None:
+        """bool [batch, kv_heads, slots] (or as ``index`` [batch, kv_heads, m], for those slots): the slots
+        of the first ``n_sink`` real tokens and of the last ``window`` past tokens (None when both are 0)."""
+        n_sink, window = self.config.n_sink, self.config.window
+        if not (n_sink or window):
+            return None
+        state = self.layers[layer]
+        batch, heads = state.slots.pos.shape[:2]
+        shared = index is None and state.slots.n == state.seen
+        if shared:  # nothing evicted: slot i holds position i in every head, so one head's answer serves all
+            index = torch.arange(state.seen, device=state.slots.pos.device).expand(batch, 1, -1)
+        pos = self.rows.positions_at(state, index)
+        padding = torch.tensor(self.rows.row_padding(batch), device=pos.device)[:, None, None]
+        near = (((pos - padding) < n_sink) | (pos >= state.seen - window)) & self.rows.real_at(state, index)
+        return near.expand(-1, heads, -1) if shared else near
+
+    def _most_reserved(self, layer: int) -> int | None:
+        """The most slots :meth:`reserved` can hold in one head, where the host knows it: nothing evicted,
+        so they are at most the sinks and the window (``pick_top`` then lifts them in one pass)."""
+        state = self.layers[layer]
+        return self.config.n_sink + self.config.window if state.slots.n == state.seen else None
+
+    def _reserved_blocks(self, layer: int, bounds: BlockBounds, blocks: int) -> Tensor | None:
+        """bool [batch, kv_heads, blocks]: the blocks that hold a reserved slot (None: none reserved)."""
+        n_sink, window = self.config.n_sink, self.config.window
+        if not (n_sink or window):
+            return None
+        state = self.layers[layer]
+        n, device = state.slots.n, state.slots.pos.device
+        batch, heads = state.slots.pos.shape[:2]
+        if n == state.seen:  # nothing evicted: slot i holds position i, so the reserved slots are known
+            padding = torch.tensor(self.rows.row_padding(batch), device=device)[:, None, None]
+            sinks = padding + torch.arange(n_sink, device=device)
+            recent = torch.arange(n - window, n, device=device).expand(batch, 1, -1)
+            near = torch.cat([sinks, recent], dim=2).clamp(0, n - 1).expand(-1, heads, -1)
+            real = self.reserved(layer, near)  # out of range or padding: not reserved
+            index = torch.where(real, bounds.block_of(near), 0)  # block 0 holds no real token
+            hits = torch.zeros(batch, heads, blocks, dtype=torch.bool, device=device)
+            hits.scatter_(2, index, True)
+            hits[..., 0] = False
+            return hits
+        slot_blocks = bounds.block_of(torch.arange(n, device=device)).expand(batch, heads, n)
+        hits = torch.zeros(batch, heads, blocks, dtype=torch.int32, device=device)
+        return hits.scatter_add_(2, slot_blocks, self.reserved(layer).int()) > 0
