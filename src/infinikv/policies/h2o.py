@@ -89,7 +89,7 @@ class H2OPolicy(HostPoolPolicy):
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
     ) -> Tensor:
-        if q.shape[2] == 1:
+        if layer in self._new:  # this step's decode() handed the new token (a one-token prompt is a prefill)
             return self._attend_decode(layer, q, k, v, mask, scaling)
         if not self.spec.is_sliding(layer):
             self._score_prompt(layer, q, k, mask, scaling)
