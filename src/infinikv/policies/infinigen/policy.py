@@ -98,9 +98,10 @@ from ...copiers import Transfer
 from ...errors import PolicyError
 from ...spec import ModelSpec
 from ..base import HostPoolPolicy, Selection, first_slots, group_relative_max, pick_top
+from ..bounds import BlockBounds
 from ..registry import register
 from . import skewfile
-from .blocks import BlockBounds, block_scores, gather_slots
+from .blocks import block_scores, gather_slots
 from .calibration import ensure_skew
 from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, PARTIAL_KEYS, InfiniGenConfig
 from .layer import LayerState
