@@ -114,7 +114,8 @@ class BlockBounds:
         self.write(blocks, read(slots), inside & real_at(slots))
 
     def build(self, n: int, read: SlotsTo, real_at: SlotsTo, batch: int, heads: int) -> None:
-        """All bounds, from the first ``n`` slots (those in use); arguments as :meth:`refresh`."""
+        """All bounds of ``batch`` rows and ``heads`` KV heads, from the first ``n`` slots (those in use);
+        the other arguments as :meth:`refresh`."""
         every = torch.arange(self.count(n), device=self.offsets.device).expand(batch, heads, -1)
         self.refresh(every, n, read, real_at)
 

@@ -167,6 +167,7 @@ class SlotTable:
         return held + (0 if self.bounds is None else self.bounds.nbytes())
 
     def _new_bounds(self, block_size: int, padding: list[int]) -> BlockBounds:
+        """InfiniGen's block bounds: bfloat16, rounded outward (a ranking on low-precision bounds)."""
         return BlockBounds(block_size, padding, self.pos.device, dtype=BOUND_DTYPE, outward=True)
 
     def _values(self) -> SlotsTo:
