@@ -16,6 +16,7 @@ from infinikv.errors import PolicyError
 from infinikv.forward import Driver
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, prepare, resolve_budget
 from infinikv.policies.base import pick_top
+from infinikv.policies.bounds import BlockBounds
 from infinikv.policies.infinigen import blocks, calibration, rehearsal, skewfile
 from infinikv.policies.infinigen.config import FOLLOWED_SHARE
 from infinikv.policies.infinigen.rehearsal import Rehearsal
@@ -1203,8 +1204,8 @@ def test_block_bounds_bound_every_token_of_their_block(bits):
         stored = keys if bits == 8 else pack_nibbles(keys)
         return stored.transpose(2, 3).contiguous(), scale.transpose(2, 3).contiguous()
 
-    bounds = blocks.BlockBounds(size, padding, torch.device("cpu"))
-    bounds.build(*store(), n, real_at, unpack)
+    bounds = BlockBounds(size, padding, torch.device("cpu"), dtype=blocks.BOUND_DTYPE, outward=True)
+    bounds.build(n, blocks.partial_values(*store(), unpack), real_at, batch, heads)
     for extra in range(4):  # new tokens, one slot each
         bounds.extend(
             n + extra,
@@ -1213,7 +1214,8 @@ def test_block_bounds_bound_every_token_of_their_block(bits):
             ),
         )
     keys[0, 1, 20] = 7  # an overwrite (the largest 4-bit value), then its block again
-    bounds.refresh(bounds.block_of(torch.full((batch, heads, 1), 20)), *store(), n + 4, real_at, unpack)
+    read = blocks.partial_values(*store(), unpack)
+    bounds.refresh(bounds.block_of(torch.full((batch, heads, 1), 20)), n + 4, read, real_at)
     values = rehearsal.dequantized(keys, scale)
     for row in range(batch):
         first = bounds.block_of(torch.tensor([[[padding[row]]]]))[0, 0, 0]

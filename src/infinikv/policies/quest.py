@@ -1,7 +1,9 @@
 """``quest``: query-aware page selection (Tang et al., 2024, https://arxiv.org/abs/2406.10774).
 
 The cache is cut into pages of ``page_size`` consecutive tokens. For every full page the policy keeps, on
-the compute device, the per-channel minimum and maximum of its keys (post-RoPE). In a decode step, with the
+the compute device, the per-channel minimum and maximum of its keys (post-RoPE), in the block bounds it
+shares with InfiniGen's coarse-to-fine speculation (``bounds.BlockBounds``: a page is a block), in the
+model's dtype with no rounding, so they are the keys' own values. In a decode step, with the
 layer's real query q, each page gets the upper bound of any of its tokens' logits,
 sum_c max(q_c * max_c, q_c * min_c); the pages with the highest bounds are gathered from the host pool,
 and the newest (partial) page is always attended.
@@ -15,6 +17,8 @@ tokens (the partial page and the new token included); a fraction (<= 1) refers t
 Batches: a row's pages start at its own first real token (left padding is never paged), so they hold the
 tokens they hold when the row runs alone; rows with fewer pages, or a shorter budget, than their batchmates
 hide the extra slots of the gather (``Selection.valid``), so a row's selection does not depend on its batch.
+A unit of the seam is a row's page, numbered from its first one (page j of row r is the block after its
+first page's by j), so ties and a shorter row's missing pages fall as they do when it runs alone.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from ..spec import ModelSpec
 from .base import ScoredPolicy, resolve_budget
+from .bounds import BlockBounds
 from .config import PolicyConfig, knob, min_tokens_knob
 from .registry import register
 
@@ -64,13 +69,12 @@ class QuestPolicy(ScoredPolicy):
         super().__init__(config, spec, device)
         layers = spec.num_layers
         # Per layer, each row's pages start at its own first real token (its left padding is never paged),
-        # so a row's pages are the ones it has alone. Rows differ in how many pages they have:
-        # page_max / page_min [batch, kv_heads, most pages, head_dim], a row's missing pages at -inf / +inf;
-        # partial [batch, kv_heads, page_size, head_dim] holds the keys of each row's unfinished page. Per
-        # row, on the host (so a step reads nothing back): its full pages (n_pages), the keys of its
-        # unfinished page (n_partial) and the slot of its first real token (first_real, -1: none yet).
-        self.page_max: list[Tensor | None] = [None] * layers
-        self.page_min: list[Tensor | None] = [None] * layers
+        # so a row's pages are the ones it has alone. pages: the bounds of the full pages (a block per
+        # page, blocks aligned on each row's first real token); partial [batch, kv_heads, page_size,
+        # head_dim] holds the keys of each row's unfinished page. Per row, on the host (so a step reads
+        # nothing back): its full pages (n_pages), the keys of its unfinished page (n_partial) and the slot
+        # of its first real token (first_real, -1: none yet).
+        self.pages: list[BlockBounds | None] = [None] * layers
         self.partial: list[Tensor | None] = [None] * layers
         self.n_pages: list[list[int]] = [[] for _ in range(layers)]
         self.n_partial: list[list[int]] = [[] for _ in range(layers)]
@@ -88,15 +92,17 @@ class QuestPolicy(ScoredPolicy):
         padding = self.padding or [0] * batch
         n_real = [count - min(max(pad - start, 0), count) for pad in padding]
         if self.partial[layer] is None:
-            self.page_max[layer] = k.new_empty(batch, heads, 0, dim)
-            self.page_min[layer] = k.new_empty(batch, heads, 0, dim)
+            self.pages[layer] = BlockBounds(size, [0] * batch, device, dtype=k.dtype, outward=False)
             self.partial[layer] = k.new_zeros(batch, heads, size, dim)
             self.n_pages[layer], self.n_partial[layer] = [0] * batch, [0] * batch
             self.first_real[layer] = [-1] * batch
-        self.first_real[layer] = [
+        first = [
             start + count - real if first < 0 and real > 0 else first
             for first, real in zip(self.first_real[layer], n_real, strict=True)
         ]
+        if first != self.first_real[layer]:  # a row's first real token: its blocks start there
+            self.first_real[layer] = first
+            self.pages[layer].align([max(slot, 0) for slot in first])
         held, width = self.n_partial[layer], size + count
         if n_real == [1] * batch and max(held) + 1 < size:  # a decode step that closes no page
             rows = torch.arange(batch, device=device)
@@ -113,28 +119,32 @@ class QuestPolicy(ScoredPolicy):
         total = [have + real for have, real in zip(held, n_real, strict=True)]
         closed = [n // size for n in total]  # pages each row completes now
         if max(closed) > 0:
-            blocks = joined[:, :, : width // size * size].unflatten(2, (-1, size))
-            self._append_pages(layer, blocks.amax(dim=3), blocks.amin(dim=3), closed)
+            self._close_pages(layer, joined, closed)
         # What is left after the closed pages goes to the front of the partial buffer.
         rest = (torch.tensor(closed)[:, None] * size + torch.arange(size)).clamp(max=width - 1).to(device)
         self.partial[layer] = joined.gather(2, rest[:, None, :, None].expand(batch, heads, size, dim))
         self.n_partial[layer] = [n - pages * size for n, pages in zip(total, closed, strict=True)]
 
-    def _append_pages(self, layer: int, new_max: Tensor, new_min: Tensor, closed: list[int]) -> None:
-        """Put row r's first ``closed[r]`` of ``new_max``/``new_min`` after its ``n_pages[r]`` pages."""
-        old_max, old_min = self.page_max[layer], self.page_min[layer]
-        batch, heads, _, dim = new_max.shape
-        after = [have + new for have, new in zip(self.n_pages[layer], closed, strict=True)]
-        have, most = torch.tensor(self.n_pages[layer])[:, None], max(after)
-        at = torch.arange(most)
-        source = torch.where(at >= have, old_max.shape[2] + at - have, at)
-        source = source.clamp(0, old_max.shape[2] + new_max.shape[2] - 1).to(new_max.device)
-        pick = source[:, None, :, None].expand(batch, heads, most, dim)
-        inf = torch.tensor(float("inf"), dtype=new_max.dtype, device=new_max.device)
-        keep = (at < torch.tensor(after)[:, None]).to(new_max.device)[:, None, :, None]
-        self.page_max[layer] = torch.where(keep, torch.cat([old_max, new_max], dim=2).gather(2, pick), -inf)
-        self.page_min[layer] = torch.where(keep, torch.cat([old_min, new_min], dim=2).gather(2, pick), inf)
-        self.n_pages[layer] = after
+    def _close_pages(self, layer: int, joined: Tensor, closed: list[int]) -> None:
+        """Bound row r's first ``closed[r]`` pages of ``joined`` [batch, kv_heads, width, head_dim] (its
+        unfinished keys, gathered to the front) as its pages after its ``n_pages[r]``."""
+        pages, size = self.pages[layer], self.config.page_size
+        batch, heads = joined.shape[:2]
+        most, device = max(closed), joined.device
+        after = [
+            block + have for block, have in zip(self._first_blocks(layer), self.n_pages[layer], strict=True)
+        ]
+        blocks = (torch.tensor(after)[:, None] + torch.arange(most)).to(device)[:, None].expand(-1, heads, -1)
+        # a row closing fewer than the most writes its next blocks as empty: they hold nothing yet
+        present = torch.arange(most * size) < torch.tensor(closed)[:, None] * size
+        present = present.to(device)[:, None].expand(-1, heads, -1)
+        pages.write(blocks, joined[:, :, : most * size], present, needed=max(after) + most)
+        self.n_pages[layer] = [have + new for have, new in zip(self.n_pages[layer], closed, strict=True)]
+
+    def _first_blocks(self, layer: int) -> list[int]:
+        """Per row, the block of its first page (on the host)."""
+        pages = self.pages[layer]
+        return [pages.block_at(row, max(first, 0)) for row, first in enumerate(self.first_real[layer])]
 
     # -- the seam ------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -165,12 +175,22 @@ class QuestPolicy(ScoredPolicy):
     def score(self, layer: int, n_past: int, batch: int) -> Tensor:
         """Each page's upper bound on the logit of any of its tokens, per KV head: [batch, kv_heads, pages]
         (the max over the group's query heads, as the paper's; -inf on the pages a row does not have)."""
-        query, page_max, page_min = self.query(layer), self.page_max[layer], self.page_min[layer]
-        self.selector_read(page_max, page_min)
-        batch, kv_heads, n_pages, _ = page_max.shape
+        query, n_pages = self.query(layer), self.n_pages[layer]
+        first = self._first_blocks(layer)
+        low, most = min(first), max(n_pages)
+        high = max(block + have for block, have in zip(first, n_pages, strict=True))
+        table = self.pages[layer].bounds[:, :, low:high]
+        self.selector_read(table)
+        kv_heads, dim = table.shape[1], table.shape[3] // 2
+        page_max, page_min = table[..., :dim], -table[..., dim:]  # [max; -min]: both exact
         q = query.reshape(batch, kv_heads, query.shape[1] // kv_heads, 1, -1)
         bound = torch.maximum(q * page_max[:, :, None], q * page_min[:, :, None]).sum(dim=-1).amax(dim=2)
-        real = page_max[..., 0] > float("-inf")  # pages the row has (a shorter row's others are -inf)
+        at = torch.arange(most)
+        if min(first) != max(first):  # rows' pages start at different blocks: each row's from its first
+            start = (torch.tensor(first) - low)[:, None] + at
+            pick = start.clamp(max=table.shape[2] - 1).to(bound.device)[:, None].expand(-1, kv_heads, -1)
+            bound = bound.gather(2, pick)
+        real = (at < torch.tensor(n_pages)[:, None]).to(bound.device)[:, None]  # a shorter row's: -inf
         return torch.where(real, bound, float("-inf"))
 
     def expand(self, layer: int, index: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -192,5 +212,6 @@ class QuestPolicy(ScoredPolicy):
         return slots, torch.cat([page_valid.repeat_interleave(size, dim=2), partial_valid], dim=2)
 
     def device_bytes(self) -> int:
-        metadata = (*self.page_max, *self.page_min, *self.partial)
-        return sum(meta.numel() * meta.element_size() for meta in metadata if meta is not None)
+        """The bounds of the full pages (``BlockBounds.nbytes``) and the unfinished pages' keys."""
+        held = sum(pages.nbytes() for pages in self.pages if pages is not None)
+        return held + sum(keys.numel() * keys.element_size() for keys in self.partial if keys is not None)

@@ -20,7 +20,8 @@ from typing import Protocol
 import torch
 
 from ..base import group_relative_max, pick_top
-from .blocks import BlockBounds, block_scores, gather_slots
+from ..bounds import BlockBounds
+from .blocks import block_scores, gather_slots
 from .config import InfiniGenConfig
 from .layer import LayerState
 from .plan import DecodePlan

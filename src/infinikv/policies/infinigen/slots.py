@@ -5,7 +5,8 @@ position: the table keeps, per (sequence, KV head) and slot, the token position 
 how often and when it was last fetched (the ``counter`` and ``lru`` eviction rules), and, for layers the
 policy rehearses, the token's partial skewed key (4-bit ones packed two columns to a byte: readers take
 them through :meth:`SlotTable.unpacked`) and, under block speculation, the bounds of their blocks
-(``blocks.BlockBounds``), which the table keeps up to date as slots are stored, overwritten and moved.
+(``policies.bounds.BlockBounds``, bfloat16 rounded outward), which the table keeps up to date as slots are
+stored, overwritten and moved.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from .blocks import BlockBounds
+from ..bounds import BlockBounds, SlotsTo
+from .blocks import BOUND_DTYPE, partial_values
 from .rehearsal import dequantized
 
 Tensor = torch.Tensor
@@ -106,9 +108,7 @@ class SlotTable:
         if scale is not None:
             self.scale.scatter_(3, index[:, :, None], scale.transpose(2, 3))
         if self.bounds is not None and self.bounds.size > 1:
-            self.bounds.refresh(
-                self.bounds.block_of(index), self.partial, self.scale, self.n, real_at, self.unpacked
-            )
+            self.bounds.refresh(self.bounds.block_of(index), self.n, self._values(), real_at)
 
     def bound_chunk(
         self, start: int, count: int, block_size: int, padding: list[int], real_at: RealAt
@@ -117,20 +117,20 @@ class SlotTable:
         the chunk arrives (so the first decode step does not pay for the whole prompt's); ``padding``: each
         row's left padding so far, where its blocks start."""
         if self.bounds is None:
-            self.bounds = BlockBounds(block_size, padding, self.pos.device)
+            self.bounds = self._new_bounds(block_size, padding)
         self.bounds.align(padding)
         ends = self.bounds.block_of(torch.tensor([start, start + count - 1], device=self.pos.device))
         touched = torch.arange(int(ends.min()), int(ends.max()) + 1, device=self.pos.device)
         touched = touched.expand(*self.pos.shape[:2], -1)
-        self.bounds.refresh(touched, self.partial, self.scale, self.n, real_at, self.unpacked)
+        self.bounds.refresh(touched, self.n, self._values(), real_at)
 
     def block_bounds(self, block_size: int, padding: list[int], real_at: RealAt) -> BlockBounds:
         """The bounds of the slots' blocks, taken from the partial keys on first use (and after
         :meth:`keep` moved the slots)."""
         if self.bounds is None:
-            self.bounds = BlockBounds(block_size, padding, self.pos.device)
+            self.bounds = self._new_bounds(block_size, padding)
             if block_size > 1:
-                self.bounds.build(self.partial, self.scale, self.n, real_at, self.unpacked)
+                self.bounds.build(self.n, self._values(), real_at, *self.pos.shape[:2])
         return self.bounds
 
     def keep(self, index: Tensor) -> None:
@@ -165,6 +165,14 @@ class SlotTable:
         tables = [self.view(name) for name in ("partial", "scale") if getattr(self, name) is not None]
         held = sum(table.numel() * table.element_size() for table in tables)
         return held + (0 if self.bounds is None else self.bounds.nbytes())
+
+    def _new_bounds(self, block_size: int, padding: list[int]) -> BlockBounds:
+        """InfiniGen's block bounds: bfloat16, rounded outward (a ranking on low-precision bounds)."""
+        return BlockBounds(block_size, padding, self.pos.device, dtype=BOUND_DTYPE, outward=True)
+
+    def _values(self) -> SlotsTo:
+        """What the bounds read of the slots: their partial keys as values (``blocks.partial_values``)."""
+        return partial_values(self.partial, self.scale, self.unpacked)
 
     def _packed(self, partial: Tensor | None) -> Tensor | None:
         """New tokens' partial keys [batch, kv_heads, q, k] as the table stores them."""
