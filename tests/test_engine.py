@@ -98,6 +98,18 @@ def test_joining_sharing_a_prefix_and_preemption_leave_every_row_its_own_tokens(
     scenario(tiny, make_config(policy), document, questions, chat, new=24, block=BLOCK, chunk=CHUNK)
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_one_token_prompt_beside_a_longer_one_gets_its_tokens_alone(tiny, policy):
+    """A prompt of one token is a prefill of one (nothing is cached before it), not a decode step, for every
+    policy; a longer request decoding beside it is not disturbed."""
+    config = make_config(policy)
+    prompts = [ids(tiny, "The harbour lantern glowed over the copper river."), ids(tiny, "The")[:1]]
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
+    results = run(engine, [(prompt, config, GREEDY) for prompt in prompts], join_at=[0, 3])
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == alone(tiny, prompt, config)
+
+
 def test_a_prompt_of_whole_cached_blocks_prefills_nothing(tiny):
     engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
     prompt = ids(tiny, "x" * (3 * BLOCK))

@@ -246,11 +246,15 @@ BAD = {
     "knob out of range": {"prompt": "hi", "kv_policy": "quest", "kv_budget": -1},
     "knob of the wrong type": {"prompt": "hi", "kv_policy": "quest", "kv_page_size": "big"},
     "nested 100,000 deep": '{"prompt": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    "a lone surrogate in the prompt": '{"prompt": "hi \\udcff"}',
+    "a lone surrogate in a stop string": '{"prompt": "hi", "stop": ["\\udcff"]}',
+    "an integer of 5,000 digits": '{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}",
 }
 BAD_CHAT = {
     "no messages": {"messages": []},
     "message without content": {"messages": [{"role": "user"}]},
     "unknown role": {"messages": [{"role": "wizard", "content": "hi"}]},
+    "a lone surrogate in a message": '{"messages": [{"role": "user", "content": "\\udcff"}]}',
     "both token limits": {
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2,
@@ -313,6 +317,8 @@ def test_bad_knob_names_its_parameter(server):
         ({"seed": 2**64}, "seed"),
         ({"stop": ["a", ""]}, "stop"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ["\udcff"]}, "stop"),  # a lone surrogate: not UTF-8
+        ({"prompt": "hi \udcff"}, "prompt"),
         ({"kv_policy": "magic"}, "kv_policy"),
         ({"kv_policy": 3}, "kv_policy"),
         ({"kv_policy": "quest", "kv_budget": 0.5, "kv_alpha": 3}, "kv_alpha"),
@@ -425,6 +431,47 @@ def test_an_unexpected_error_is_a_500_and_the_connection_still_serves(server, mo
     finally:
         connection.close()
     assert metric(app, "infinikv_requests_total", policy="none", status="500") - errors0 == 1
+
+
+def test_an_unknown_path_or_method_is_an_openai_error(server):
+    url, _ = server
+    for path, status in (("/v1/nowhere", 404), ("/v1/completions", 405)):
+        response = httpx.get(f"{url}{path}")
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+
+
+def test_a_failed_step_fails_the_requests_it_ran_and_not_those_waiting(model, monkeypatch):
+    """One running request at a time: the first one's step fails (its policy raises once another request
+    waits), so it gets a 500; the waiting one is still served, with the text it gets alone."""
+    from infinikv.policies.streaming import StreamingPolicy
+
+    with serving(model, settings=ServerSettings(max_batch=1, max_queue=16)) as (url, app):
+        engine = app.state.infinikv.scheduler.engine
+        decode = StreamingPolicy.decode
+
+        def failing(self, *args, **kwargs):
+            if engine.waiting:  # the other request is queued in the engine: fail this step
+                raise RuntimeError("broken on purpose")
+            return decode(self, *args, **kwargs)
+
+        monkeypatch.setattr(StreamingPolicy, "decode", failing)
+
+        async def send_both() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0}
+                first = asyncio.create_task(
+                    http.post("/v1/completions", json={**body, "kv_policy": "streaming"})
+                )
+                await asyncio.sleep(0.5)
+                second = http.post("/v1/completions", json={**body, "prompt": PROMPTS[1], "max_tokens": 4})
+                return list(await asyncio.gather(first, second))
+
+        failed, served = asyncio.run(send_both())
+        assert failed.status_code == 500 and "broken on purpose" in failed.json()["error"]["message"]
+        assert served.status_code == 200, served.text
+        assert served.json()["choices"][0]["text"] == alone(model, PROMPTS[1], 4)
 
 
 # -- each prompt tokenised once ------------------------------------------------------------------------------

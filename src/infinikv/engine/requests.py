@@ -44,7 +44,7 @@ class GenerationConfig:
         if any(s == "" for s in self.stop):
             raise InputError("stop strings must not be empty (an empty string would stop before any text)")
         for stop in self.stop:
-            check_text("a stop string", stop)
+            check_text("stop string", stop)  # "stop …": the request field it names
 
 
 def check_text(what: str, text: str) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..engine import EngineConfig
@@ -142,6 +143,14 @@ def create_app(
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
         state.metrics.record_request(NO_POLICY, exc.status)
         return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """An unknown path (404) or method (405), in the OpenAI error shape as every other refusal."""
+        state.metrics.record_request(NO_POLICY, exc.status_code)
+        message = f"{exc.detail} ({request.method} {request.url.path})"
+        error = ApiError(message, status=exc.status_code, headers=exc.headers)
+        return error.response()
 
     app.add_middleware(CompleteErrors, on_error=lambda: state.metrics.record_request(NO_POLICY, 500))
 

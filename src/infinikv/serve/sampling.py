@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InputError
-from ..generate import GenerationConfig
+from ..generate import GenerationConfig, check_text
 from .openai_shapes import ApiError
 from .schemas import SamplingRequest
 
@@ -27,9 +27,14 @@ REQUEST_FIELDS = {
 
 
 def prompt_ids(tokenizer: Any, prompt: str, param: str) -> list[int]:
-    """The prompt's token ids; 400 for an empty prompt (``param``: the field the prompt came from)."""
+    """The prompt's token ids; 400 for an empty prompt or one that is not valid UTF-8 (``param``: the field
+    the prompt came from)."""
     if not prompt.strip():
         raise ApiError("the prompt is empty", param=param)
+    try:
+        check_text("the prompt", prompt)
+    except InputError as exc:
+        raise ApiError(str(exc), param=param) from None
     return tokenizer(prompt)["input_ids"]
 
 

@@ -325,7 +325,7 @@ class ContinuousScheduler(_QueueWorker):
                 outputs = self.engine.step()
             except Exception as exc:  # a failed step must not stop the server: its requests fail
                 log.exception("an engine step failed")
-                self._fail_all(f"generation failed: {exc}")
+                self._fail_running(f"generation failed: {exc}")
                 continue
             for out in outputs:
                 job = self._jobs[out.seq]
@@ -377,12 +377,13 @@ class ContinuousScheduler(_QueueWorker):
         )
         job.emit("done", result)
 
-    def _fail_all(self, message: str) -> None:
-        for seq, job in list(self._jobs.items()):
+    def _fail_running(self, message: str) -> None:
+        """A failed step: the requests it ran (admitted to the engine) get ``message`` and are released;
+        those still waiting stay queued."""
+        for seq in [running.id for running in self.engine.running]:
             with contextlib.suppress(Exception):  # its cache may be the one that failed
                 self.engine.abort(seq)
-            job.emit("error", message)
-        self._jobs.clear()
+            self._jobs.pop(seq).emit("error", message)
 
     def _record_engine(self) -> None:
         stats = self.engine.stats()

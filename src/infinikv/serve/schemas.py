@@ -138,7 +138,7 @@ async def parse(request: Request, schema: type[Body]) -> Body:
     _refuse_deep_nesting(raw)
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # malformed, not UTF-8, or an integer past Python's digit limit
         raise ApiError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
