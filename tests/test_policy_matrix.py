@@ -663,4 +663,4 @@ def test_an_infinigen_alpha_count_reads_only_the_gather_width(tiny, knobs, monke
     back, once per choosing layer, and nothing else is."""
     config = make_config("infinigen", budget=0.25, min_tokens=0, **knobs)
     reads = _decode_reads(tiny, config, monkeypatch)
-    assert reads and {function for _, function, _ in reads} <= {"choose", "_coarse_to_fine"}
+    assert reads and {file for _, _, file in reads} == {"selector.py"}  # the choice's width, and nothing else

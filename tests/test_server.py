@@ -460,11 +460,11 @@ def test_a_failed_step_fails_the_requests_it_ran_and_not_those_waiting(model, mo
 
         async def send_both() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-                body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0}
+                body = {"prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0}
                 first = asyncio.create_task(
                     http.post("/v1/completions", json={**body, "kv_policy": "streaming"})
                 )
-                await asyncio.sleep(0.5)
+                await _wait_for(lambda: bool(engine.running))  # the first one runs: the second must wait
                 second = http.post("/v1/completions", json={**body, "prompt": PROMPTS[1], "max_tokens": 4})
                 return list(await asyncio.gather(first, second))
 

@@ -257,12 +257,14 @@ class Engine:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
-        if seq.driver is not None:
-            seq.driver.close()
-            seq.driver = None
-        self.pool.release(seq.id)
-        if seq in self.running:
-            self.running.remove(seq)
+        driver, seq.driver = seq.driver, None
+        try:
+            if driver is not None:
+                driver.close()
+        finally:  # its blocks go back even when closing its cache fails
+            self.pool.release(seq.id)
+            if seq in self.running:
+                self.running.remove(seq)
 
     def _decode(self, rows: list[Sequence], outputs: list[StepOutput]) -> None:
         past = [seq.cached_tokens for seq in rows]
@@ -313,10 +315,10 @@ class Engine:
             self._grow(seq, tokens, keep)
             self.waiting.popleft()
             seq.phase, seq.admitted_at = Phase.PREFILLING, next(self._admissions)
+            self.running.append(seq)  # before its cache is built: a failure there still releases it
             cache = InfinikvCache(self.loaded.model, seq.policy, device=self.loaded.device)
             cache.draw_from(self.blocks)
             seq.driver = Driver(self.loaded, cache)
-            self.running.append(seq)
             if found:
                 self._restore(seq, found, outputs)
 
@@ -433,10 +435,12 @@ class Engine:
             outputs.append(StepOutput(seq.id, token, piece, self._finish(seq)))
 
     def _finish(self, seq: Sequence) -> RequestResult:
-        policy_stats = seq.driver.stats() if seq.driver is not None else {}
-        self._release(seq)
-        seq.phase = Phase.FINISHED
-        del self._sequences[seq.id]
+        try:
+            policy_stats = seq.driver.stats() if seq.driver is not None else {}
+        finally:  # a failing policy is still released and forgotten
+            self._release(seq)
+            seq.phase = Phase.FINISHED
+            del self._sequences[seq.id]
         per_s = seq.decode_steps / seq.decode_s if seq.decode_s > 0 else 0.0
         stats = {
             "prompt_tokens": len(seq.prompt),

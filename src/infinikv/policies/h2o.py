@@ -83,6 +83,7 @@ class H2OPolicy(HostPoolPolicy):
 
     # -- prefill -------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self._new.pop(layer, None)  # a prompt chunk: whatever attend() sees next is not a decode
         self.seen[layer] += k.shape[2]
         return self.host_pool.extend(layer, k, v)
 

@@ -32,7 +32,7 @@ def prompt_ids(tokenizer: Any, prompt: str, param: str) -> list[int]:
     if not prompt.strip():
         raise ApiError("the prompt is empty", param=param)
     try:
-        check_text("the prompt", prompt)
+        check_text("the prompt" if param == "prompt" else "a message", prompt)
     except InputError as exc:
         raise ApiError(str(exc), param=param) from None
     return tokenizer(prompt)["input_ids"]

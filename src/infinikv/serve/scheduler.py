@@ -378,9 +378,11 @@ class ContinuousScheduler(_QueueWorker):
         job.emit("done", result)
 
     def _fail_running(self, message: str) -> None:
-        """A failed step: the requests it ran (admitted to the engine) get ``message`` and are released;
-        those still waiting stay queued."""
-        for seq in [running.id for running in self.engine.running]:
+        """A failed step: every request not still waiting in the engine's queue gets ``message`` and is
+        released (those it ran, one it was admitting, one that finished earlier in the step, whose result
+        the failure lost); those waiting stay queued."""
+        waiting = {seq.id for seq in self.engine.waiting}
+        for seq in [seq for seq in self._jobs if seq not in waiting]:
             with contextlib.suppress(Exception):  # its cache may be the one that failed
                 self.engine.abort(seq)
             self._jobs.pop(seq).emit("error", message)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Annotated, Literal, TypeVar
 
 from fastapi import Request
@@ -138,8 +139,12 @@ async def parse(request: Request, schema: type[Body]) -> Body:
     _refuse_deep_nesting(raw)
     try:
         body = json.loads(raw)
-    except ValueError as exc:  # malformed, not UTF-8, or an integer past Python's digit limit
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(f"the request body is not valid JSON: {exc}") from None
+    except ValueError:  # json.loads refuses an integer literal past Python's digit limit
+        raise ApiError(
+            f"the request body holds a number of more than {sys.get_int_max_str_digits()} digits"
+        ) from None
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     try:

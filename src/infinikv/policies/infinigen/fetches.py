@@ -36,7 +36,7 @@ class Corrected:
     copied once its own query chose, put in the order of its own choice. ``wait()`` returns (keys, values)
     with a spare last slot, as a fetch with ``extra=1`` does."""
 
-    def __init__(self, prefetched: Transfer, correction: Transfer | None, source: Tensor):
+    def __init__(self, prefetched: Transfer, correction: Transfer | None, source: Tensor) -> None:
         self.prefetched, self.correction = prefetched, correction
         self.source = source  # [batch, kv_heads, m + 1]: each row's place in [prefetched + spare; correction]
 
@@ -57,15 +57,15 @@ class Corrected:
 
 
 def corrected(
-    index: Tensor, prefetched: Fetch, slots: int, fetch: Callable[[Tensor], Transfer]
+    index: Tensor, prefetched: Fetch, n_slots: int, fetch: Callable[[Tensor], Transfer]
 ) -> tuple[Corrected, Tensor]:
     """``index``'s rows [batch, kv_heads, m] from those ``prefetched`` copied ahead (of a layer whose pool
-    uses ``slots`` slots), and the correction: the slots it missed, copied now by ``fetch``. Returns the rows
-    and the slots copied now (a row with fewer misses padded with its first)."""
+    uses ``n_slots`` slots), and the correction: the slots it missed, copied now by ``fetch``. Returns the
+    rows and the slots copied now (a row with fewer misses padded with its first)."""
     ahead = prefetched.index
     batch, heads, width = ahead.shape
     # where each slot sits among the prefetched rows (-1: not there); a repeated slot holds the same row
-    where = torch.full((batch, heads, slots), -1, device=ahead.device)
+    where = torch.full((batch, heads, n_slots), -1, device=ahead.device)
     where.scatter_(2, ahead, torch.arange(width, device=ahead.device).expand_as(ahead))
     at = where.gather(2, index)
     missed = at < 0

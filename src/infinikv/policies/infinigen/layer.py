@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from .fetches import Fetch
 from .slots import SlotTable
 
 Tensor = torch.Tensor
@@ -25,9 +25,9 @@ class LayerState:
     stored: Tensor | None = None
     # n' averaged over the batch per decode step, left on the device until stats() (no sync per step)
     selected: list[Tensor] = field(default_factory=list)
-    # an own-query layer's prefetch this step (own_query_prefetch): its policy.Fetch (the slots it
-    # prefetched and their copy), until the layer's own choice takes what it needs of them
-    prefetched: Any = None
+    # an own-query layer's prefetch this step (own_query_prefetch): the slots it prefetched and their copy,
+    # until the layer's own choice takes what it needs of them
+    prefetched: Fetch | None = None
     # what the layer read at the step before ([batch, kv_heads, m] slots, and which of them each row
     # attends to: None = all), kept under own_query_prefetch (what an own-query layer prefetches) and
     # select_every > 1 (what the steps between choices read again)

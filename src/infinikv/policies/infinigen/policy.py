@@ -152,8 +152,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._allocations: dict[int, dict[int, float]] | None = None
         # which slots hold real tokens (left padding aside), and the choice itself (selector.py)
         self.rows = RealTokens()
-        keep_slot_scores = observer is not None or self.schedule.follows
-        self.selector = Selector(config, self.layers, self.rows, self, keep_slot_scores)
+        self.selector = Selector(config, self.layers, self.rows, self)
         self._step = 0
         # (most partial columns within the device budget, head_dim), set by the first prompt chunk's dtype
         self._cap: tuple[int, int] | None = None
@@ -410,8 +409,9 @@ class InfiniGenPolicy(HostPoolPolicy):
             query = self._rehearsal_query(layer, x, position_ids)
             real_tokens = self.rows.count(state)
             budgets, follows = zip(*(self.schedule.choice_budget(n) for n in real_tokens), strict=True)
+            slot_scores = self.observer is not None or self.schedule.follows  # both read scores by slot
             choice = self.selector.choose(
-                layer, query, self.decoding, real_tokens, budgets, self.spec.group_size
+                layer, query, self.decoding, real_tokens, budgets, self.spec.group_size, slot_scores
             )
         index, valid, counts, widths = choice.index, choice.valid, choice.counts, choice.widths
         state.selected.append(counts.float().mean() if counts is not None else sum(widths) / len(widths))

@@ -47,10 +47,12 @@ class RealTokens:
         self.padding: list[int] | None = None  # per row, on the host (None: no mask seen)
 
     def row_padding(self, batch: int) -> list[int]:
+        """Each row's left padding (zeros where no mask was seen)."""
         return self.padding or [0] * batch
 
     @property
     def padded(self) -> bool:
+        """Whether any row has left padding."""
         return any(self.padding or ())
 
     @staticmethod
@@ -96,20 +98,12 @@ class Choice:
 
 
 class Selector:
-    """Chooses what a managed layer reads (module docstring); counts its work on ``meter``.
-    ``keep_slot_scores``: a coarse-to-fine choice returns every slot's scores, not only its candidates'
-    (an observer, and the steps between choices of ``select_every`` > 1, read them by slot)."""
+    """Chooses what a managed layer reads (module docstring); counts its work on ``meter``."""
 
     def __init__(
-        self,
-        config: InfiniGenConfig,
-        layers: list[LayerState],
-        rows: RealTokens,
-        meter: Meter,
-        keep_slot_scores: bool,
-    ):
+        self, config: InfiniGenConfig, layers: list[LayerState], rows: RealTokens, meter: Meter
+    ) -> None:
         self.config, self.layers, self.rows, self.meter = config, layers, rows, meter
-        self.keep_slot_scores = keep_slot_scores
         self.block_steps = 0  # layer-steps chosen coarse to fine
         self.block_recounts = 0  # of those, counted again over every token (a head wanted all candidates)
 
@@ -121,14 +115,19 @@ class Selector:
         real_tokens: list[int],
         budgets: tuple[int, ...],
         group_size: int,
+        slot_scores: bool,
     ) -> Choice:
         """``layer``'s choice for the partial ``query`` [batch, kv_heads, group, k] (scaled), each sequence
-        within its budget of ``budgets`` (of its ``real_tokens``)."""
+        within its budget of ``budgets`` (of its ``real_tokens``). ``slot_scores``: a coarse-to-fine choice
+        returns every slot's scores, not only its candidates' (an observer, and the steps between choices
+        of ``select_every`` > 1, read them by slot)."""
         whole = [n <= self.config.min_tokens for n in real_tokens]  # within the floor: everything
         alpha = plan.row_alphas[layer]
         takes = self._candidate_blocks(layer, budgets, whole)
         if takes is not None:
-            return self._coarse_to_fine(layer, query, plan, takes, alpha, budgets, whole, group_size)
+            return self._coarse_to_fine(
+                layer, query, plan, takes, alpha, budgets, whole, group_size, slot_scores
+            )
         reserved = self.reserved(layer)
         scores = self.token_scores(layer, query, plan)
         widths = self._budget_counts(layer, real_tokens, budgets, alpha)
@@ -192,11 +191,12 @@ class Selector:
         budgets: tuple[int, ...],
         whole: list[bool],
         group_size: int,
+        slot_scores: bool,
     ) -> Choice:
         """Block speculation (``blocks.py``): rank blocks by their bounds, keep each row's ``takes`` best
         (the blocks of reserved slots first), then score, count and pick tokens among them alone. The
         choice's scores are the candidates' own or, with an observer or ``select_every`` > 1 (both read
-        them by slot: ``keep_slot_scores``), every slot's as token speculation gives them, -inf off the
+        them by slot: ``slot_scores``), every slot's as token speculation gives them, -inf off the
         candidates.
 
         With blocks of one token the bounds are the tokens' own scores, and it selects exactly what token
@@ -248,7 +248,7 @@ class Selector:
             counts = torch.where(recount, every, counts)
         index, valid = pick_top(fine, counts.tolist(), fine_reserved)
         index = torch.gather(candidates, 2, index)
-        if not self.keep_slot_scores:
+        if not slot_scores:
             return Choice(index, valid, fine, counts, None, fine_reserved)
         # as token speculation's, for the observer and for what the steps between choices follow (both go by
         # slot): the candidates' scores in their slots, -inf elsewhere
