@@ -109,3 +109,49 @@ def test_infinigen_uses_the_calibrated_alpha_unless_a_flag_sets_it(model_dir, tm
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert {a for a in stats["alpha_used"] if a is not None} == {5.0} and stats["alpha_source"] == "given"
     assert stats["knobs"]["window"] == 0
+
+
+def run_argv(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse usage errors
+        return exc.code
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [("folder", "is a folder, not a file"), ("under a file", "exists and is not a folder")],
+)
+def test_a_bench_report_that_cannot_be_written_is_one_line_before_any_work(
+    model_dir, tmp_path, capsys, where, message
+):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("kept")
+    report = tmp_path if where == "folder" else blocker / "report.md"
+    argv = ["bench", "--model", model_dir, "--policies", "dense", "--peers", "none", "--corpus", "none"]
+    assert run_argv([*argv, "--context", "16", "--gen", "2", "--report", str(report)]) == 2
+    assert message in error_line(capsys) and blocker.read_text() == "kept"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--policies", "dense", "--prefill-chunk", "0"], "--prefill-chunk must be at least 2"),
+        (["bench", "--policies", "dense", "--context", "16", "--warmup", "600"], "exceeds the model's"),
+        (["bench", "--policies", "dense", "--context", "16", "--batch", "1000000000"], "of memory free"),
+        (["eval", "retrieval", "--task", " ", "--context", "128"], "names no task"),
+        (["eval", "retrieval", "--task", "passkey", "--depths", ","], "expected comma-separated numbers"),
+    ],
+)
+def test_empty_or_impossible_sizes_are_one_line(model_dir, capsys, argv, message):
+    bench = ["--peers", "none", "--corpus", "none", "--gen", "2"] if argv[0] == "bench" else []
+    assert run_argv([*argv, "--model", model_dir, *bench]) == 2
+    assert message in error_line(capsys)
+
+
+def test_a_prefill_chunk_above_the_context_is_the_context(model_dir, capsys):
+    argv = ["generate", "--model", model_dir, "--prompt", "hello", "--max-new-tokens", "3", "--json"]
+    assert main([*argv, "--prefill-chunk", "10000000"]) == 0
+    wide = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(argv) == 0
+    assert wide == json.loads(capsys.readouterr().out)["token_ids"]

@@ -128,6 +128,12 @@ def test_eos_ends_a_sequence(tiny):
         ([""], {}, "empty"),
         (["   "], {}, "empty"),
         (["x" * 600], {"max_new_tokens": 10}, "exceeds the model's context of 512"),
+        ([[]], {}, "empty"),
+        ([[10**9]], {}, "token ids must be whole numbers"),
+        ([[5, -1]], {}, "token ids must be whole numbers"),
+        ([[1.5]], {}, "token ids must be whole numbers"),
+        ([torch.tensor([5, 6])], {}, "a string or a list of token ids, got a Tensor"),
+        ([b"hello"], {}, "a string or a list of token ids, got a bytes"),
     ],
 )
 def test_bad_prompts(prompts, kwargs, message):

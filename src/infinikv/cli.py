@@ -7,7 +7,6 @@ stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import re
 import sys
@@ -18,9 +17,6 @@ from .errors import InfinikvError, InputError
 from .models import DEFAULT_MODEL, REGISTRY, is_pulled
 from .policies import POLICIES
 from .policy_flags import add_policy_arguments, parse_number, policy_knobs
-
-# File-system errors (a full disk, no permission) outside the cache, e.g. writing a report: one line
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -418,11 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     except InfinikvError as exc:
         print(f"infinikv: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except OSError as exc:  # writing a report, a results file or an output folder: a full disk, no permission
-        if exc.errno not in WRITE_ERRNOS:
+    except OSError as exc:  # a report, a results file or an output folder: a full disk, no permission, a
+        if exc.filename is None:  # file or folder in the way; an OSError naming no file is not the user's
             raise
-        print(f"infinikv: error: {exc.filename or 'a file'}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        print(f"infinikv: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("infinikv: interrupted", file=sys.stderr)
         return 130

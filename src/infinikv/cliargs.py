@@ -21,6 +21,19 @@ def int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def output_file(text: str) -> Path:
+    """A file the command writes at its end, usable as an argparse ``type``: its folder made now, so a
+    path it cannot write (a folder in its place, a file where its folder should be, no permission) is one
+    line before any work."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    output_folder(str(path.parent))
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}")
+    return path
+
+
 def output_folder(text: str) -> Path:
     """A folder the command writes into, usable as an argparse ``type``: made now if missing, so a path it
     cannot write (a file in the way, no permission) is one line before any work."""

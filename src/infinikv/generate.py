@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -56,8 +57,12 @@ class Generator:
         self.memo = memo
         self.policy_config = make_config(policy, **knobs) if isinstance(policy, str) else policy
         self._shared = engine
-        self.engine = engine or self._own_engine(GenerationConfig().prefill_chunk)
+        self.engine = engine or self._own_engine(self._chunk(GenerationConfig().prefill_chunk))
         self.engine.prepare(self.policy_config)  # e.g. InfiniGen calibrates once per model
+
+    def _chunk(self, prefill_chunk: int) -> int:
+        """The prefill chunk, at most the model's context (no prompt is longer)."""
+        return min(prefill_chunk, self.loaded.max_context)
 
     def _own_engine(self, chunk: int) -> Engine:
         # A call's prompts all arrive at once: read them before decoding (no stream to keep going meanwhile)
@@ -90,8 +95,9 @@ class Generator:
                 f"row_max_new_tokens needs one limit per prompt, each in 1..{config.max_new_tokens}"
             )
         ids = self._tokenize(prompts, limits)
-        if self._shared is None and self.engine.config.chunk_tokens != config.prefill_chunk:
-            self.engine = self._own_engine(config.prefill_chunk)
+        chunk = self._chunk(config.prefill_chunk)
+        if self._shared is None and self.engine.config.chunk_tokens != chunk:
+            self.engine = self._own_engine(chunk)
             self.engine.prepare(self.policy_config)
         engine = self.engine
         for row_ids, limit in zip(ids, limits, strict=True):
@@ -128,6 +134,18 @@ class Generator:
             result.prompt = prompts[row]
         return results
 
+    def _token_ids(self, i: int, prompt: Prompt) -> list[int]:
+        """Prompt ``i`` given as token ids: whole numbers, each a token of the model's vocabulary."""
+        if not isinstance(prompt, (list, tuple)):  # bytes, a tensor, a bare number: not what it looks like
+            kind = type(prompt).__name__
+            raise InputError(f"prompt {i + 1} must be a string or a list of token ids, got a {kind}")
+        if not prompt:
+            raise InputError(f"prompt {i + 1} is empty")
+        vocab = self.loaded.model.get_input_embeddings().num_embeddings
+        if not all(isinstance(t, Integral) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise InputError(f"prompt {i + 1}: token ids must be whole numbers in [0, {vocab})")
+        return [int(t) for t in prompt]
+
     def _tokenize(self, prompts: list[Prompt], limits: list[int]) -> list[list[int]]:
         """Each prompt's token ids; none at all, an empty prompt, or one that with its ``limits`` new tokens
         exceeds the model's context is an InputError (every prompt is checked before any runs)."""
@@ -135,13 +153,13 @@ class Generator:
             raise InputError("no prompts given")
         ids = []
         for i, prompt in enumerate(prompts):
-            if not prompt or (isinstance(prompt, str) and not prompt.strip()):
-                raise InputError(f"prompt {i + 1} is empty")
             if isinstance(prompt, str):
+                if not prompt.strip():
+                    raise InputError(f"prompt {i + 1} is empty")
                 check_text(f"prompt {i + 1}", prompt)
-            ids.append(
-                self.loaded.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
-            )
+                ids.append(self.loaded.tokenizer(prompt)["input_ids"])
+            else:
+                ids.append(self._token_ids(i, prompt))
         limit = self.loaded.max_context
         for i, (row_ids, new) in enumerate(zip(ids, limits, strict=True)):
             if len(row_ids) + new > limit:

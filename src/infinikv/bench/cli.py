@@ -6,11 +6,10 @@ import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 
 import torch
 
-from ..cliargs import int_list, output_folder
+from ..cliargs import int_list, output_file, output_folder
 from ..errors import InputError
 from ..models import DEFAULT_MODEL
 from .peers import PEERS
@@ -62,7 +61,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         result["plots"] = write_plots(result, args.plot)
     if args.report:
-        write_bench_report(result, Path(args.report))
+        write_bench_report(result, args.report)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -99,7 +98,9 @@ def register_cli(subparsers) -> None:
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     bench.add_argument("--json", action="store_true", help="print the full result as JSON")
     bench.add_argument("--plot", type=output_folder, default=None, help="directory for the PNG plots")
-    bench.add_argument("--report", default=None, help="Markdown report to write (e.g. docs/benchmarks.md)")
+    bench.add_argument(
+        "--report", type=output_file, default=None, help="Markdown report to write (e.g. docs/benchmarks.md)"
+    )
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     add_policy_arguments(bench, multiple=True)
     add_ray_arguments(bench, "one Ray task per (batch, context) cell, side by side (see --gpus-per-task)")

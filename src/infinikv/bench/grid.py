@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ..data import CORPORA, load_corpus
+from ..engine.blocks import block_bytes, free_memory_bytes
 from ..errors import InfinikvError, InputError
 from ..forward import PrefillMemo
 from ..models import LoadedModel
@@ -56,6 +57,8 @@ class BenchConfig:
             )
         if self.repeats < 1 or self.warmup < 0:
             raise InputError("--repeats must be at least 1 and --warmup at least 0")
+        if self.prefill_chunk < 2:  # as GenerationConfig's: a chunk of one would be read as a decode step
+            raise InputError(f"--prefill-chunk must be at least 2, got {self.prefill_chunk}")
         if self.prefill not in PREFILL_MODES:
             raise InputError(f"--prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
         if not self.batches or min(self.batches) < 1 or not self.contexts or min(self.contexts) < 2:
@@ -75,8 +78,29 @@ class BenchConfig:
         return {k: v for k, v in self.knobs if k in own}
 
 
+def check_sizes(loaded: LoadedModel, config: BenchConfig) -> None:
+    """Refuse, before any run, a context whose generated tokens (``gen``, and the warm-up's steps) pass the
+    model's context, or a batch whose K/V the machine's free memory cannot hold (every run holds its batch's
+    K/V once: dense on the device, the others in the host pool)."""
+    dtype = next(loaded.model.parameters()).dtype
+    fed = max(config.gen, config.warmup + 1)
+    for context in config.contexts:
+        if context + fed > loaded.max_context:
+            raise InputError(
+                f"context {context} + {fed} generated tokens (--gen, --warmup) exceeds the model's "
+                f"{loaded.max_context} tokens"
+            )
+        need, free = block_bytes(loaded.spec, dtype, context + fed) * max(config.batches), free_memory_bytes()
+        if need > free:
+            raise InputError(
+                f"batch {max(config.batches)} at context {context} needs {need / 2**30:.1f} GiB of K/V, more "
+                f"than the {free / 2**30:.1f} GiB of memory free"
+            )
+
+
 def run_bench(loaded: LoadedModel, config: BenchConfig, progress: bool = True) -> dict[str, Any]:
     """Run the grid; returns {"config", "cells": [...]} (see ``summary.summarise_runs`` for each row)."""
+    check_sizes(loaded, config)
     policies = {name: config.policy_knobs(name) for name in config.policies}
     entries, skipped_peers = make_entries(loaded, policies, config.peers)
     steps = config.gen - 1
@@ -85,10 +109,6 @@ def run_bench(loaded: LoadedModel, config: BenchConfig, progress: bool = True) -
     bar = tqdm(total=total, desc="bench", unit="run", disable=not progress)
     memo = PrefillMemo(per_config=True) if config.prefill == "shared" else None
     for context in config.contexts:
-        if context + config.gen > loaded.max_context:
-            raise InputError(
-                f"context {context} + gen {config.gen} exceeds the model's {loaded.max_context} tokens"
-            )
         ids, source = prompt_ids(loaded, context, max(config.batches), config.corpus)
         if memo is not None:
             bar.set_postfix_str(f"prefill {context} tokens")

@@ -12,9 +12,12 @@ from ..errors import InputError
 
 def _floats(text: str) -> list[float]:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        numbers = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+        numbers = []
+    if not numbers:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'")
+    return numbers
 
 
 def cmd_ppl(args: argparse.Namespace) -> int:
@@ -49,6 +52,8 @@ def cmd_retrieval(args: argparse.Namespace) -> int:
 
     tasks = list(TASKS) if args.task == "all" else [t.strip() for t in args.task.split(",") if t.strip()]
     unknown = sorted(set(tasks) - set(TASKS))
+    if not tasks:
+        raise InputError(f"--task names no task; available: {', '.join(TASKS)} (or all)")
     if unknown:
         raise InputError(f"unknown task {', '.join(unknown)}; available: {', '.join(TASKS)} (or all)")
     policy = make_config(args.policy, **policy_knobs(args))
