@@ -182,14 +182,17 @@ class QuestPolicy(ScoredPolicy):
         table = self.pages[layer].bounds[:, :, low:high]
         self.selector_read(table)
         kv_heads, dim = table.shape[1], table.shape[3] // 2
-        page_max, page_min = table[..., :dim], -table[..., dim:]  # [max; -min]: both exact
+        page_max, page_neg_min = table[:, :, None, :, :dim], table[:, :, None, :, dim:]  # [max; -min]
         q = query.reshape(batch, kv_heads, query.shape[1] // kv_heads, 1, -1)
-        bound = torch.maximum(q * page_max[:, :, None], q * page_min[:, :, None]).sum(dim=-1).amax(dim=2)
+        # q·min as (-q)·(-min): the same product to the last bit (rounding is symmetric in sign)
+        bound = torch.maximum(q * page_max, -q * page_neg_min).sum(dim=-1).amax(dim=2)
         at = torch.arange(most)
         if min(first) != max(first):  # rows' pages start at different blocks: each row's from its first
             start = (torch.tensor(first) - low)[:, None] + at
             pick = start.clamp(max=table.shape[2] - 1).to(bound.device)[:, None].expand(-1, kv_heads, -1)
             bound = bound.gather(2, pick)
+        if min(n_pages) == most:  # every row has every page
+            return bound
         real = (at < torch.tensor(n_pages)[:, None]).to(bound.device)[:, None]  # a shorter row's: -inf
         return torch.where(real, bound, float("-inf"))
 
