@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc.filename is None:  # file or folder in the way; an OSError naming no file is not the user's
             raise
         print(f"infinikv: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+        return 1  # the run itself failed, not its command line
     except KeyboardInterrupt:
         print("infinikv: interrupted", file=sys.stderr)
         return 130
