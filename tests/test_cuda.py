@@ -111,9 +111,10 @@ def dense_tokens(tiny_cuda) -> list[list[int]]:
     return _tokens(tiny_cuda, "dense")
 
 
-def _tokens(loaded: LoadedModel, policy: str, **knobs) -> list[list[int]]:
+def _tokens(loaded: LoadedModel, policy: str, compile: bool = False, **knobs) -> list[list[int]]:
     config = GenerationConfig(max_new_tokens=24, prefill_chunk=64)
-    return [r.token_ids for r in Generator(loaded, policy, **knobs).generate(PROMPTS, config)]
+    generator = Generator(loaded, policy, compile=compile, **knobs)
+    return [r.token_ids for r in generator.generate(PROMPTS, config)]
 
 
 @pytest.mark.parametrize(("policy", "knobs"), [("offload", {}), *FULL], ids=["offload", *IDS])
@@ -126,6 +127,15 @@ def test_infinigen_full_budget_matches_dense_on_cuda(tiny_cuda, dense_tokens, mo
     monkeypatch.setattr(skewfile, "cached_skew", lambda spec: made)
     full = _tokens(tiny_cuda, "infinigen", alpha=math.inf, budget=1.0, dense_layers=0)
     assert full == dense_tokens
+
+
+@pytest.mark.parametrize(
+    ("policy", "knobs"), [("dense", {}), ("offload", {}), *FULL], ids=["dense", "offload", *IDS]
+)
+def test_compiled_decode_steps_with_cuda_graphs_give_the_eager_tokens(policy, knobs, tiny_cuda, dense_tokens):
+    """Decode steps under torch.compile with CUDA graphs (the policy's calls eager between them) give the
+    eager tokens: every policy at full budget gives dense's."""
+    assert _tokens(tiny_cuda, policy, compile=True, **knobs) == dense_tokens
 
 
 def test_dummy_model_is_built_on_the_device_in_bf16():

@@ -664,3 +664,60 @@ def test_an_infinigen_alpha_count_reads_only_the_gather_width(tiny, knobs, monke
     config = make_config("infinigen", budget=0.25, min_tokens=0, **knobs)
     reads = _decode_reads(tiny, config, monkeypatch)
     assert reads and {file for _, _, file in reads} == {"selector.py"}  # the choice's width, and nothing else
+
+
+# -- compiled decode steps -----------------------------------------------------------------------------------
+def _padded_batch_tokens(loaded, config: PolicyConfig, compile: bool) -> list[list[int]]:
+    """Greedy tokens of a left-padded batch of two, decoded through a Driver (eager or compiled)."""
+    prepare(config, loaded)
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    cache = InfinikvCache(loaded.model, config, device=loaded.device)
+    with Driver(loaded, cache, compile=compile) as driver:
+        tokens = driver.prefill(ids, mask, chunk=8).argmax(dim=-1)
+        out = [tokens]
+        for _ in range(NEW_TOKENS - 1):
+            tokens = driver.step(tokens).argmax(dim=-1)
+            out.append(tokens)
+    return torch.stack(out, dim=1).tolist()
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_compiled_decode_steps_give_the_eager_tokens(policy, model, request, dense_runs):
+    """Decode steps under torch.compile (the policy's calls eager between the graphs) give every policy's
+    eager greedy tokens at its tight setting, and dense's at its full one: through the engine (rows of
+    different lengths, each through its own cache) and through a left-padded batch's Driver."""
+    entry, loaded = case(policy), request.getfixturevalue(model)
+    for knobs, reference in ((entry.tight, None), (entry.full, _dense(model, loaded, dense_runs))):
+        if reference is None:
+            reference = Generator(loaded, policy, **knobs).generate(PROMPTS, GenerationConfig(NEW_TOKENS))
+        compiled = Generator(loaded, policy, compile=True, **knobs).generate(
+            PROMPTS, GenerationConfig(NEW_TOKENS)
+        )
+        assert [r.token_ids for r in compiled] == [r.token_ids for r in reference], f"{policy} {knobs}"
+        config = make_config(policy, **knobs)
+        eager = _padded_batch_tokens(loaded, config, compile=False)
+        assert _padded_batch_tokens(loaded, config, compile=True) == eager, f"{policy} {knobs}, padded batch"
+
+
+def test_a_compiled_decode_step_runs_the_models_own_work_as_graphs(tiny_gemma, monkeypatch):
+    """Once compiled, a decode step no longer calls the model's own modules from Python (the final norm here
+    runs inside a graph), while the eager step calls it every step."""
+    norm = tiny_gemma.model.model.norm
+    forward = norm.forward
+    eager_calls = []
+
+    def counted(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            eager_calls.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(norm, "forward", counted)
+    config = make_config("infinigen")
+    for compile in (False, True):
+        eager_calls.clear()
+        _padded_batch_tokens(tiny_gemma, config, compile=compile)
+        # the prefill's chunks (24 tokens, chunks of 8) run eagerly either way
+        assert len(eager_calls) == (3 if compile else 3 + NEW_TOKENS - 1), f"compile={compile}"

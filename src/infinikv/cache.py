@@ -49,6 +49,7 @@ class PolicyLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.is_initialized = True
 
+    @torch.compiler.disable  # the policy runs eagerly in a compiled step (hooks.py)
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         return self.cache.store_and_select(self.layer, key_states, value_states)
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .cliargs import COMPILE_HELP
 from .errors import InfinikvError, InputError
 from .models import DEFAULT_MODEL, REGISTRY, is_pulled
 from .policies import POLICIES
@@ -66,7 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     loaded = load(args.model, device=args.device)
     if args.chat:
         prompts = [_chat(loaded.tokenizer, p) for p in prompts]
-    generator = Generator(loaded, policy)
+    generator = Generator(loaded, policy, compile=args.compile)
     stream = not args.json and len(prompts) == 1
     on_text = (lambda _row, piece: print(piece, end="", flush=True)) if stream else None
     results = generator.generate(prompts, config, on_text=on_text, progress=True)
@@ -370,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill pass")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     add_policy_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 

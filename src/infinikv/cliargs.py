@@ -6,6 +6,11 @@ import argparse
 import os
 from pathlib import Path
 
+COMPILE_HELP = (
+    "run decode steps under torch.compile, the policy's calls eager (CUDA: CUDA graphs); off by default, "
+    "slower on a CPU (docs/benchmarks.md)"
+)
+
 
 def int_list(text: str) -> tuple[int, ...]:
     """Comma-separated positive integers (``"8,16"``; blanks around the commas and empty items are ignored),

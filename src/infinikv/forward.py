@@ -4,8 +4,9 @@
 benchmark's peers), the attention mask and the next positions. ``prefill`` feeds a prompt batch in chunks
 (:func:`chunk_bounds`) with positions taken from its padding mask, as transformers' own generate does;
 ``step`` feeds one token per row, growing the mask by one column. Both return the last position's logits.
-Everything around it stays with its user: sampling, stop strings and streaming in ``generate.Generator``,
-teacher forcing in ``eval.runner.DecodeRun`` and ``lm_eval.loglik``, timing in the benchmark.
+:func:`decode_rows` is the engine's decode step over rows of different lengths. Everything around it
+stays with its user: sampling, stop strings and streaming in ``generate.Generator``, teacher forcing in
+``eval.runner.DecodeRun`` and ``lm_eval.loglik``, timing in the benchmark.
 
 A long prompt's prefill costs as much as hundreds of decode steps, and most policies build the same state
 from a prompt (``Policy.prefill_family``: plain dense attention for most; H2O's prompt scores do not depend
@@ -14,11 +15,18 @@ family (every K/V the cache was handed, in order, plus ``Policy.prefill_state``)
 next caches of that family through the same ``Cache.update`` calls the model makes, so the replayed cache
 holds exactly what its own prefill would have built. A recording can also be replayed repeated over the
 rows (``repeat``), which is how the benchmark fills a batch from one prompt.
+
+A decode step can run compiled (``compile=True``, :func:`decode_call`): transformers' forward under
+``torch.compile`` (inductor; on CUDA with CUDA graphs, as ``mode="reduce-overhead"``), with the policy's
+three calls per layer (``hooks.py``: before attention, store and select, attend) left out of the graphs,
+eager. The model's own work (embedding, norms, projections, RoPE, MLPs, the last logits) is fused and, on
+CUDA, replayed from graphs; what a policy does stays Python. The prefill is not compiled (its shapes change).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,17 +103,58 @@ def _repeat_rows(value: Any, repeat: int) -> Any:
     raise TypeError(f"cannot repeat the rows of a {type(value).__name__}")
 
 
+def _logits(model: torch.nn.Module, **inputs: Any) -> Tensor:
+    """The model's next-token logits [batch, vocab] for ``inputs``."""
+    return model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+# Every decoder layer's attention is its own module with its own layer_idx: read as a graph input rather
+# than a constant, the layers share their graphs. The code resumed after each call into the policy indexes
+# the cache's layers by it, and is compiled once per layer (and per model and decode path): the limits on
+# recompiles are raised so that no layer falls back to eager.
+_COMPILE_SETTINGS = {
+    "allow_unspec_int_on_nn_module": True,
+    "recompile_limit": 4096,
+    "accumulated_recompile_limit": 65536,
+}
+# On CUDA, mode="reduce-overhead" (each graph captured and replayed as a CUDA graph), except the graphs whose
+# shapes change from step to step (a left-padded batch's growing mask), which would be captured again each
+# step: those run as plain compiled kernels.
+_CUDA_GRAPHS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
+
+
+def decode_call(loaded: LoadedModel, compile: bool) -> Callable[..., Tensor]:
+    """What a decode step calls with the model's inputs to get its logits: the eager forward or, with
+    ``compile``, the model's compiled one (module docstring), made once per model and shared by every
+    driver and engine on it."""
+    if not compile:
+        return functools.partial(_logits, loaded.model)
+    compiled = getattr(loaded.model, "_infinikv_compiled_decode", None)
+    if compiled is None:
+        graphed = torch.compile(_logits, options=_CUDA_GRAPHS if loaded.device.type == "cuda" else None)
+
+        def compiled(**inputs: Any) -> Tensor:
+            with torch._dynamo.config.patch(_COMPILE_SETTINGS):
+                return graphed(loaded.model, **inputs)
+
+        loaded.model._infinikv_compiled_decode = compiled
+    return compiled
+
+
 class Driver:
     """Prefill and decode steps of ``loaded``'s model over one cache. Not thread-safe; :meth:`close` (or use
     it as a context manager) releases the policy's pool.
 
     ``family``: the prefill family a foreign (transformers) cache may replay; an ``InfinikvCache`` takes
-    its policy's ``prefill_family``.
+    its policy's ``prefill_family``. ``compile``: decode steps run compiled (:func:`decode_call`).
     """
 
-    def __init__(self, loaded: LoadedModel, cache: Cache, family: Hashable | None = None):
+    def __init__(
+        self, loaded: LoadedModel, cache: Cache, family: Hashable | None = None, compile: bool = False
+    ):
         self.loaded = loaded
         self.cache = cache
+        self._decode = decode_call(loaded, compile)
         self.policy = cache.policy if isinstance(cache, InfinikvCache) else None
         self.family = self.policy.prefill_family if self.policy is not None else family
         self.attention_mask: Tensor | None = None  # [batch, tokens fed so far]
@@ -262,29 +311,27 @@ class Driver:
         positions = self._next_positions
         self._next_positions = positions + 1
         input_ids = tokens.reshape(batch, 1).to(self.loaded.device)
-        return self._forward(input_ids, self.attention_mask, positions)
+        return self._decode(
+            input_ids=input_ids, attention_mask=self.attention_mask, position_ids=positions, cache=self.cache
+        )
 
     def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        return self.loaded.model(
+        return _logits(
+            self.loaded.model,
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+        )
 
 
 @torch.inference_mode()
-def decode_rows(loaded: LoadedModel, cache: Cache, tokens: Tensor, positions: Tensor) -> Tensor:
+def decode_rows(
+    loaded: LoadedModel, cache: Cache, tokens: Tensor, positions: Tensor, compile: bool = False
+) -> Tensor:
     """One decode step of rows that need not share a length (the engine's ``RaggedCache``): ``tokens`` and
     ``positions`` [rows], each row's new token and its position; returns the next-token logits [rows, vocab].
-    No mask is passed: each row's cache masks its own attention."""
+    No mask is passed: each row's cache masks its own attention. ``compile``: :func:`decode_call`."""
     device = loaded.device
-    return loaded.model(
-        input_ids=tokens.reshape(-1, 1).to(device),
-        position_ids=positions.reshape(-1, 1).to(device),
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]
+    input_ids, position_ids = tokens.reshape(-1, 1).to(device), positions.reshape(-1, 1).to(device)
+    return decode_call(loaded, compile)(input_ids=input_ids, position_ids=position_ids, cache=cache)

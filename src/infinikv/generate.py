@@ -43,6 +43,7 @@ class Generator:
     by one caller at a time. None: an engine of this generator's own, without a prefix cache, whose prompt
     chunks are each call's ``GenerationConfig.prefill_chunk``. ``memo``: prefills shared with the drivers
     given the same memo (teacher-forced scoring, ``lm_eval.loglik``; ``forward.PrefillMemo``).
+    ``compile``: an own engine's decode steps run compiled (``EngineConfig.compile``).
     """
 
     def __init__(
@@ -51,9 +52,11 @@ class Generator:
         policy: PolicyConfig | str = "dense",
         memo: PrefillMemo | None = None,
         engine: Engine | None = None,
+        compile: bool = False,
         **knobs: Any,
     ):
         self.loaded = loaded
+        self.compile = compile
         self.memo = memo
         self.policy_config = make_config(policy, **knobs) if isinstance(policy, str) else policy
         self._shared = engine
@@ -67,7 +70,11 @@ class Generator:
     def _own_engine(self, chunk: int) -> Engine:
         # A call's prompts all arrive at once: read them before decoding (no stream to keep going meanwhile)
         config = EngineConfig(
-            block_tokens=chunk, chunk_tokens=chunk, step_tokens=64 * chunk, prefix_cache=False
+            block_tokens=chunk,
+            chunk_tokens=chunk,
+            step_tokens=64 * chunk,
+            prefix_cache=False,
+            compile=self.compile,
         )
         return Engine(self.loaded, config)
 

@@ -8,7 +8,9 @@
    is plain SDPA, so the model still works without us.
 
 The cache itself (``cache.InfinikvCache``) subclasses :class:`PolicyCache`, so this module needs nothing
-from it.
+from it. Every call into a policy (these two, and ``cache.PolicyLayer.update``) is left out of a compiled
+decode step's graph (``torch.compiler.disable``): a policy's work is Python over tensors whose shapes and
+state change from step to step, and it runs eagerly between the graphs of the model's own work.
 """
 
 from __future__ import annotations
@@ -80,7 +82,21 @@ def _infinikv_attention(
     if softcap is not None:
         raise ModelError("attention logit soft-capping is not supported by infinikv policies")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return infinikv_cache.attend(module.layer_idx, query, key, value, attention_mask, scaling), None
+    return _attend(infinikv_cache, module.layer_idx, query, key, value, attention_mask, scaling), None
+
+
+@torch.compiler.disable
+def _attend(
+    cache: PolicyCache, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
+) -> Tensor:
+    return cache.attend(layer, q, k, v, mask, scaling)
+
+
+@torch.compiler.disable
+def _before_attention(
+    cache: PolicyCache, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor
+) -> None:
+    cache.before_attention(layer, x, mask, position_ids)
 
 
 def _pre_attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
@@ -88,7 +104,8 @@ def _pre_attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     if not isinstance(cache, PolicyCache):
         return None
     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    cache.before_attention(module.layer_idx, hidden, kwargs.get("attention_mask"), kwargs.get("position_ids"))
+    mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    _before_attention(cache, module.layer_idx, hidden, mask, position_ids)
     kwargs["infinikv_cache"] = cache
     return args, kwargs
 

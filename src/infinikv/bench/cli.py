@@ -43,6 +43,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         knobs=tuple(sorted(policy_knobs(args).items())),
         corpus=None if args.corpus == "none" else args.corpus,
+        compile=args.compile,
     )
     if args.threads is not None:
         if args.threads < 1:
@@ -97,6 +98,11 @@ def register_cli(subparsers) -> None:
     )
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     bench.add_argument("--json", action="store_true", help="print the full result as JSON")
+    bench.add_argument(
+        "--compile",
+        action="store_true",
+        help="each policy also runs with its decode steps under torch.compile, as a row <policy>+compile",
+    )
     bench.add_argument("--plot", type=output_folder, default=None, help="directory for the PNG plots")
     bench.add_argument(
         "--report", type=output_file, default=None, help="Markdown report to write (e.g. docs/benchmarks.md)"

@@ -36,7 +36,9 @@ class BenchConfig:
     timed runs per policy and cell, interleaved across policies, medians reported; warmup: decode steps of
     an untimed run per policy and cell; prefill: ``shared`` or ``per-run`` (module docstring); knobs: policy
     knob values, each given to the policies that have it; corpus: text the prompts are cut from, a registered
-    corpus or a UTF-8 file (None, or a registered corpus that cannot be fetched: tokenizer-encoded filler)."""
+    corpus or a UTF-8 file (None, or a registered corpus that cannot be fetched: tokenizer-encoded filler);
+    compile: each policy also runs compiled (``measure.make_entries``), a row of its own beside the eager
+    one."""
 
     policies: tuple[str, ...] = ("dense", "offload")
     peers: tuple[str, ...] = ()
@@ -49,6 +51,7 @@ class BenchConfig:
     prefill_chunk: int = 2048
     knobs: tuple[tuple[str, Any], ...] = ()
     corpus: str | None = "austen"
+    compile: bool = False
 
     def __post_init__(self):
         if self.gen < 2:
@@ -102,7 +105,7 @@ def run_bench(loaded: LoadedModel, config: BenchConfig, progress: bool = True) -
     """Run the grid; returns {"config", "cells": [...]} (see ``summary.summarise_runs`` for each row)."""
     check_sizes(loaded, config)
     policies = {name: config.policy_knobs(name) for name in config.policies}
-    entries, skipped_peers = make_entries(loaded, policies, config.peers)
+    entries, skipped_peers = make_entries(loaded, policies, config.peers, config.compile)
     steps = config.gen - 1
     cells = []
     total = len(config.contexts) * len(config.batches) * len(entries) * config.repeats

@@ -87,32 +87,41 @@ class BenchEntry:
     prefetches: bool  # starts the copy of layer i+1 during layer i (``Policy.prefetches``)
     # The policy whose prefill this entry's shared prefill replays (its own, or dense for the peers).
     prefill_policy: PolicyConfig | None = None
+    compile: bool = False  # decode steps under torch.compile (forward.decode_call)
 
     def driver(self, loaded: LoadedModel) -> Driver:
         # transformers' caches store what they are handed, so they can replay a dense-family prefill.
-        return Driver(loaded, self.make_cache(), family="dense" if self.kind == "peer" else None)
+        family = "dense" if self.kind == "peer" else None
+        return Driver(loaded, self.make_cache(), family=family, compile=self.compile)
+
+
+COMPILED = "+compile"  # the name of a policy's compiled twin: "dense+compile"
 
 
 def make_entries(
     loaded: LoadedModel,
     policies: dict[str, dict[str, Any]],
     peers: tuple[str, ...],
+    compile: bool = False,
 ) -> tuple[list[BenchEntry], list[dict[str, str]]]:
-    """What will run (``policies``: name -> knobs), and which peers are skipped, with the reason. Runs each
-    policy's model-level preparation (``Policy.prepare``, e.g. InfiniGen's calibration) once."""
+    """What will run (``policies``: name -> knobs; with ``compile``, each policy also as a twin whose decode
+    steps run compiled, named ``<policy>+compile``), and which peers are skipped, with the reason. Runs
+    each policy's model-level preparation (``Policy.prepare``, e.g. InfiniGen's calibration) once."""
     entries, skipped = [], []
     for name, knobs in policies.items():
         config = make_config(name, **knobs)
         prepare(config, loaded)
-        entries.append(
-            BenchEntry(
-                name,
-                "policy",
-                lambda c=config: InfinikvCache(loaded.model, c, device=loaded.device),
-                prefetches=POLICIES[name].prefetches,
-                prefill_policy=config,
+        for compiled in (False, True) if compile else (False,):
+            entries.append(
+                BenchEntry(
+                    name + COMPILED if compiled else name,
+                    "policy",
+                    lambda c=config: InfinikvCache(loaded.model, c, device=loaded.device),
+                    prefetches=POLICIES[name].prefetches,
+                    prefill_policy=config,
+                    compile=compiled,
+                )
             )
-        )
     for name in peers:
         reason = peer_unavailable(name, loaded.device)
         if reason is not None:

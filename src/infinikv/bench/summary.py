@@ -9,7 +9,7 @@ from typing import Any
 
 from ..models import LoadedModel
 from . import linkmodel
-from .measure import BenchEntry, RunMeasurement
+from .measure import COMPILED, BenchEntry, RunMeasurement
 
 CROSSOVER_MARGIN = 0.1  # "pays off" = projected step at least 10 % faster than offload
 
@@ -131,7 +131,9 @@ def against_offload(
     return [
         (row["name"], linkmodel.StepTraffic(**row["traffic"]), slow)
         for row in rows
-        if row["kind"] == "policy" and row["name"] not in ("dense", "offload") and row["bytes_h2d_per_step"]
+        if row["kind"] == "policy"
+        and row["name"].removesuffix(COMPILED) not in ("dense", "offload")
+        and row["bytes_h2d_per_step"]
     ]
 
 

@@ -62,6 +62,7 @@ class EngineConfig:
     max_running: int = 16  # sequences admitted at once
     kv_memory: int | None = None  # the pool's bytes (None: half the memory free when the engine starts)
     prefix_cache: bool = True
+    compile: bool = False  # decode steps run under torch.compile (forward.decode_call)
 
     def __post_init__(self):
         for name, low in (("block_tokens", 2), ("chunk_tokens", 2), ("step_tokens", 1), ("max_running", 1)):
@@ -271,7 +272,7 @@ class Engine:
         cache = RaggedCache(self.loaded.spec, [seq.driver.cache for seq in rows], past)
         tokens = torch.tensor([seq.next_input for seq in rows])
         start = now(self.loaded.device)
-        logits = decode_rows(self.loaded, cache, tokens, torch.tensor(past))
+        logits = decode_rows(self.loaded, cache, tokens, torch.tensor(past), self.config.compile)
         elapsed = now(self.loaded.device) - start
         for r, seq in enumerate(rows):
             seq.decode_s += elapsed

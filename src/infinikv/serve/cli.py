@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 
+from ..cliargs import COMPILE_HELP
 from ..errors import InputError, ModelError
 from ..models import DEFAULT_MODEL
 from . import DEFAULT_REQUEST_TIMEOUT
@@ -73,6 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             replicas=args.replicas or 1,
             cpus=spread.cpus,
             gpus=spread.gpus,
+            compile=args.compile,
         )
         serve_forever(options, spread.address, args.host, args.port)
         return 0
@@ -84,6 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         step_tokens=args.step_tokens,
         kv_memory=None if args.kv_memory is None else int(args.kv_memory * 2**30),
         prefix_cache=not args.no_prefix_cache,
+        compile=args.compile,
     )
     settings = ServerSettings(
         max_batch=args.max_batch,
@@ -174,6 +177,7 @@ def register_cli(subparsers) -> None:
     serve.add_argument(
         "--no-prefix-cache", action="store_true", help="prefill every prompt in full (no prefix sharing)"
     )
+    serve.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before 429")
     serve.add_argument(
         "--default-max-tokens", type=_positive, default=256, help="chat requests without max_tokens"

@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from ..engine import EngineConfig
 from ..errors import InputError, ModelError, PolicyError
 from ..policies import make_config
 from . import DEFAULT_REQUEST_TIMEOUT
@@ -75,6 +76,7 @@ class ReplicaOptions:
     replicas: int = 1
     cpus: float = 1.0
     gpus: float = 0.0
+    compile: bool = False  # decode steps under torch.compile (EngineConfig.compile)
 
     def __post_init__(self):
         if self.replicas < 1 or self.cpus <= 0 or self.gpus < 0:
@@ -92,6 +94,7 @@ class ReplicaOptions:
             default_max_tokens=self.default_max_tokens,
             request_timeout=self.request_timeout,
             served_name=self.served_name,
+            engine=EngineConfig(compile=self.compile),
         )
 
 
