@@ -282,6 +282,36 @@ def test_sweep_resumes_without_recomputing(tiny, tmp_path, monkeypatch):
     assert calls == []
 
 
+def test_a_sweep_whose_cells_fail_exits_1_after_writing_its_outputs(tmp_path, monkeypatch, capsys):
+    """A failed cell does not stop the sweep (the others are measured and reported), but the command ends
+    with one line counting the failures and exit status 1, so a script notices."""
+    text = tmp_path / "t.txt"
+    text.write_text("Some text to score, again and again. " * 40, encoding="utf-8")
+    path = tmp_path / "sweep.json"
+    config = {
+        "name": "t",
+        "out": str(tmp_path / "out"),
+        "models": [{"name": "dummy:tiny", "contexts": [96]}],
+        "policies": {"dense": {}, "offload": {}},
+        "ppl": {"texts": [str(text)], "prefill": 64},
+    }
+    path.write_text(json.dumps(config))
+    real = sweep.run_cell
+
+    def failing_offload(cell, *args):
+        if cell.policy == "offload":
+            raise InputError("this cell cannot run")
+        return real(cell, *args)
+
+    monkeypatch.setattr(sweep, "run_cell", failing_offload)
+    assert main(["eval", "sweep", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "1 cell(s) failed" in err and "Traceback" not in err
+    assert (tmp_path / "out" / "tables.md").exists() and (tmp_path / "out" / "failed.jsonl").exists()
+    monkeypatch.setattr(sweep, "run_cell", real)
+    assert main(["eval", "sweep", "--config", str(path)]) == 0  # the rerun measures it
+
+
 def test_context_fraction_knobs_resolve_per_cell():
     assert sweep.resolve_knobs({"window": "0.1*context", "n_sink": 4}, 2048) == {"window": 205, "n_sink": 4}
 

@@ -700,6 +700,7 @@ def test_smollm2_end_to_end(smollm2):
         (["serve", "--policy", "magic"], "unknown policy 'magic'"),
         (["serve", "--policy", "dense", "--budget", "0.5"], "has no knob budget"),
         (["serve", "--port", "70000"], "--port must be in 1..65535"),
+        (["serve", "--host", "192.0.2.1"], "cannot listen on 192.0.2.1:8000"),
         (["bench-serve", "--url", "http://127.0.0.1:1", "--requests", "0"], "must be positive"),
     ],
 )
@@ -709,6 +710,30 @@ def test_cli_mistakes_are_one_line(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_negative_graceful_timeout_is_refused_as_the_command_line_is_read(capsys):
+    from infinikv.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--graceful-timeout", "-1"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "expected a number of seconds >= 0" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(capsys):
+    import socket
+
+    from infinikv.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
 
 
 def test_kv_report_keeps_numbers_and_per_layer_lists():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..cliargs import int_list, output_folder
 from ..errors import InputError
@@ -110,7 +111,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     config = read_config(args.config)
     shard = parse_shard(args.shard)
-    run_sweep(config, shard=shard, spread=spread_from_args(args))
+    failures = run_sweep(config, shard=shard, spread=spread_from_args(args))
     summary = write_outputs(config)
     print(
         f"{summary['measured']} cells measured, {len(summary['missing'])} missing; outputs in {config.out}",
@@ -120,7 +121,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print((config.out / "tables.md").read_text(encoding="utf-8"))
-    return 0
+    return _failed(failures, config.out)
+
+
+def _failed(failures: int, out: Path) -> int:
+    """Exit status 1, with one line, when cells failed in this run (the outputs hold the others)."""
+    if not failures:
+        return 0
+    print(
+        f"sweep: {failures} cell(s) failed (errors in {out / 'failed.jsonl'}); a rerun measures them again",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -130,13 +142,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     config = read_config(args.config)
     if config.report is None:
         raise InputError(f"sweep config {args.config} names no report path (add: report = 'docs/results.md')")
-    if not args.no_run:  # --no-run: only what is already measured
-        run_sweep(config)
+    failures = 0 if args.no_run else run_sweep(config)  # --no-run: only what is already measured
     summary = write_outputs(config)
     notes = config.raw.get("notes", "")
     path = write_report(config, summary, f"infinikv eval report --config {args.config}", notes)
     print(path)
-    return 0
+    return _failed(failures, config.out)
 
 
 def _pct(value: float | None) -> str:

@@ -379,6 +379,7 @@ class Ledger:
         if torn:
             self._cells.write("\n")  # close an interrupted line so the next record starts on its own
         self._failed_path = out / "failed.jsonl"
+        self.failures = 0  # cells that failed in this run
 
     def __enter__(self) -> Ledger:
         return self
@@ -392,6 +393,7 @@ class Ledger:
             self._cells.flush()
             return
         cell = outcome.cell
+        self.failures += 1
         print(f"sweep: {cell.label} on {cell.target}@{cell.context} failed: {outcome.error}", file=sys.stderr)
         with open(self._failed_path, "a", encoding="utf-8") as failed:
             failed.write(json.dumps({"key": cell.key, "error": outcome.error}) + "\n")
@@ -403,11 +405,12 @@ def run_sweep(
     progress: bool = True,
     shard: tuple[int, int] = (0, 1),
     spread: Spread | None = None,
-) -> None:
+) -> int:
     """Measure every cell (of ``shard``) not yet in ``cells.jsonl`` with its costs (:func:`is_current`),
     appending each as it finishes; with ``spread``, one Ray task per group (:mod:`infinikv.cluster`), each
     group's cells appended when its task ends. :func:`infinikv.eval.report.write_outputs` turns the finished
-    cells into tables and plots."""
+    cells into tables and plots. Returns how many cells failed (``failed.jsonl``; the sweep goes on past
+    each)."""
     config.out.mkdir(parents=True, exist_ok=True)
     done = finished(config.out)
     _, unavailable = policy_variants(config)
@@ -424,7 +427,7 @@ def run_sweep(
                 for outcome in measure_group(config, group, loaded, done):
                     ledger.write(outcome)
                     bar.update()
-            return
+            return ledger.failures
         # a task gets only the dense references its perplexity cells need, not every finished record
         wanted = {_dense_identity(cell) for cell in todo if cell.kind == "ppl"}
         references = {identity: done[identity] for identity in wanted & done.keys()}
@@ -437,6 +440,7 @@ def run_sweep(
                 ledger.write(outcome)
             bar.update(len(outcomes))
             bar.set_postfix_str(f"last group on {ended.where.get('host', '?')}")
+        return ledger.failures
 
 
 def _measure_remotely(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import socket
 
 from ..cliargs import COMPILE_HELP
 from ..errors import InputError, ModelError
@@ -42,6 +43,18 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _check_listen(host: str, port: int) -> None:
+    """One line, before the model loads, when ``host:port`` cannot be listened on (taken, not an address of
+    this machine, no permission), instead of the web server's own log lines."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's own socket
+            probe.bind(address)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -58,6 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spread = spread_from_args(args)
     if spread is None and args.replicas is not None:
         raise InputError("--replicas needs --ray")
+    if spread is None:
+        _check_listen(args.host, args.port)
     if spread is not None:
         from .replicas import ReplicaOptions, serve_forever
 
@@ -190,7 +205,7 @@ def register_cli(subparsers) -> None:
         f"default {DEFAULT_REQUEST_TIMEOUT:g})",
     )
     serve.add_argument(
-        "--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown"
+        "--graceful-timeout", type=_seconds, default=30.0, help="seconds in-flight requests get on shutdown"
     )
     serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     serve.add_argument(
