@@ -205,6 +205,10 @@ def test_config_rejects_bad_grids():
         BenchConfig(peers=("nope",))
     with pytest.raises(InputError):
         BenchConfig(batches=())
+    with pytest.raises(InputError, match="--warmup of at least 2"):
+        BenchConfig(compile=True, warmup=1)  # the first compiled steps compile: not to be timed
+    with pytest.raises(InputError, match="no policy"):
+        BenchConfig(compile=True, policies=(), peers=("hf-dynamic",))
 
 
 def test_cli_bench_json_report_and_plots(tmp_path, capsys, monkeypatch):

@@ -703,21 +703,36 @@ def test_compiled_decode_steps_give_the_eager_tokens(policy, model, request, den
 
 
 def test_a_compiled_decode_step_runs_the_models_own_work_as_graphs(tiny_gemma, monkeypatch):
-    """Once compiled, a decode step no longer calls the model's own modules from Python (the final norm here
-    runs inside a graph), while the eager step calls it every step."""
+    """Compiled, a decode step no longer calls the model's own modules from Python (the final norm here runs
+    inside a graph), through a Driver and through the engine (a Generator's); eager, it calls them every
+    step. Prompt chunks run eagerly either way."""
     norm = tiny_gemma.model.model.norm
     forward = norm.forward
-    eager_calls = []
+    eager_decode_calls = []
 
-    def counted(*args, **kwargs):
-        if not torch.compiler.is_compiling():
-            eager_calls.append(1)
-        return forward(*args, **kwargs)
+    def counted(hidden, *args, **kwargs):
+        if not torch.compiler.is_compiling() and hidden.shape[1] == 1:
+            eager_decode_calls.append(1)
+        return forward(hidden, *args, **kwargs)
 
     monkeypatch.setattr(norm, "forward", counted)
     config = make_config("infinigen")
     for compile in (False, True):
-        eager_calls.clear()
+        eager_decode_calls.clear()
         _padded_batch_tokens(tiny_gemma, config, compile=compile)
-        # the prefill's chunks (24 tokens, chunks of 8) run eagerly either way
-        assert len(eager_calls) == (3 if compile else 3 + NEW_TOKENS - 1), f"compile={compile}"
+        assert len(eager_decode_calls) == (0 if compile else NEW_TOKENS - 1), f"Driver, compile={compile}"
+        eager_decode_calls.clear()
+        generator = Generator(tiny_gemma, config, compile=compile)
+        results = generator.generate(PROMPTS, GenerationConfig(NEW_TOKENS))
+        decoded = max(len(r.token_ids) for r in results) - 1  # the engine's decode steps
+        assert len(eager_decode_calls) == (0 if compile else decoded), f"engine, compile={compile}"
+
+
+def test_a_shared_engine_decides_whether_its_steps_are_compiled(tiny):
+    from infinikv import Engine, EngineConfig
+    from infinikv.errors import InputError
+
+    engine = Engine(tiny, EngineConfig(compile=True))
+    assert Generator(tiny, "dense", engine=engine, compile=True).engine is engine
+    with pytest.raises(InputError, match="shared engine"):
+        Generator(tiny, "dense", engine=engine)

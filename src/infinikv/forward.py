@@ -117,9 +117,10 @@ _COMPILE_SETTINGS = {
     "recompile_limit": 4096,
     "accumulated_recompile_limit": 65536,
 }
-# On CUDA, mode="reduce-overhead" (each graph captured and replayed as a CUDA graph), except the graphs whose
-# shapes change from step to step (a left-padded batch's growing mask), which would be captured again each
-# step: those run as plain compiled kernels.
+# On CUDA, mode="reduce-overhead" (each graph captured and replayed as a CUDA graph), except graphs with a
+# symbolic size, which would be captured again for every size: a left-padded batch's growing mask, and the
+# batch itself once dynamo has seen a few batch sizes (the engine's rows come and go). Those run as plain
+# compiled kernels, so a fixed batch gets CUDA graphs and a changing one mostly does not.
 _CUDA_GRAPHS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
 
 
@@ -127,17 +128,19 @@ def decode_call(loaded: LoadedModel, compile: bool) -> Callable[..., Tensor]:
     """What a decode step calls with the model's inputs to get its logits: the eager forward or, with
     ``compile``, the model's compiled one (module docstring), made once per model and shared by every
     driver and engine on it."""
+    model = loaded.model
     if not compile:
-        return functools.partial(_logits, loaded.model)
-    compiled = getattr(loaded.model, "_infinikv_compiled_decode", None)
-    if compiled is None:
-        graphed = torch.compile(_logits, options=_CUDA_GRAPHS if loaded.device.type == "cuda" else None)
+        return functools.partial(_logits, model)
+    made = model.__dict__.setdefault("_infinikv_compiled_decode", {})  # per device type
+    kind = loaded.device.type
+    if kind not in made:
+        made[kind] = torch.compile(_logits, options=_CUDA_GRAPHS if kind == "cuda" else None)
+    graphed = made[kind]
 
-        def compiled(**inputs: Any) -> Tensor:
-            with torch._dynamo.config.patch(_COMPILE_SETTINGS):
-                return graphed(loaded.model, **inputs)
+    def compiled(**inputs: Any) -> Tensor:
+        with torch._dynamo.config.patch(_COMPILE_SETTINGS):  # a fresh patch: older torch keeps state on it
+            return graphed(model, **inputs)
 
-        loaded.model._infinikv_compiled_decode = compiled
     return compiled
 
 

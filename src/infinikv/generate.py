@@ -43,7 +43,8 @@ class Generator:
     by one caller at a time. None: an engine of this generator's own, without a prefix cache, whose prompt
     chunks are each call's ``GenerationConfig.prefill_chunk``. ``memo``: prefills shared with the drivers
     given the same memo (teacher-forced scoring, ``lm_eval.loglik``; ``forward.PrefillMemo``).
-    ``compile``: an own engine's decode steps run compiled (``EngineConfig.compile``).
+    ``compile``: an own engine's decode steps run compiled (``EngineConfig.compile``); with a shared
+    ``engine``, it must be that engine's setting.
     """
 
     def __init__(
@@ -55,6 +56,11 @@ class Generator:
         compile: bool = False,
         **knobs: Any,
     ):
+        if engine is not None and compile != engine.config.compile:
+            raise InputError(
+                f"compile={compile} with a shared engine of EngineConfig.compile={engine.config.compile}: "
+                "a shared engine's own config says whether its decode steps are compiled"
+            )
         self.loaded = loaded
         self.compile = compile
         self.memo = memo

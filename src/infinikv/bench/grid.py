@@ -68,6 +68,10 @@ class BenchConfig:
             raise InputError("--batch values must be >= 1 and --context values >= 2")
         if not self.policies and not self.peers:
             raise InputError("nothing to run: no policies and no peers")
+        if self.compile and not self.policies:
+            raise InputError("--compile runs infinikv policies compiled, and no policy is asked for")
+        if self.compile and self.warmup < 2:  # the first compiled steps compile (and compile again once)
+            raise InputError(f"--compile needs --warmup of at least 2, got {self.warmup}")
         for name in self.peers:
             if name not in PEERS:
                 raise InputError(f"unknown peer '{name}'; available: {', '.join(PEERS)}")

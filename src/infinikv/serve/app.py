@@ -81,7 +81,12 @@ class _State:
         settings = self.settings
         if settings.scheduler == "static":
             scheduler = StaticScheduler(
-                loaded, self.metrics, settings.max_batch, settings.max_queue, settings.request_timeout
+                loaded,
+                self.metrics,
+                settings.max_batch,
+                settings.max_queue,
+                settings.request_timeout,
+                compile=settings.engine.compile,
             )
         else:
             engine = dataclasses.replace(settings.engine, max_running=settings.max_batch)

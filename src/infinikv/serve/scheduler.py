@@ -136,10 +136,12 @@ class StaticScheduler(_QueueWorker):
         max_batch: int = 8,
         max_queue: int = 64,
         request_timeout: float | None = None,
+        compile: bool = False,
     ):
         super().__init__(metrics, max_queue, request_timeout, "infinikv-generate")
         self.loaded = loaded
         self.max_batch = max_batch
+        self.compile = compile  # decode steps under torch.compile (EngineConfig.compile)
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
         self._generators: dict[PolicyConfig, Generator] = {}  # one per config: prepare() runs once
@@ -212,7 +214,7 @@ class StaticScheduler(_QueueWorker):
 
     def _generator(self, policy: PolicyConfig) -> Generator:
         if policy not in self._generators:
-            self._generators[policy] = Generator(self.loaded, policy)
+            self._generators[policy] = Generator(self.loaded, policy, compile=self.compile)
         return self._generators[policy]
 
     def _serve(self, batch: list[Job]) -> None:
