@@ -230,6 +230,21 @@ class Policy:
             return [n_past] * batch
         return [max(n_past - padding, 0) for padding in self.padding]
 
+    def row_padding(self, batch: int) -> list[int]:
+        """Each row's left padding, on the host (zeros where no mask was seen)."""
+        return self.padding or [0] * batch
+
+    def real_at(self, positions: Tensor) -> Tensor:
+        """bool, as ``positions`` [batch, ...] (token positions, i.e. mask columns): whether each holds a real
+        token, not left padding. A position past the mask last seen is a later decode token: real."""
+        if self.key_valid is None or not any(self.padding or ()):
+            return torch.ones_like(positions, dtype=torch.bool)
+        valid = self.key_valid.to(positions.device)
+        flat = positions.reshape(positions.shape[0], -1)
+        seen = valid.shape[1]
+        in_mask = valid.gather(1, flat.clamp(max=seen - 1))
+        return torch.where(flat < seen, in_mask, True).view_as(positions)
+
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 

@@ -154,7 +154,7 @@ class H2OPolicy(HostPoolPolicy):
         score = self.score[layer]
         if score is None:
             score = torch.zeros(batch, heads, n, device=self.device)
-        valid = None if window is not None else self._valid(positions)
+        valid = None if window is not None else self.real_at(positions)
         priority = self._priority(layer, score, positions, n, valid)
         if n > capacity:
             keep = priority.topk(capacity, dim=-1).indices.sort(dim=-1).values
@@ -248,10 +248,3 @@ class H2OPolicy(HostPoolPolicy):
         in_window = positions >= seen - (recent[:, None, None] - 1)
         priority = torch.where(in_window, float("inf"), score)
         return priority if valid is None else torch.where(valid, priority, float("-inf"))
-
-    def _valid(self, positions: Tensor) -> Tensor | None:
-        if self.key_valid is None:
-            return None
-        batch = positions.shape[0]
-        valid = self.key_valid.to(positions.device)
-        return valid.gather(1, positions.reshape(batch, -1)).view_as(positions)

@@ -89,7 +89,7 @@ class QuestPolicy(ScoredPolicy):
         size, device = self.config.page_size, k.device
         start = self.host_pool.length(layer) - count  # called after the append
         # Left padding: a row's real tokens are the chunk's last n_real (in a decode step, its one token).
-        padding = self.padding or [0] * batch
+        padding = self.row_padding(batch)
         n_real = [count - min(max(pad - start, 0), count) for pad in padding]
         if self.partial[layer] is None:
             self.pages[layer] = BlockBounds(size, [0] * batch, device, dtype=k.dtype, outward=False)

@@ -38,6 +38,15 @@ class LayerState:
     # them hold one: None = all), the best read at the last choice, one further at each step
     followed: tuple[Tensor, Tensor | None] | None = None
 
+    def positions(self, index: Tensor | None = None) -> Tensor:
+        """The token positions (mask columns) held by the slots ``index`` [batch, kv_heads, m] (None: every
+        slot in use)."""
+        if index is None:
+            return self.slots.view("pos")
+        if self.slots.n == self.seen:  # nothing evicted: slot i holds position i
+            return index
+        return torch.gather(self.slots.view("pos"), 2, index)
+
     def in_store(self, wide: Tensor) -> Tensor:
         """``wide`` [..., kv_heads, rows, k]: values in the widest columns, cut to the store's."""
         if self.stored is None:

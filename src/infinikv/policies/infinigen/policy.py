@@ -105,7 +105,7 @@ from .layer import LayerState
 from .plan import DecodePlan, layer_alpha, own_query_layers, settle
 from .rehearsal import Rehearsal, quantize
 from .schedule import Schedule
-from .selector import RealTokens, Selector
+from .selector import Selector
 from .skewfile import Skew
 
 Tensor = torch.Tensor
@@ -151,8 +151,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         # keys
         self._allocations: dict[int, dict[int, float]] | None = None
         # which slots hold real tokens (left padding aside), and the choice itself (selector.py)
-        self.rows = RealTokens()
-        self.selector = Selector(config, self.layers, self.rows, self)
+        self.selector = Selector(config, self.layers, self, self)
         self._step = 0
         # (most partial columns within the device budget, head_dim), set by the first prompt chunk's dtype
         self._cap: tuple[int, int] | None = None
@@ -189,9 +188,6 @@ class InfiniGenPolicy(HostPoolPolicy):
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self._step:
             raise PolicyError("infinigen: a prompt chunk after decoding started is not supported")
-        self.rows.padding = self.padding
-        if not self.spec.is_sliding(layer) and self.key_valid is not None:
-            self.rows.mask = self.key_valid.clone() if any(self.padding) else None  # None: no padding
         start, count = self.layers[layer].seen, k.shape[2]
         pos = torch.arange(start, start + count, device=k.device).expand(k.shape[0], k.shape[1], -1)
         partial, scale = self._partial_keys(layer, k)
@@ -199,7 +195,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         self.layers[layer].seen = start + count
         if self.config.block_size > 1 and self.managed(layer):
             real_at = functools.partial(self._real_at, layer)
-            padding = self.rows.row_padding(k.shape[0])
+            padding = self.row_padding(k.shape[0])
             self.layers[layer].slots.bound_chunk(start, count, self.config.block_size, padding, real_at)
         return self.host_pool.extend(layer, k, v)
 
@@ -389,7 +385,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if self.decoding is not None:
             return
         stored = [layer for layer, state in enumerate(self.layers) if state.seen]
-        real_tokens = self.rows.count(self.layers[stored[0]]) if stored else []
+        real_tokens = self._real_tokens(self.layers[stored[0]]) if stored else []
         storage = (self._stored_keys, self._cap, self._allocations)
         self.decoding = settle(self.config, self.spec, self.skew(), self.layers, real_tokens, storage)
         for layer, state in enumerate(self.layers):
@@ -407,7 +403,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         state = self.layers[layer]
         with self.selecting():
             query = self._rehearsal_query(layer, x, position_ids)
-            real_tokens = self.rows.count(state)
+            real_tokens = self._real_tokens(state)
             budgets, follows = zip(*(self.schedule.choice_budget(n) for n in real_tokens), strict=True)
             slot_scores = self.observer is not None or self.schedule.follows  # both read scores by slot
             choice = self.selector.choose(
@@ -457,13 +453,17 @@ class InfiniGenPolicy(HostPoolPolicy):
         state = self.layers[layer]
         return state.in_store(torch.matmul(query, state.projection.to(query.dtype)))
 
+    def _real_tokens(self, state: LayerState) -> list[int]:
+        """Real (not left padding) tokens each sequence has seen on a layer: its budget's context."""
+        return self.real_tokens(state.seen, state.slots.pos.shape[0])
+
     def real_slots(self, layer: int) -> Tensor:
         """[batch, kv_heads, slots]: True where the slot holds a real token (not left padding)."""
-        return self.rows.real_at(self.layers[layer])
+        return self.selector.real_at(self.layers[layer])
 
     def _real_at(self, layer: int, index: Tensor | None = None) -> Tensor:
-        """``RealTokens.real_at`` of ``layer``'s slots ``index`` (None: every slot in use)."""
-        return self.rows.real_at(self.layers[layer], index)
+        """``Selector.real_at`` of ``layer``'s slots ``index`` (None: every slot in use)."""
+        return self.selector.real_at(self.layers[layer], index)
 
     # -- decode: attend and store ----------------------------------------------------------------------------
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:

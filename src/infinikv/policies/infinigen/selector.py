@@ -5,7 +5,8 @@
 nothing) and takes each head's top n' with ``base.pick_top``, the reserved slots (the first ``n_sink`` real
 tokens and the last ``window``) first. With ``block_size`` above 0 it chooses coarse to fine: blocks ranked
 by the bounds of their partial keys (``blocks.py``), then tokens scored, counted and picked among the best
-blocks alone. :class:`RealTokens` says which slots of a left-padded batch hold real tokens. The policy
+blocks alone. Which slots hold real tokens (not a left-padded batch's padding) comes from the policy's base
+(:class:`Rows`), through the positions the slots hold (``LayerState.positions``). The policy
 decides when a layer chooses and copies what it chose (``policy.py``).
 """
 
@@ -38,49 +39,17 @@ class Meter(Protocol):
     def selector_read(self, *tensors: Tensor) -> None: ...
 
 
-class RealTokens:
-    """Which slots of a left-padded batch hold real tokens: the prompt's mask of real positions, kept from
-    its prefill (later positions are all real), and each row's left padding on the host."""
+class Rows(Protocol):
+    """Which positions of a left-padded batch hold real tokens, as the policy's base tracks them
+    (``base.Policy``: ``real_at``, ``row_padding``, ``real_tokens``)."""
 
-    def __init__(self) -> None:
-        self.mask: Tensor | None = None  # [batch, prompt tokens]: True = real token (None: no padding)
-        self.padding: list[int] | None = None  # per row, on the host (None: no mask seen)
+    padding: list[int] | None
 
-    def row_padding(self, batch: int) -> list[int]:
-        """Each row's left padding (zeros where no mask was seen)."""
-        return self.padding or [0] * batch
+    def real_at(self, positions: Tensor) -> Tensor: ...
 
-    @property
-    def padded(self) -> bool:
-        """Whether any row has left padding."""
-        return any(self.padding or ())
+    def row_padding(self, batch: int) -> list[int]: ...
 
-    @staticmethod
-    def positions_at(state: LayerState, index: Tensor | None = None) -> Tensor:
-        """The token positions (mask columns) held by the slots ``index`` [batch, kv_heads, m] (None: every
-        slot in use)."""
-        if index is None:
-            return state.slots.view("pos")
-        if state.slots.n == state.seen:  # nothing evicted: slot i holds position i
-            return index
-        return torch.gather(state.slots.view("pos"), 2, index)
-
-    def real_at(self, state: LayerState, index: Tensor | None = None) -> Tensor:
-        """bool, as ``index`` [batch, kv_heads, m] (None: every slot in use): whether each slot holds a real
-        token (not left padding)."""
-        pos = self.positions_at(state, index)
-        if self.mask is None:
-            return torch.ones_like(pos, dtype=torch.bool)
-        prompt = self.mask.shape[1]
-        real = self.mask[:, None, :].expand(-1, pos.shape[1], -1)
-        in_prompt = torch.gather(real, 2, pos.clamp(max=prompt - 1))
-        return torch.where(pos < prompt, in_prompt, True)
-
-    def count(self, state: LayerState) -> list[int]:
-        """Real (non-padding) tokens seen per sequence: the context the budget is a fraction of."""
-        if self.mask is None:
-            return [state.seen] * state.slots.pos.shape[0]
-        return [state.seen - padding for padding in self.padding]
+    def real_tokens(self, n_past: int, batch: int) -> list[int]: ...
 
 
 @dataclass
@@ -100,9 +69,7 @@ class Choice:
 class Selector:
     """Chooses what a managed layer reads (module docstring); counts its work on ``meter``."""
 
-    def __init__(
-        self, config: InfiniGenConfig, layers: list[LayerState], rows: RealTokens, meter: Meter
-    ) -> None:
+    def __init__(self, config: InfiniGenConfig, layers: list[LayerState], rows: Rows, meter: Meter) -> None:
         self.config, self.layers, self.rows, self.meter = config, layers, rows, meter
         self.block_steps = 0  # layer-steps chosen coarse to fine
         self.block_recounts = 0  # of those, counted again over every token (a head wanted all candidates)
@@ -154,7 +121,7 @@ class Selector:
         """Speculative logits [batch, kv_heads, slots] of every token of ``layer`` for the partial ``query``
         (:func:`~.rehearsal.speculative_scores`, -inf on left padding)."""
         state = self.layers[layer]
-        real = self.rows.real_at(state) if self.rows.padded else None
+        real = self.real_at(state) if any(self.rows.padding or ()) else None
         slots, scale = state.slots, self.scales(layer)
         partial_keys = slots.view("partial")
         self.meter.selector_read(partial_keys, *([] if scale is None else [scale]))
@@ -222,7 +189,7 @@ class Selector:
         if chosen_valid is not None:
             present &= chosen_valid.repeat_interleave(bounds.size, dim=-1)
         candidates = candidates.clamp(0, n - 1)
-        present &= self.rows.real_at(state, candidates)
+        present &= self.real_at(state, candidates)
         if tokens is not None:
             fine = torch.gather(tokens, 2, candidates).masked_fill(~present, -math.inf)
         else:
@@ -260,8 +227,13 @@ class Selector:
         """``layer``'s block bounds (``SlotTable.block_bounds``)."""
         state = self.layers[layer]
         padding = self.rows.row_padding(state.slots.pos.shape[0])
-        real_at = functools.partial(self.rows.real_at, state)
+        real_at = functools.partial(self.real_at, state)
         return state.slots.block_bounds(self.config.block_size, padding, real_at)
+
+    def real_at(self, state: LayerState, index: Tensor | None = None) -> Tensor:
+        """bool, as ``index`` [batch, kv_heads, m] (None: every slot in use): whether each of ``state``'s
+        slots holds a real token (not left padding)."""
+        return self.rows.real_at(state.positions(index))
 
     def reserved(self, layer: int, index: Tensor | None = None) -> Tensor | None:
         """bool [batch, kv_heads, slots] (or as ``index`` [batch, kv_heads, m], for those slots): the slots
@@ -274,9 +246,9 @@ class Selector:
         shared = index is None and state.slots.n == state.seen
         if shared:  # nothing evicted: slot i holds position i in every head, so one head's answer serves all
             index = torch.arange(state.seen, device=state.slots.pos.device).expand(batch, 1, -1)
-        pos = self.rows.positions_at(state, index)
+        pos = state.positions(index)
         padding = torch.tensor(self.rows.row_padding(batch), device=pos.device)[:, None, None]
-        near = (((pos - padding) < n_sink) | (pos >= state.seen - window)) & self.rows.real_at(state, index)
+        near = (((pos - padding) < n_sink) | (pos >= state.seen - window)) & self.rows.real_at(pos)
         return near.expand(-1, heads, -1) if shared else near
 
     def _most_reserved(self, layer: int) -> int | None:
