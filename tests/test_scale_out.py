@@ -126,6 +126,26 @@ def test_without_ray_installed_ray_is_one_line(tmp_path, monkeypatch, capsys, ar
     )
 
 
+def test_serve_flags_reach_every_replica(monkeypatch):
+    """The scheduler and engine flags of `serve --ray` are each replica's, as they are a single server's."""
+    from infinikv.engine import EngineConfig
+    from infinikv.serve import replicas
+
+    started = []
+    monkeypatch.setattr(replicas, "serve_forever", lambda options, *where: started.append(options))
+    argv = ["serve", "--ray", "--scheduler", "static", "--block-tokens", "64", "--chunk-tokens", "32"]
+    assert main([*argv, "--step-tokens", "96", "--kv-memory", "0.5", "--no-prefix-cache", "--compile"]) == 0
+    settings = started[0].settings()
+    assert settings.scheduler == "static"
+    assert settings.engine == EngineConfig(
+        block_tokens=64, chunk_tokens=32, step_tokens=96, kv_memory=2**29, prefix_cache=False, compile=True
+    )
+    built = replicas.options_from(
+        {"model": MODEL, "engine": json.dumps({"block_tokens": 64, "chunk_tokens": 64})}
+    )
+    assert built.engine == EngineConfig(block_tokens=64, chunk_tokens=64)  # `serve run`'s engine=JSON
+
+
 def test_infinikv_runs_without_ray():
     """Every module but the two that scale out imports with ray unimportable."""
     code = (

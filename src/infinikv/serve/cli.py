@@ -59,6 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..cluster import spread_from_args
+    from ..engine import EngineConfig
     from ..models import load
     from ..policies import make_config
     from ..policy_flags import policy_knobs
@@ -73,6 +74,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError("--replicas needs --ray")
     if spread is None:
         _check_listen(args.host, args.port)
+    engine = EngineConfig(
+        block_tokens=args.block_tokens,
+        chunk_tokens=args.chunk_tokens,
+        step_tokens=args.step_tokens,
+        kv_memory=None if args.kv_memory is None else int(args.kv_memory * 2**30),
+        prefix_cache=not args.no_prefix_cache,
+        compile=args.compile,
+    )
     if spread is not None:
         from .replicas import ReplicaOptions, serve_forever
 
@@ -89,20 +98,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             replicas=args.replicas or 1,
             cpus=spread.cpus,
             gpus=spread.gpus,
-            compile=args.compile,
+            scheduler=args.scheduler,
+            engine=engine,
         )
         serve_forever(options, spread.address, args.host, args.port)
         return 0
-    from ..engine import EngineConfig
-
-    engine = EngineConfig(
-        block_tokens=args.block_tokens,
-        chunk_tokens=args.chunk_tokens,
-        step_tokens=args.step_tokens,
-        kv_memory=None if args.kv_memory is None else int(args.kv_memory * 2**30),
-        prefix_cache=not args.no_prefix_cache,
-        compile=args.compile,
-    )
     settings = ServerSettings(
         max_batch=args.max_batch,
         max_queue=args.max_queue,

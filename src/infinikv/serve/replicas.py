@@ -76,7 +76,8 @@ class ReplicaOptions:
     replicas: int = 1
     cpus: float = 1.0
     gpus: float = 0.0
-    compile: bool = False  # decode steps under torch.compile (EngineConfig.compile)
+    scheduler: str = "continuous"  # ServerSettings.scheduler
+    engine: EngineConfig = field(default_factory=EngineConfig)  # each replica's engine (its own pool)
 
     def __post_init__(self):
         if self.replicas < 1 or self.cpus <= 0 or self.gpus < 0:
@@ -94,7 +95,8 @@ class ReplicaOptions:
             default_max_tokens=self.default_max_tokens,
             request_timeout=self.request_timeout,
             served_name=self.served_name,
-            engine=EngineConfig(compile=self.compile),
+            scheduler=self.scheduler,
+            engine=self.engine,
         )
 
 
@@ -216,22 +218,29 @@ def application(options: ReplicaOptions) -> serve.Application:
 
 
 def build(args: dict[str, Any]) -> serve.Application:
-    """The application builder of ``serve run``: ``args`` holds :class:`ReplicaOptions` fields (strings from
-    the command line, typed values from a config file); ``knobs`` is a JSON object."""
+    """The application builder of ``serve run`` (``options_from``)."""
+    return application(options_from(args))
+
+
+def options_from(args: dict[str, Any]) -> ReplicaOptions:
+    """:class:`ReplicaOptions` from ``serve run``'s ``args``: its fields as strings from the command line, or
+    typed values from a config file; ``knobs`` and ``engine`` (``EngineConfig`` fields) as JSON objects."""
     known = {f.name: f.type for f in fields(ReplicaOptions)}
     unknown = sorted(set(args) - set(known))
     if unknown:
         raise InputError(f"unknown arguments {', '.join(unknown)}; known: {', '.join(known)}")
     typed: dict[str, Any] = {}
     for name, value in args.items():
-        if name == "knobs" and isinstance(value, str):
+        if name in ("knobs", "engine") and isinstance(value, str):
             value = json.loads(value)
+        if name == "engine":
+            value = EngineConfig(**value)
         elif name in ("max_batch", "max_queue", "default_max_tokens", "replicas"):
             value = int(value)
         elif name in ("cpus", "gpus", "request_timeout"):
             value = float(value)
         typed[name] = value
-    return application(ReplicaOptions(**typed))
+    return ReplicaOptions(**typed)
 
 
 def start_serve(host: str, port: int) -> None:
