@@ -155,3 +155,28 @@ def test_a_prefill_chunk_above_the_context_is_the_context(model_dir, capsys):
     wide = json.loads(capsys.readouterr().out)["token_ids"]
     assert main(argv) == 0
     assert wide == json.loads(capsys.readouterr().out)["token_ids"]
+
+
+def test_ctrl_c_while_the_command_line_loads_is_one_line():
+    """Ctrl-C in the first second, while torch and transformers are still being imported, ends in one line
+    and exit status 130, as it does once the command runs."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    argv = [sys.executable, "-m", "infinikv", "generate", "--model", "dummy:tiny", "--prompt", "hi"]
+    started = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    started.send_signal(signal.SIGINT)
+    _, err = started.communicate(timeout=60)
+    assert started.returncode == 130 and err.strip().splitlines() == ["infinikv: interrupted"]
+
+
+def test_every_public_name_of_the_package_resolves():
+    """``import infinikv`` imports nothing heavy; each public name is imported when first used."""
+    import infinikv
+
+    assert all(getattr(infinikv, name) is not None for name in infinikv.__all__)
+    with pytest.raises(AttributeError):
+        _ = infinikv.no_such_name
