@@ -255,3 +255,43 @@ def test_a_sequence_takes_cached_blocks_into_a_cache_it_has_started(tiny, policy
     assert 0 < results[0].stats["prefix_hit_tokens"] < len(document)
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == alone(tiny, prompt, config)
+
+
+def test_a_decode_step_hands_off_its_rows_tokens_in_one_read(tiny, monkeypatch):
+    """Each row samples on the device with its own settings (greedy, sampled, seeded); the step's new tokens
+    then cross to the host together: one read per step, whatever the number of rows."""
+    import os
+    import sys
+
+    import torch
+
+    import infinikv
+
+    package = os.path.dirname(infinikv.__file__) + os.sep
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
+    sampled = GenerationConfig(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+    for text, sampling in (
+        ("one prompt", GREEDY),
+        ("another, longer prompt here", sampled),
+        ("a third", GREEDY),
+    ):
+        engine.add(ids(tiny, text), make_config("dense"), sampling)
+    while (
+        len(engine.running) < 3 or engine.waiting or any(s.phase.name != "DECODING" for s in engine.running)
+    ):
+        engine.step()
+    reads = []
+
+    def counted(name, method):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.startswith(package):
+                reads.append((name, os.path.basename(caller.co_filename)))
+            return method(self, *args, **kwargs)
+
+        return read
+
+    for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    outputs = engine.step()
+    assert len(outputs) == 3 and reads == [("tolist", "engine.py")]

@@ -274,11 +274,19 @@ class Engine:
         start = now(self.loaded.device)
         logits = decode_rows(self.loaded, cache, tokens, torch.tensor(past), self.config.compile)
         elapsed = now(self.loaded.device) - start
+        # each row samples on the device with its own settings; the new tokens then cross to the host in one
+        # read, the step's only one (a forced row feeds its next forced token instead)
+        drawn = {
+            r: sample(logits[r : r + 1], seq.sampling, seq.generator)
+            for r, seq in enumerate(rows)
+            if not seq.forced
+        }
+        new = dict(zip(drawn, torch.cat(list(drawn.values())).tolist(), strict=True)) if drawn else {}
         for r, seq in enumerate(rows):
             seq.decode_s += elapsed
             seq.decode_steps += 1
             seq.rows_in_steps += len(rows)
-            self._next_token(seq, logits[r : r + 1], outputs)
+            self._next_token(seq, new.get(r), outputs)
 
     def _prefill(self, allowance: int, outputs: list[StepOutput]) -> None:
         """Prompt chunks within ``allowance`` tokens (at least one), each to the admitted sequence with the
@@ -419,14 +427,15 @@ class Engine:
 
     def _prompt_read(self, seq: Sequence, logits: Tensor, outputs: list[StepOutput]) -> None:
         seq.phase, seq.block_calls = Phase.DECODING, []
-        self._next_token(seq, logits, outputs)
+        token = None if seq.forced else int(sample(logits, seq.sampling, seq.generator)[0])
+        self._next_token(seq, token, outputs)
 
-    def _next_token(self, seq: Sequence, logits: Tensor, outputs: list[StepOutput]) -> None:
-        """After a forward pass over ``seq``: feed its next forced token, or sample one and hand it out."""
-        if seq.forced:
+    def _next_token(self, seq: Sequence, token: int | None, outputs: list[StepOutput]) -> None:
+        """After a forward pass over ``seq``: feed its next forced token (``token`` None), or hand out the
+        ``token`` it sampled."""
+        if token is None:
             seq.next_input = seq.forced.pop(0)
             return
-        token = int(sample(logits, seq.sampling, seq.generator)[0])
         seq.advance(token, self.eos_ids, self.loaded.tokenizer.decode)
         piece = seq.new_text()
         if seq.finish is None:
