@@ -209,6 +209,8 @@ def test_engine_config_is_checked():
         {"max_running": True},
         {"kv_memory": -1},
         {"block_tokens": 48, "chunk_tokens": 32},  # a block would end inside a chunk
+        {"compile": "no"},  # a string is not a yes or no
+        {"prefix_cache": 1},
     )
     for bad in bad_configs:
         with pytest.raises(InputError):

@@ -736,3 +736,5 @@ def test_a_shared_engine_decides_whether_its_steps_are_compiled(tiny):
     assert Generator(tiny, "dense", engine=engine, compile=True).engine is engine
     with pytest.raises(InputError, match="shared engine"):
         Generator(tiny, "dense", engine=engine)
+    with pytest.raises(InputError, match="True or False"):
+        Generator(tiny, "dense", engine=engine, compile=1)

@@ -56,6 +56,8 @@ class Generator:
         compile: bool = False,
         **knobs: Any,
     ):
+        if not isinstance(compile, bool):
+            raise InputError(f"compile must be True or False, got {compile!r}")
         if engine is not None and compile != engine.config.compile:
             raise InputError(
                 f"compile={compile} with a shared engine of EngineConfig.compile={engine.config.compile}: "

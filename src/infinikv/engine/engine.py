@@ -76,6 +76,9 @@ class EngineConfig:
             )
         if self.kv_memory is not None and (not isinstance(self.kv_memory, int) or self.kv_memory < 1):
             raise InputError(f"kv_memory must be a positive number of bytes, got {self.kv_memory!r}")
+        for name in ("prefix_cache", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 @dataclass
