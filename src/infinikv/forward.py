@@ -112,10 +112,13 @@ def _logits(model: torch.nn.Module, **inputs: Any) -> Tensor:
 # than a constant, the layers share their graphs. The code resumed after each call into the policy indexes
 # the cache's layers by it, and is compiled once per layer (and per model and decode path): the limits on
 # recompiles are raised so that no layer falls back to eager.
+# Each under its name in this torch and the older one (those this torch lacks are left out).
 _COMPILE_SETTINGS = {
     "allow_unspec_int_on_nn_module": True,
     "recompile_limit": 4096,
+    "cache_size_limit": 4096,
     "accumulated_recompile_limit": 65536,
+    "accumulated_cache_size_limit": 65536,
 }
 # On CUDA, mode="reduce-overhead" (each graph captured and replayed as a CUDA graph), except graphs with a
 # symbolic size, which would be captured again for every size: a left-padded batch's growing mask, and the
@@ -136,9 +139,10 @@ def decode_call(loaded: LoadedModel, compile: bool) -> Callable[..., Tensor]:
     if kind not in made:
         made[kind] = torch.compile(_logits, options=_CUDA_GRAPHS if kind == "cuda" else None)
     graphed = made[kind]
+    settings = {name: on for name, on in _COMPILE_SETTINGS.items() if hasattr(torch._dynamo.config, name)}
 
     def compiled(**inputs: Any) -> Tensor:
-        with torch._dynamo.config.patch(_COMPILE_SETTINGS):  # a fresh patch: older torch keeps state on it
+        with torch._dynamo.config.patch(settings):  # a fresh patch: older torch keeps state on it
             return graphed(model, **inputs)
 
     return compiled

@@ -41,15 +41,13 @@ class Meter(Protocol):
 
 class Rows(Protocol):
     """Which positions of a left-padded batch hold real tokens, as the policy's base tracks them
-    (``base.Policy``: ``real_at``, ``row_padding``, ``real_tokens``)."""
+    (``base.Policy``: ``padding``, ``real_at``, ``row_padding``)."""
 
     padding: list[int] | None
 
     def real_at(self, positions: Tensor) -> Tensor: ...
 
     def row_padding(self, batch: int) -> list[int]: ...
-
-    def real_tokens(self, n_past: int, batch: int) -> list[int]: ...
 
 
 @dataclass
