@@ -20,7 +20,7 @@ from ray.exceptions import ActorDiedError
 
 from infinikv.cli import main
 from infinikv.cluster import Spread, connect, disconnect
-from infinikv.errors import ModelError
+from infinikv.errors import InputError, ModelError
 from infinikv.eval import sweep
 from infinikv.gpucheck.cli import run_check
 from infinikv.gpucheck.plan import TINY
@@ -144,6 +144,8 @@ def test_serve_flags_reach_every_replica(monkeypatch):
         {"model": MODEL, "engine": json.dumps({"block_tokens": 64, "chunk_tokens": 64})}
     )
     assert built.engine == EngineConfig(block_tokens=64, chunk_tokens=64)  # `serve run`'s engine=JSON
+    with pytest.raises(InputError, match="unknown fields blocks"):
+        replicas.options_from({"model": MODEL, "engine": {"blocks": 64}})
 
 
 def test_infinikv_runs_without_ray():

@@ -234,6 +234,9 @@ def options_from(args: dict[str, Any]) -> ReplicaOptions:
         if name in ("knobs", "engine") and isinstance(value, str):
             value = json.loads(value)
         if name == "engine":
+            unknown = sorted(set(value) - {f.name for f in fields(EngineConfig)})
+            if unknown:
+                raise InputError(f"engine: unknown fields {', '.join(unknown)}")
             value = EngineConfig(**value)
         elif name in ("max_batch", "max_queue", "default_max_tokens", "replicas"):
             value = int(value)
