@@ -394,7 +394,8 @@ class Ledger:
             return
         cell = outcome.cell
         self.failures += 1
-        print(f"sweep: {cell.label} on {cell.target}@{cell.context} failed: {outcome.error}", file=sys.stderr)
+        line = f"sweep: {cell.label} on {cell.target}@{cell.context} failed: {outcome.error}"
+        tqdm.write(line, file=sys.stderr)  # above the progress bar, which is drawn again below it
         with open(self._failed_path, "a", encoding="utf-8") as failed:
             failed.write(json.dumps({"key": cell.key, "error": outcome.error}) + "\n")
 
