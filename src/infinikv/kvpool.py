@@ -189,10 +189,10 @@ def _read(source: _Source, numbers: Tensor, gather: Callable[[Tensor, Tensor], T
     """Rows ``numbers`` of the arena, [len(numbers), width], read from each segment by ``gather(segment as
     rows, numbers within it)`` and merged where they spread over several."""
     if len(source.segments) == 1:  # the first segment: numbers are within it
-        return gather(source.segments[0].rows(), numbers)
+        return gather(source.segments[0].rows, numbers)
     out = None
     for segment in source.segments:
-        flat = segment.rows()
+        flat = segment.rows
         local = numbers - source.part.arena.first_row(segment)
         got = gather(flat, local.clamp(0, flat.shape[0] - 1))
         if out is None:
@@ -206,9 +206,13 @@ def _read(source: _Source, numbers: Tensor, gather: Callable[[Tensor, Tensor], T
 def _scatter(arena: BlockArena, rows: Tensor, new: Tensor) -> None:
     """Write ``new`` [len(rows), width] to the arena's rows ``rows`` (host numbers); where the arena has
     several segments, each segment's copy sends the rows of the others to its spare block."""
-    new = new.to(arena.device)
+    if new.device != arena.device:
+        new = new.to(arena.device)
+    if len(arena.segments) == 1 and arena.segments[0].first == 0:  # the numbers are the segment's own
+        arena.segments[0].rows.index_copy_(0, rows, new)
+        return
     for segment in arena.segments:
-        flat = segment.rows()
+        flat = segment.rows
         local = rows - arena.first_row(segment)
         if len(arena.segments) > 1:
             local = torch.where((local >= 0) & (local < flat.shape[0]), local, flat.shape[0] - 1)
@@ -303,8 +307,9 @@ class KVPool:
             part.cover(n + q, self._reserve_tokens)
             written = max(part.adopted - n, 0)  # slots of adopted blocks hold these tokens already
             if written < q:
-                self._write(part, n + written, new[:, :, written:])
-                self.counters.bytes_d2h += new[:, :, written:].numel() * new.element_size()
+                unwritten = new[:, :, written:] if written else new
+                self._write(part, n + written, unwritten)
+                self.counters.bytes_d2h += unwritten.numel() * unwritten.element_size()
             part.length = n + q
 
     @staticmethod

@@ -24,6 +24,7 @@ as needed, never copied. A row's blocks may lie in several segments, and a gathe
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -49,9 +50,10 @@ class Segment:
     def count(self) -> int:
         return self.tensor.shape[0]
 
+    @functools.cached_property
     def rows(self) -> Tensor:
         """The segment as rows of ``width`` values: row (b·heads + h)·block_tokens + s is slot s of head h in
-        its block b, counted from the segment's first block."""
+        its block b, counted from the segment's first block (one view, made once)."""
         return self.tensor.view(-1, self.tensor.shape[-1])
 
 

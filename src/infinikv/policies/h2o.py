@@ -52,6 +52,18 @@ class H2OConfig(PolicyConfig):
     )
 
 
+@dataclass(frozen=True)
+class _NewToken:
+    """A decode step's token between ``decode`` and ``_store_new``: its K/V, the slots' positions and
+    liveness with it appended, and each (row, KV head)'s live count."""
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor  # [batch, kv_heads, m + 1]
+    valid: Tensor  # [batch, kv_heads, m + 1]
+    alive_count: Tensor  # [batch, kv_heads]
+
+
 @register("h2o")
 class H2OPolicy(HostPoolPolicy):
     config_class = H2OConfig
@@ -70,7 +82,7 @@ class H2OPolicy(HostPoolPolicy):
         self.limits: list[tuple[Tensor, Tensor] | None] = [None] * layers
         self.alive: list[Tensor | None] = [None] * layers  # bool per slot; False: a dead slot, hidden
         self.capacity = [0] * layers  # slots kept between steps: the widest row's budget - 1
-        self._new: dict[int, tuple[Tensor, Tensor]] = {}
+        self._new: dict[int, _NewToken] = {}
 
     def seq_length(self, layer: int) -> int:
         return self.seen[layer]
@@ -185,13 +197,15 @@ class H2OPolicy(HostPoolPolicy):
         if self.slot_pos[layer] is None:
             self._compact(layer, k_new.shape[0])
         past_k, past_v = self.take_fetch(layer).wait()
-        self._new[layer] = (k_new, v_new)
         slots = self.slot_pos[layer]
         positions = torch.cat([slots, slots.new_full((*slots.shape[:2], 1), self.seen[layer])], dim=2)
         alive = self.alive[layer]
         valid = torch.cat([alive, alive.new_ones(*alive.shape[:2], 1)], dim=2)
         self.seen[layer] += 1
-        self.record_attended(layer, valid.sum(dim=-1).float().mean())  # what each row really sees
+        attended = valid.sum(dim=-1)
+        self.record_attended(layer, attended.float().mean())  # what each row really sees
+        # the candidates for the next step's slots, as _store_new reads them
+        self._new[layer] = _NewToken(k_new, v_new, positions, valid, attended)
         keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
         return Selection(keys, values, positions, valid)
 
@@ -212,14 +226,13 @@ class H2OPolicy(HostPoolPolicy):
     def _store_new(self, layer: int, score: Tensor, k: Tensor, v: Tensor) -> None:
         """Keep the new token: a row over its budget marks its lowest-priority live slot dead; the new token
         takes a new slot while the pool has room, else a dead one (it may be itself: then nothing moves)."""
-        k_new, v_new = self._new.pop(layer)
+        new = self._new.pop(layer)
+        k_new, v_new, candidates, alive = new.keys, new.values, new.positions, new.valid
         budget, _ = self.limits[layer]
-        slots, alive, capacity = self.slot_pos[layer], self.alive[layer], self.capacity[layer]
+        slots, capacity = self.slot_pos[layer], self.capacity[layer]
         if capacity == 0:  # nothing is kept between steps: the new token goes at once
             return
-        candidates = torch.cat([slots, slots.new_full((*slots.shape[:2], 1), self.seen[layer] - 1)], dim=2)
-        alive = torch.cat([alive, alive.new_ones(*alive.shape[:2], 1)], dim=2)
-        over = alive.sum(dim=-1) > (budget - 1)[:, None]  # [batch, kv_heads]
+        over = new.alive_count > (budget - 1)[:, None]  # [batch, kv_heads]
         priority = self._priority(layer, score, candidates, self.seen[layer], None)
         victim = torch.where(alive, priority, float("inf")).argmin(dim=-1, keepdim=True)
         alive = alive & ~(over[..., None] & (torch.arange(alive.shape[2], device=alive.device) == victim))

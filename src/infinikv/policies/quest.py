@@ -105,8 +105,11 @@ class QuestPolicy(ScoredPolicy):
             self.pages[layer].align([max(slot, 0) for slot in first])
         held, width = self.n_partial[layer], size + count
         if n_real == [1] * batch and max(held) + 1 < size:  # a decode step that closes no page
-            rows = torch.arange(batch, device=device)
-            self.partial[layer][rows, :, torch.tensor(held, device=device)] = k[:, :, 0]
+            if min(held) == max(held):  # every row's next slot is the same: one write
+                self.partial[layer][:, :, held[0]] = k[:, :, 0]
+            else:
+                rows = torch.arange(batch, device=device)
+                self.partial[layer][rows, :, torch.tensor(held, device=device)] = k[:, :, 0]
             self.n_partial[layer] = [have + 1 for have in held]
             return
         # Row r's unfinished content: its partial keys, then its real chunk keys, gathered to the front.
@@ -202,14 +205,22 @@ class QuestPolicy(ScoredPolicy):
         size, device, heads = self.config.page_size, self.device, self.spec.num_kv_heads
         first, n_pages, held = self.first_real[layer], self.n_pages[layer], self.n_partial[layer]
         n_past, widest = self.host_pool.length(layer), max(held)
-        offsets = torch.arange(size, device=device)
-        first = torch.tensor(first)
-        tokens = (first.to(device)[:, None, None, None] + index[..., None] * size + offsets).flatten(2)
-        at = torch.arange(widest)
-        partial = (first[:, None] + torch.tensor(n_pages)[:, None] * size + at).to(device)
+        if min(first) == max(first) and min(n_pages) == max(n_pages):  # rows alike: the slots from ints
+            offsets = torch.arange(first[0], first[0] + size, device=device)
+            tokens = (index[..., None] * size + offsets).flatten(2)
+            start = first[0] + n_pages[0] * size
+            partial = torch.arange(start, start + widest, device=device).expand(index.shape[0], -1)
+        else:
+            offsets = torch.arange(size, device=device)
+            first = torch.tensor(first)
+            tokens = (first.to(device)[:, None, None, None] + index[..., None] * size + offsets).flatten(2)
+            partial = (first[:, None] + torch.tensor(n_pages)[:, None] * size + torch.arange(widest)).to(
+                device
+            )
         slots = torch.cat([tokens, partial[:, None].expand(-1, heads, -1)], dim=2).clamp(max=n_past - 1)
         if valid is None and min(held) == widest:
             return slots, None
+        at = torch.arange(widest)
         page_valid = index.new_ones(index.shape, dtype=torch.bool) if valid is None else valid
         partial_valid = (at < torch.tensor(held)[:, None]).to(device)[:, None].expand(-1, heads, -1)
         return slots, torch.cat([page_valid.repeat_interleave(size, dim=2), partial_valid], dim=2)

@@ -34,5 +34,5 @@ def eviction_keys(slots: SlotTable, real: Tensor, rule: str) -> Tensor:
     rank = torch.empty_like(pos).scatter_(2, order, torch.arange(slots.n, device=pos.device).expand_as(pos))
     tier = torch.where(rank >= slots.n - slots.n // 2, 2, 1)
     tier = torch.where(real, tier, 0)
-    value = {"fifo": pos, "lru": slots.view("last"), "counter": slots.view("fetches")}[rule]
+    value = pos if rule == "fifo" else slots.view({"lru": "last", "counter": "fetches"}[rule])
     return (tier * _SHIFT + value.clamp(max=_SHIFT - 1)) * _SHIFT + pos

@@ -107,6 +107,7 @@ from .rehearsal import Rehearsal, quantize
 from .schedule import Schedule
 from .selector import Selector
 from .skewfile import Skew
+from .slots import SlotTable
 
 Tensor = torch.Tensor
 
@@ -140,7 +141,14 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._skew = skew
         config.check_spec(spec)
         self.observer = observer
-        self.layers = [LayerState(config.selects(spec, layer)) for layer in range(spec.num_layers)]
+        # fetch counts and last uses are kept where a full pool evicts by them (not by position)
+        self.layers = [
+            LayerState(
+                config.selects(spec, layer),
+                SlotTable(tracks_use=config.capacity != 1 and not spec.is_sliding(layer)),
+            )
+            for layer in range(spec.num_layers)
+        ]
         self.schedule = Schedule.of(config)
         # what the first decode step settles (plan.py): columns, count rules, alphas, own-query layers
         self.decoding: DecodePlan | None = None

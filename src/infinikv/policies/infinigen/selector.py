@@ -71,6 +71,7 @@ class Selector:
         self.config, self.layers, self.rows, self.meter = config, layers, rows, meter
         self.block_steps = 0  # layer-steps chosen coarse to fine
         self.block_recounts = 0  # of those, counted again over every token (a head wanted all candidates)
+        self._reserved_memo: tuple[tuple, Tensor] | None = None  # _unpadded_reserved's last answer
 
     def choose(
         self,
@@ -242,12 +243,27 @@ class Selector:
         state = self.layers[layer]
         batch, heads = state.slots.pos.shape[:2]
         shared = index is None and state.slots.n == state.seen
+        if shared and not any(self.rows.padding or ()):
+            return self._unpadded_reserved(state.seen, batch, heads, state.slots.pos.device)
         if shared:  # nothing evicted: slot i holds position i in every head, so one head's answer serves all
             index = torch.arange(state.seen, device=state.slots.pos.device).expand(batch, 1, -1)
         pos = state.positions(index)
         padding = torch.tensor(self.rows.row_padding(batch), device=pos.device)[:, None, None]
         near = (((pos - padding) < n_sink) | (pos >= state.seen - window)) & self.rows.real_at(pos)
         return near.expand(-1, heads, -1) if shared else near
+
+    def _unpadded_reserved(self, seen: int, batch: int, heads: int, device: torch.device) -> Tensor:
+        """:meth:`reserved` of a layer that evicted nothing in a batch without padding: slot i holds
+        position i in every row and head, so the answer depends on ``seen`` alone; made once for all the
+        layers of a step (a read-only view: readers never write to it)."""
+        key = (seen, batch, heads, device)
+        memo = self._reserved_memo  # read once: the worker's look-ahead and the decode thread both ask
+        if memo is None or memo[0] != key:
+            near = torch.zeros(seen, dtype=torch.bool, device=device)
+            near[: self.config.n_sink] = True
+            near[max(seen - self.config.window, 0) :] = True
+            memo = self._reserved_memo = (key, near.expand(batch, heads, -1))
+        return memo[1]
 
     def _most_reserved(self, layer: int) -> int | None:
         """The most slots :meth:`reserved` can hold in one head, where the host knows it: nothing evicted,

@@ -43,8 +43,10 @@ def unpack_nibbles(packed: Tensor, columns: int) -> Tensor:
 class SlotTable:
     """Per layer: what each pool slot holds (position, fetch count, last use) and its partial key."""
 
-    def __init__(self, packed: bool = False):
+    def __init__(self, packed: bool = False, tracks_use: bool = True):
         self.n = 0
+        # keep fetch counts and last uses (False where nothing evicts by them: they stay None)
+        self.tracks_use = tracks_use
         # 4-bit partial keys: stored packed (``partial`` then holds ⌈columns/2⌉ rows), ``columns`` of them
         self.packed = packed
         self.columns = 0
@@ -70,21 +72,33 @@ class SlotTable:
             self._grow(pos, partial, scale, max(self.n + q, 2 * self.n, 256))
         end = self.n + q
         self.pos[:, :, self.n : end] = pos
-        self.fetches[:, :, self.n : end] = 0
-        self.last[:, :, self.n : end] = step
-        if partial is not None:
-            self.partial[..., self.n : end] = partial.transpose(2, 3)
-        if scale is not None:
-            self.scale[..., self.n : end] = scale.transpose(2, 3)
+        self._put(slice(self.n, end), partial, step, scale)
         self.n = end
 
     def store(self, pos: int, partial: Tensor | None, step: int, scale: Tensor | None = None) -> None:
-        """Add a decode step's token at position ``pos`` to every (sequence, KV head): :meth:`append`, and
-        its block's bounds widen to it."""
-        batch, heads = self.pos.shape[:2]
-        self.append(self.pos.new_full((batch, heads, 1), pos), partial, step, scale)
+        """Add a decode step's token at position ``pos`` to every (sequence, KV head), as :meth:`append`
+        would (in fewer operations: a step stores one in every layer), and its block's bounds widen to
+        it."""
+        stored = self._packed(partial)
+        if self.pos.shape[2] <= self.n:
+            self._grow(self.pos, stored, scale, max(self.n + 1, 2 * self.n, 256))
+        self.pos[:, :, self.n].fill_(pos)
+        self._put(self.n, stored, step, scale)
+        self.n += 1
         if self.bounds is not None and self.bounds.size > 1:
             self.bounds.extend(self.n - 1, dequantized(partial, scale))
+
+    def _put(self, at: int | slice, partial: Tensor | None, step: int, scale: Tensor | None) -> None:
+        """The use counts, partial keys ([batch, kv_heads, q, k], as stored) and scales of new tokens, in
+        slots ``at`` (one slot: its q is 1)."""
+        one = isinstance(at, int)
+        if self.tracks_use:
+            self.fetches[:, :, at] = 0
+            self.last[:, :, at] = step
+        if partial is not None:
+            self.partial[..., at] = partial[:, :, 0] if one else partial.transpose(2, 3)
+        if scale is not None:
+            self.scale[..., at] = scale[:, :, 0] if one else scale.transpose(2, 3)
 
     def write(
         self,
@@ -100,8 +114,9 @@ class SlotTable:
         partial = self._packed(partial)
         index = slots[..., None]
         self.pos.scatter_(2, index, torch.full_like(index, pos))
-        self.fetches.scatter_(2, index, torch.zeros_like(index))
-        self.last.scatter_(2, index, torch.full_like(index, step))
+        if self.tracks_use:
+            self.fetches.scatter_(2, index, torch.zeros_like(index))
+            self.last.scatter_(2, index, torch.full_like(index, step))
         if partial is not None:
             columns = index[:, :, None].expand(-1, -1, partial.shape[-1], 1)
             self.partial.scatter_(3, columns, partial.transpose(2, 3))
@@ -134,7 +149,7 @@ class SlotTable:
         return self.bounds
 
     def keep(self, index: Tensor) -> None:
-        for name in ("pos", "fetches", "last"):
+        for name in ("pos", "fetches", "last") if self.tracks_use else ("pos",):
             setattr(self, name, torch.gather(self.view(name), 2, index))
         for name in ("partial", "scale"):
             table = getattr(self, name)
@@ -191,8 +206,9 @@ class SlotTable:
             return new
 
         self.pos = grown(self.pos, pos)
-        self.fetches = grown(self.fetches, pos)
-        self.last = grown(self.last, pos)
+        if self.tracks_use:
+            self.fetches = grown(self.fetches, pos)
+            self.last = grown(self.last, pos)
         if partial is not None:
             self.partial = grown(self.partial, partial, partial.shape[-1])
         if scale is not None:
