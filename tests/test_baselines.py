@@ -9,7 +9,7 @@ import torch
 
 from infinikv import GenerationConfig, Generator
 from infinikv.policies import make_policy
-from infinikv.policies.base import ScoredPolicy, attention_weights, pick_top, reserved_first
+from infinikv.policies.base import ScoredPolicy, attention_weights, per_kv_head, pick_top, reserved_first
 from infinikv.policies.quant import dequantize, pack, quantize, unpack
 
 FULL = [
@@ -233,6 +233,19 @@ def test_oracle_reserves_sinks_and_window_within_its_budget(tiny):
     for head in index[0].tolist():
         assert {5, 6, 37, 38, 39} <= set(head) and min(head) >= 5  # sinks after the padding, the window
     policy.close()
+
+
+@pytest.mark.parametrize(
+    ("batch", "kv_heads", "group", "rows", "tokens"), [(1, 3, 3, 1, 411), (4, 2, 4, 3, 97)]
+)
+def test_per_kv_head_is_the_repeated_product_bit_for_bit(batch, kv_heads, group, rows, tokens):
+    generator = torch.Generator().manual_seed(tokens)
+    query = torch.randn(batch, rows, kv_heads * group, 64, generator=generator).transpose(1, 2)
+    keys = torch.randn(batch, kv_heads, tokens, 64, generator=generator)
+    weights = torch.softmax(torch.randn(batch, kv_heads * group, rows, tokens, generator=generator), dim=-1)
+    repeated = keys.repeat_interleave(group, dim=1)
+    assert torch.equal(per_kv_head(query, keys.transpose(-1, -2)), query @ repeated.transpose(-1, -2))
+    assert torch.equal(per_kv_head(weights, keys), weights @ repeated)
 
 
 def test_pick_top_breaks_ties_at_the_cut_by_slot_alone_and_batched():

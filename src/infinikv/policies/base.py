@@ -631,10 +631,24 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: flo
     return out.transpose(1, 2)
 
 
+def per_kv_head(a: Tensor, b: Tensor) -> Tensor:
+    """``a`` [batch, heads, m, x] times ``b`` [batch, kv_heads, x, y]: [batch, heads, m, y], query head h
+    against KV head h // group. One matmul per head of a group instead of ``b`` repeated for every query
+    head: each head's product is the one the repeated ``b`` gives, bit for bit, without the copy."""
+    batch, heads, m, x = a.shape
+    kv_heads = b.shape[1]
+    group = heads // kv_heads
+    if group == 1:
+        return torch.matmul(a, b)
+    grouped = a.reshape(batch, kv_heads, group, m, x)
+    products = [torch.matmul(grouped[:, :, member], b) for member in range(group)]
+    return torch.stack(products, dim=2).view(batch, heads, m, b.shape[-1])
+
+
 def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
     """Softmax attention probabilities [batch, heads, q_len, n] (explicit, for policies that need them)."""
     group = q.shape[1] // k.shape[1]
-    scores = torch.matmul(q, k.repeat_interleave(group, dim=1).transpose(-1, -2)) * scaling
+    scores = per_kv_head(q, k.transpose(-1, -2)) * scaling
     if mask is None and q.shape[2] > 1:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(
             k.shape[2] - q.shape[2]

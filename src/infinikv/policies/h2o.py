@@ -29,7 +29,7 @@ import torch
 
 from ..copiers import Transfer
 from ..spec import ModelSpec
-from .base import HostPoolPolicy, Selection, attention, attention_weights, resolve_budget
+from .base import HostPoolPolicy, Selection, attention, attention_weights, per_kv_head, resolve_budget
 from .config import PolicyConfig, knob, min_tokens_knob
 from .registry import register
 
@@ -191,12 +191,13 @@ class H2OPolicy(HostPoolPolicy):
     def start_fetch(
         self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
     ) -> Transfer:
-        return self.host_pool.fetch(layer)
+        return self.host_pool.fetch(layer, extra=1)  # a spare slot: decode writes the new token there
 
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
         if self.slot_pos[layer] is None:
             self._compact(layer, k_new.shape[0])
-        past_k, past_v = self.take_fetch(layer).wait()
+        keys, values = self.take_fetch(layer).wait()  # the kept slots, then the spare one
+        keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
         slots = self.slot_pos[layer]
         positions = torch.cat([slots, slots.new_full((*slots.shape[:2], 1), self.seen[layer])], dim=2)
         alive = self.alive[layer]
@@ -206,7 +207,6 @@ class H2OPolicy(HostPoolPolicy):
         self.record_attended(layer, attended.float().mean())  # what each row really sees
         # the candidates for the next step's slots, as _store_new reads them
         self._new[layer] = _NewToken(k_new, v_new, positions, valid, attended)
-        keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
         return Selection(keys, values, positions, valid)
 
     def _attend_decode(
@@ -214,7 +214,7 @@ class H2OPolicy(HostPoolPolicy):
     ) -> Tensor:
         weights = attention_weights(q, k, mask, scaling)  # [batch, heads, 1, m + 1]
         group = q.shape[1] // k.shape[1]
-        out = torch.matmul(weights.to(v.dtype), v.repeat_interleave(group, dim=1)).transpose(1, 2)
+        out = per_kv_head(weights.to(v.dtype), v).transpose(1, 2)
         batch, kv_heads = k.shape[:2]
         received = weights[:, :, 0].view(batch, kv_heads, group, -1).sum(dim=2)
         with self.selecting():  # the accumulated scores choose which token is dropped
