@@ -310,7 +310,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._count_offload(layer)
         widths = torch.full((), float(index.shape[2])) if valid is None else valid.sum(dim=-1).float().mean()
         state.selected.append(widths)
-        positions = torch.gather(state.slots.view("pos"), 2, index)
+        positions = state.positions(index)
         self.hold(layer, Fetch(self.host_pool.fetch(layer, index, extra=1), index, positions, valid))
 
     def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Fetch:
@@ -337,7 +337,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if index is not None and self.schedule.keeps_choice(state, layer in self.decoding.own_query):
             state.chosen, state.chosen_valid = index, valid  # what the next step prefetches or reads again
         self._count_offload(layer)
-        positions = slots.view("pos").clone() if index is None else torch.gather(slots.view("pos"), 2, index)
+        positions = state.positions().clone() if index is None else state.positions(index)
         return Fetch(transfer, index, positions, valid)
 
     def _prefetch_previous(self, layer: int) -> None:
@@ -349,7 +349,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if index is None:
             return
         self._count_bytes(layer, index)
-        positions = torch.gather(self.layers[layer].slots.view("pos"), 2, index)
+        positions = self.layers[layer].positions(index)
         self.hold(layer, Fetch(self.host_pool.fetch(layer, index, extra=1), index, positions, None))
 
     def _count_bytes(self, layer: int, index: Tensor | None) -> None:

@@ -32,9 +32,11 @@ def quantize(partial: Tensor, bits: int | None) -> tuple[Tensor, Tensor | None]:
     if bits is None:
         return partial, None
     top = 2 ** (bits - 1) - 1
-    scale = (partial.abs().amax(dim=-1, keepdim=True).float() / top).to(torch.float16)
-    scale = scale.clamp(min=torch.finfo(torch.float16).tiny)  # an all-zero row stays zero, not NaN
-    integers = torch.round(partial.float() / scale.float()).clamp(-top, top)
+    values = partial if partial.dtype == torch.float32 else partial.float()
+    magnitude = torch.linalg.vector_norm(values, ord=math.inf, dim=-1, keepdim=True)  # the largest |value|
+    scale = (magnitude / top).to(torch.float16)
+    scale = scale.clamp_(min=torch.finfo(torch.float16).tiny)  # an all-zero row stays zero, not NaN
+    integers = (values / scale.float()).round_().clamp_(-top, top)
     return integers.to(torch.int8 if bits <= 8 else torch.int16), scale
 
 
