@@ -41,7 +41,8 @@ def unpack_nibbles(packed: Tensor, columns: int) -> Tensor:
 
 
 class SlotTable:
-    """Per layer: what each pool slot holds (position, fetch count, last use) and its partial key."""
+    """Per layer: what each pool slot holds (position; fetch count and last use where a full pool evicts by
+    them, ``tracks_use``) and its partial key."""
 
     def __init__(self, packed: bool = False, tracks_use: bool = True):
         self.n = 0
