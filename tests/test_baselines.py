@@ -235,14 +235,17 @@ def test_oracle_reserves_sinks_and_window_within_its_budget(tiny):
     policy.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("batch", "kv_heads", "group", "rows", "tokens"), [(1, 3, 3, 1, 411), (4, 2, 4, 3, 97)]
 )
-def test_per_kv_head_is_the_repeated_product_bit_for_bit(batch, kv_heads, group, rows, tokens):
+def test_per_kv_head_is_the_repeated_product_bit_for_bit(batch, kv_heads, group, rows, tokens, dtype):
     generator = torch.Generator().manual_seed(tokens)
-    query = torch.randn(batch, rows, kv_heads * group, 64, generator=generator).transpose(1, 2)
-    keys = torch.randn(batch, kv_heads, tokens, 64, generator=generator)
-    weights = torch.softmax(torch.randn(batch, kv_heads * group, rows, tokens, generator=generator), dim=-1)
+    query = torch.randn(batch, rows, kv_heads * group, 64, generator=generator).transpose(1, 2).to(dtype)
+    keys = torch.randn(batch, kv_heads, tokens, 64, generator=generator).to(dtype)
+    weights = (
+        torch.randn(batch, kv_heads * group, rows, tokens, generator=generator).softmax(dim=-1).to(dtype)
+    )
     repeated = keys.repeat_interleave(group, dim=1)
     assert torch.equal(per_kv_head(query, keys.transpose(-1, -2)), query @ repeated.transpose(-1, -2))
     assert torch.equal(per_kv_head(weights, keys), weights @ repeated)

@@ -579,8 +579,10 @@ def _victims(policy: InfiniGenPolicy, fetches: list[int], last: list[int]) -> li
     ``fetches`` times and last used at steps ``last``."""
     policy.fetch_own(2, None, None)  # no input: layer 2 reads its whole pool (chosen now, not on a worker)
     slots = policy.layers[2].slots
-    slots.view("fetches")[:] = torch.tensor(fetches)
-    slots.view("last")[:] = torch.tensor(last)
+    assert slots.tracks_use == (policy.config.eviction != "fifo")  # fifo evicts by position alone
+    if slots.tracks_use:
+        slots.view("fetches")[:] = torch.tensor(fetches)
+        slots.view("last")[:] = torch.tensor(last)
     k_new = torch.randn(1, 2, 1, 16)
     policy.decode(2, k_new, k_new.clone())
     pos = slots.view("pos")[0]  # [kv_heads, 8]

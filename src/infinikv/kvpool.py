@@ -208,7 +208,7 @@ def _scatter(arena: BlockArena, rows: Tensor, new: Tensor) -> None:
     several segments, each segment's copy sends the rows of the others to its spare block."""
     if new.device != arena.device:
         new = new.to(arena.device)
-    if len(arena.segments) == 1 and arena.segments[0].first == 0:  # the numbers are the segment's own
+    if len(arena.segments) == 1:  # the first segment: the numbers are its own
         arena.segments[0].rows.index_copy_(0, rows, new)
         return
     for segment in arena.segments:

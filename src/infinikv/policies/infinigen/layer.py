@@ -40,7 +40,8 @@ class LayerState:
 
     def positions(self, index: Tensor | None = None) -> Tensor:
         """The token positions (mask columns) held by the slots ``index`` [batch, kv_heads, m] (None: every
-        slot in use)."""
+        slot in use). Where nothing was evicted that is ``index`` itself, or the table's own view: read
+        them, do not write to them."""
         if index is None:
             return self.slots.view("pos")
         if self.slots.n == self.seen:  # nothing evicted: slot i holds position i

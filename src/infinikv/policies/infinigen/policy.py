@@ -141,11 +141,12 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._skew = skew
         config.check_spec(spec)
         self.observer = observer
-        # fetch counts and last uses are kept where a full pool evicts by them (not by position)
+        # fetch counts and last uses are kept where a full pool evicts by them: not at capacity 1 (nothing
+        # is evicted), nor under fifo or on a sliding layer (both evict by position)
+        by_use = config.capacity != 1 and config.eviction != "fifo"
         self.layers = [
             LayerState(
-                config.selects(spec, layer),
-                SlotTable(tracks_use=config.capacity != 1 and not spec.is_sliding(layer)),
+                config.selects(spec, layer), SlotTable(tracks_use=by_use and not spec.is_sliding(layer))
             )
             for layer in range(spec.num_layers)
         ]
@@ -363,10 +364,10 @@ class InfiniGenPolicy(HostPoolPolicy):
     def _count_use(self, layer: int, index: Tensor | None, step: int) -> None:
         """For eviction, each slot ``layer`` reads at decode step ``step`` (``index``; None: every slot): its
         fetch count and last use. A narrower row's padding repeats a slot it reads. Nothing to count where
-        the pool never evicts by them (capacity 1; a sliding layer evicts by position)."""
-        if self.config.capacity == 1 or self.spec.is_sliding(layer):
-            return
+        the pool never evicts by them (``SlotTable.tracks_use``)."""
         slots = self.layers[layer].slots
+        if not slots.tracks_use:
+            return
         if index is None:
             slots.view("fetches").add_(1)
             slots.view("last").fill_(step)

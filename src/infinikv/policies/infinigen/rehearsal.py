@@ -32,7 +32,7 @@ def quantize(partial: Tensor, bits: int | None) -> tuple[Tensor, Tensor | None]:
     if bits is None:
         return partial, None
     top = 2 ** (bits - 1) - 1
-    values = partial if partial.dtype == torch.float32 else partial.float()
+    values = partial.float()
     magnitude = torch.linalg.vector_norm(values, ord=math.inf, dim=-1, keepdim=True)  # the largest |value|
     scale = (magnitude / top).to(torch.float16)
     scale = scale.clamp_(min=torch.finfo(torch.float16).tiny)  # an all-zero row stays zero, not NaN

@@ -254,8 +254,8 @@ class Selector:
 
     def _unpadded_reserved(self, seen: int, batch: int, heads: int, device: torch.device) -> Tensor:
         """:meth:`reserved` of a layer that evicted nothing in a batch without padding: slot i holds
-        position i in every row and head, so the answer depends on ``seen`` alone; made once for all the
-        layers of a step (a read-only view: readers never write to it)."""
+        position i in every row and head, so the answer depends on ``seen`` alone; kept for the next layer
+        that asks with the same ``seen`` (a read-only view: readers never write to it)."""
         key = (seen, batch, heads, device)
         memo = self._reserved_memo  # read once: the worker's look-ahead and the decode thread both ask
         if memo is None or memo[0] != key:

@@ -2,7 +2,8 @@
 
 With a capacity below the tokens seen, the pool overwrites slots in place (eviction), so a slot is not a
 position: the table keeps, per (sequence, KV head) and slot, the token position (mask column) it holds,
-how often and when it was last fetched (the ``counter`` and ``lru`` eviction rules), and, for layers the
+how often and when it was last fetched (for the ``counter`` and ``lru`` eviction rules, where a full pool
+evicts by them: ``tracks_use``), and, for layers the
 policy rehearses, the token's partial skewed key (4-bit ones packed two columns to a byte: readers take
 them through :meth:`SlotTable.unpacked`) and, under block speculation, the bounds of their blocks
 (``policies.bounds.BlockBounds``, bfloat16 rounded outward), which the table keeps up to date as slots are
