@@ -37,6 +37,8 @@ class ModelSpec:
     rope: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = field(repr=False, default=None)
     name: str = "model"
     weights_id: str = ""  # LoadedModel.weights_id; keys per-model files such as InfiniGen's skew
+    # _rotation's last answers, per (cos, sin) the rope returned (a step's layers share them)
+    _rotations: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def group_size(self) -> int:
@@ -63,9 +65,23 @@ class ModelSpec:
         heads = projected.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)
         if norm is not None:  # Gemma-3 normalises queries and keys per head before RoPE
             heads = norm(heads)
-        cos, sin = self.rope(layer, x, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return heads * cos + rotate_half(heads) * sin
+        cos, sin = self._rotation(*self.rope(layer, x, position_ids))
+        # rotate_half(heads) * sin, as the halves swapped times sin with its first half negated: the same
+        # products to the last bit (a sign moves from one factor to the other), in fewer operations
+        return heads * cos + heads.roll(self.head_dim // 2, dims=-1) * sin
+
+    def _rotation(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """RoPE's ``cos`` and ``sin`` [batch, q, d] as [batch, 1, q, d], the first half of ``sin`` negated;
+        made once per (cos, sin) the rope returns."""
+        held = self._rotations.get(id(cos))
+        if held is not None and held[0] is cos and held[1] is sin:
+            return held[2], held[3]
+        half = sin.shape[-1] // 2
+        signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        if len(self._rotations) >= 8:  # a step's few (cos, sin); older ones are not asked for again
+            self._rotations.clear()
+        self._rotations[id(cos)] = (cos, sin, cos.unsqueeze(1), signed.unsqueeze(1))
+        return cos.unsqueeze(1), signed.unsqueeze(1)
 
 
 def model_spec(model: PreTrainedModel) -> ModelSpec:
