@@ -53,6 +53,16 @@ class H2OConfig(PolicyConfig):
 
 
 @dataclass(frozen=True)
+class _Limits:
+    """A layer's limits per row, as a decode step compares them: the live slots kept between steps (its
+    budget less the new token) [batch, 1], and the recent window's tokens before the new one [batch, 1,
+    1]."""
+
+    kept: Tensor
+    recent: Tensor
+
+
+@dataclass(frozen=True)
 class _NewToken:
     """A decode step's token between ``decode`` and ``_store_new``: its K/V, the slots' positions and
     liveness with it appended, and each (row, KV head)'s live count."""
@@ -78,8 +88,8 @@ class H2OPolicy(HostPoolPolicy):
             None
         ] * layers  # accumulated attention per slot [batch, kv_heads, m]
         self.slot_pos: list[Tensor | None] = [None] * layers  # token position of each slot, after the prompt
-        # (budget, recent) in tokens, per row [batch]: a fraction refers to each row's own prompt
-        self.limits: list[tuple[Tensor, Tensor] | None] = [None] * layers
+        # per row, from its budget and recent window (a fraction refers to each row's own prompt)
+        self.limits: list[_Limits | None] = [None] * layers
         self.alive: list[Tensor | None] = [None] * layers  # bool per slot; False: a dead slot, hidden
         self.capacity = [0] * layers  # slots kept between steps: the widest row's budget - 1
         self._new: dict[int, _NewToken] = {}
@@ -159,7 +169,7 @@ class H2OPolicy(HostPoolPolicy):
                 [min(round(self.config.heavy_ratio * b), b - 1) for b in rows], device=self.device
             )
             recent = budget - heavy
-        self.limits[layer] = (budget, recent)
+        limits = self.limits[layer] = _Limits((budget - 1)[:, None], (recent - 1)[:, None, None])
         capacity = self.capacity[layer] = max(rows) - 1  # slots the pool keeps between steps
         heads = self.spec.num_kv_heads
         positions = torch.arange(n, device=self.device).expand(batch, heads, n)
@@ -174,7 +184,7 @@ class H2OPolicy(HostPoolPolicy):
             positions, score, priority = keep, score.gather(2, keep), priority.gather(2, keep)
         # A row keeps its budget - 1 best slots; padding (priority -inf) is never alive.
         rank = priority.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-        alive = (rank < (budget - 1)[:, None, None]) & (priority > float("-inf"))
+        alive = (rank < limits.kept[:, :, None]) & (priority > float("-inf"))
         self.slot_pos[layer], self.score[layer], self.alive[layer] = positions, score, alive
 
     def device_bytes(self) -> int:
@@ -228,14 +238,13 @@ class H2OPolicy(HostPoolPolicy):
         takes a new slot while the pool has room, else a dead one (it may be itself: then nothing moves)."""
         new = self._new.pop(layer)
         k_new, v_new, candidates, alive = new.keys, new.values, new.positions, new.valid
-        budget, _ = self.limits[layer]
         slots, capacity = self.slot_pos[layer], self.capacity[layer]
         if capacity == 0:  # nothing is kept between steps: the new token goes at once
             return
-        over = new.alive_count > (budget - 1)[:, None]  # [batch, kv_heads]
+        over = new.alive_count > self.limits[layer].kept  # [batch, kv_heads]
         priority = self._priority(layer, score, candidates, self.seen[layer], None)
         victim = torch.where(alive, priority, float("inf")).argmin(dim=-1, keepdim=True)
-        alive = alive & ~(over[..., None] & (torch.arange(alive.shape[2], device=alive.device) == victim))
+        alive = alive.scatter(2, victim, alive.gather(2, victim) & ~over[..., None])  # a row over: dead
         if slots.shape[2] < capacity:
             self.host_pool.append(layer, k_new, v_new)
             self.slot_pos[layer], self.score[layer], self.alive[layer] = candidates, score, alive
@@ -256,8 +265,7 @@ class H2OPolicy(HostPoolPolicy):
         self, layer: int, score: Tensor, positions: Tensor, seen: int, valid: Tensor | None
     ) -> Tensor:
         """Eviction order: the recent window (+inf) last, padding (-inf) first, the rest by score."""
-        _, recent = self.limits[layer]
         # Between steps the window holds recent - 1 tokens: the next step's token completes it.
-        in_window = positions >= seen - (recent[:, None, None] - 1)
+        in_window = positions >= seen - self.limits[layer].recent
         priority = torch.where(in_window, float("inf"), score)
         return priority if valid is None else torch.where(valid, priority, float("-inf"))
