@@ -214,8 +214,7 @@ def _scatter(arena: BlockArena, rows: Tensor, new: Tensor) -> None:
     for segment in arena.segments:
         flat = segment.rows
         local = rows - arena.first_row(segment)
-        if len(arena.segments) > 1:
-            local = torch.where((local >= 0) & (local < flat.shape[0]), local, flat.shape[0] - 1)
+        local = torch.where((local >= 0) & (local < flat.shape[0]), local, flat.shape[0] - 1)
         flat.index_copy_(0, local, new)
 
 

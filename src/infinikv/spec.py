@@ -35,10 +35,10 @@ class ModelSpec:
     attention: tuple[torch.nn.Module, ...] = field(repr=False, default=())  # per layer: the attention module
     # rope(layer, x, position_ids) -> (cos, sin) for that layer's rotary embedding
     rope: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = field(repr=False, default=None)
+    # rotation(layer, x, position_ids) -> the same as [batch, 1, q, d], the first half of sin negated
+    rotation: Callable[[int, Tensor, Tensor], tuple[Tensor, Tensor]] | None = field(repr=False, default=None)
     name: str = "model"
     weights_id: str = ""  # LoadedModel.weights_id; keys per-model files such as InfiniGen's skew
-    # _rotation's last answers, per (cos, sin) the rope returned (a step's layers share them)
-    _rotations: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def group_size(self) -> int:
@@ -65,23 +65,10 @@ class ModelSpec:
         heads = projected.view(*x.shape[:-1], -1, self.head_dim).transpose(1, 2)
         if norm is not None:  # Gemma-3 normalises queries and keys per head before RoPE
             heads = norm(heads)
-        cos, sin = self._rotation(*self.rope(layer, x, position_ids))
+        cos, signed_sin = self.rotation(layer, x, position_ids)
         # rotate_half(heads) * sin, as the halves swapped times sin with its first half negated: the same
         # products to the last bit (a sign moves from one factor to the other), in fewer operations
-        return heads * cos + heads.roll(self.head_dim // 2, dims=-1) * sin
-
-    def _rotation(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """RoPE's ``cos`` and ``sin`` [batch, q, d] as [batch, 1, q, d], the first half of ``sin`` negated;
-        made once per (cos, sin) the rope returns."""
-        held = self._rotations.get(id(cos))
-        if held is not None and held[0] is cos and held[1] is sin:
-            return held[2], held[3]
-        half = sin.shape[-1] // 2
-        signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        if len(self._rotations) >= 8:  # a step's few (cos, sin); older ones are not asked for again
-            self._rotations.clear()
-        self._rotations[id(cos)] = (cos, sin, cos.unsqueeze(1), signed.unsqueeze(1))
-        return cos.unsqueeze(1), signed.unsqueeze(1)
+        return heads * cos + heads.roll(self.head_dim // 2, dims=-1) * signed_sin
 
 
 def model_spec(model: PreTrainedModel) -> ModelSpec:
@@ -99,19 +86,32 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     # A signature, not __code__: some transformers versions wrap forward (torch.no_grad) and hide it.
     per_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
 
-    # The last (cos, sin) per layer type: a step's layers (and their look-aheads) share the positions
-    # tensor, so each type's rotation is computed once a step. Held by a weak reference to the positions.
-    memo: dict[tuple, tuple[weakref.ref, Tensor, Tensor]] = {}
+    # The last (cos, sin) per layer type, and the rotation's form of them once asked for: a step's layers
+    # (and their look-aheads) share the positions tensor, so each type's rotation is computed once a step.
+    # Held by a weak reference to the positions.
+    memo: dict[tuple, list] = {}
 
-    def rope(layer: int, x: Tensor, position_ids: Tensor):
+    def held(layer: int, x: Tensor, position_ids: Tensor) -> list:
         kind = layer_types[layer] if layer_types is not None and per_layer_type else None
         key = (kind, x.dtype, x.device)
-        held = memo.get(key)
-        if held is not None and held[0]() is position_ids:
-            return held[1], held[2]
-        cos, sin = rotary(x, position_ids) if kind is None else rotary(x, position_ids, kind)
-        memo[key] = (weakref.ref(position_ids), cos, sin)
-        return cos, sin
+        entry = memo.get(key)
+        if entry is None or entry[0]() is not position_ids:
+            cos, sin = rotary(x, position_ids) if kind is None else rotary(x, position_ids, kind)
+            entry = memo[key] = [weakref.ref(position_ids), cos, sin, None]
+        return entry
+
+    def rope(layer: int, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        entry = held(layer, x, position_ids)
+        return entry[1], entry[2]
+
+    def rotation(layer: int, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        entry = held(layer, x, position_ids)
+        if entry[3] is None:
+            cos, sin = entry[1], entry[2]
+            half = sin.shape[-1] // 2
+            signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+            entry[3] = (cos.unsqueeze(1), signed.unsqueeze(1))
+        return entry[3]
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     spec = ModelSpec(
@@ -122,6 +122,7 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
         sliding_window=tuple(getattr(a, "sliding_window", None) for a in attention),
         attention=attention,
         rope=rope,
+        rotation=rotation,
         name=getattr(config, "_name_or_path", "model") or "model",
         weights_id=weights_id,
     )

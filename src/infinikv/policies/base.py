@@ -224,9 +224,14 @@ class Policy:
         if not decode:
             self.padding = None if key_valid is None else (~key_valid).sum(dim=1).tolist()
 
+    @property
+    def padded(self) -> bool:
+        """Whether any row has left padding."""
+        return any(self.padding or ())
+
     def real_tokens(self, n_past: int, batch: int) -> list[int]:
         """Real (not left padding) tokens per row among the first ``n_past`` positions, on the host."""
-        if not self.padding:
+        if not self.padded:
             return [n_past] * batch
         return [max(n_past - padding, 0) for padding in self.padding]
 
@@ -237,7 +242,7 @@ class Policy:
     def real_at(self, positions: Tensor) -> Tensor:
         """bool, as ``positions`` [batch, ...] (token positions, i.e. mask columns): whether each holds a real
         token, not left padding. A position past the mask last seen is a later decode token: real."""
-        if self.key_valid is None or not any(self.padding or ()):
+        if self.key_valid is None or not self.padded:
             return torch.ones_like(positions, dtype=torch.bool)
         valid = self.key_valid.to(positions.device)
         flat = positions.reshape(positions.shape[0], -1)

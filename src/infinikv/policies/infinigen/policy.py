@@ -203,7 +203,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         self.layers[layer].slots.append(pos, partial, 0, scale)
         self.layers[layer].seen = start + count
         if self.config.block_size > 1 and self.managed(layer):
-            real_at = functools.partial(self._real_at, layer)
+            real_at = functools.partial(self.real_slots, layer)
             padding = self.row_padding(k.shape[0])
             self.layers[layer].slots.bound_chunk(start, count, self.config.block_size, padding, real_at)
         return self.host_pool.extend(layer, k, v)
@@ -466,12 +466,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         """Real (not left padding) tokens each sequence has seen on a layer: its budget's context."""
         return self.real_tokens(state.seen, state.slots.pos.shape[0])
 
-    def real_slots(self, layer: int) -> Tensor:
-        """[batch, kv_heads, slots]: True where the slot holds a real token (not left padding)."""
-        return self.selector.real_at(self.layers[layer])
-
-    def _real_at(self, layer: int, index: Tensor | None = None) -> Tensor:
-        """``Selector.real_at`` of ``layer``'s slots ``index`` (None: every slot in use)."""
+    def real_slots(self, layer: int, index: Tensor | None = None) -> Tensor:
+        """[batch, kv_heads, slots] (or as ``index``, for those slots): True where a slot of ``layer`` holds a
+        real token, not left padding (``Selector.real_at``)."""
         return self.selector.real_at(self.layers[layer], index)
 
     # -- decode: attend and store ----------------------------------------------------------------------------
@@ -504,7 +501,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if self.schedule.follows:
             state.newest = victims[..., None]
         self.host_pool.write_slots(layer, victims, k, v)
-        real_at = functools.partial(self._real_at, layer)
+        real_at = functools.partial(self.real_slots, layer)
         slots.write(victims, position, partial, self._step, scale, real_at)
         self._evicted += victims.numel()
 

@@ -41,9 +41,10 @@ class Meter(Protocol):
 
 class Rows(Protocol):
     """Which positions of a left-padded batch hold real tokens, as the policy's base tracks them
-    (``base.Policy``: ``padding``, ``real_at``, ``row_padding``)."""
+    (``base.Policy``: ``padded``, ``real_at``, ``row_padding``)."""
 
-    padding: list[int] | None
+    @property
+    def padded(self) -> bool: ...
 
     def real_at(self, positions: Tensor) -> Tensor: ...
 
@@ -120,7 +121,7 @@ class Selector:
         """Speculative logits [batch, kv_heads, slots] of every token of ``layer`` for the partial ``query``
         (:func:`~.rehearsal.speculative_scores`, -inf on left padding)."""
         state = self.layers[layer]
-        real = self.real_at(state) if any(self.rows.padding or ()) else None
+        real = self.real_at(state) if self.rows.padded else None
         slots, scale = state.slots, self.scales(layer)
         partial_keys = slots.view("partial")
         self.meter.selector_read(partial_keys, *([] if scale is None else [scale]))
@@ -243,7 +244,7 @@ class Selector:
         state = self.layers[layer]
         batch, heads = state.slots.pos.shape[:2]
         shared = index is None and state.slots.n == state.seen
-        if shared and not any(self.rows.padding or ()):
+        if shared and not self.rows.padded:
             return self._unpadded_reserved(state.seen, batch, heads, state.slots.pos.device)
         if shared:  # nothing evicted: slot i holds position i in every head, so one head's answer serves all
             index = torch.arange(state.seen, device=state.slots.pos.device).expand(batch, 1, -1)
