@@ -69,6 +69,22 @@ def test_streaming_keeps_sinks_and_window(tiny):
     policy.close()
 
 
+def test_sinks_and_recent_is_one_rule_over_positions_in_any_order(tiny):
+    """The base's rule of sinks and window (StreamingLLM's, the scored policies' and InfiniGen's reserved
+    slots): a row's first real tokens and the last positions seen, never left padding, whatever order the
+    positions come in (InfiniGen's slots hold them out of order once it evicts)."""
+    policy = _policy(tiny, "streaming", n_sink=2, window=5)
+    policy.set_key_valid(torch.stack([torch.arange(12) >= 3, torch.ones(12, dtype=torch.bool)]))
+    order = torch.stack([torch.randperm(12, generator=torch.Generator().manual_seed(row)) for row in (0, 1)])
+    cases = {3: [{3, 4, 9, 10, 11}, {0, 1, 9, 10, 11}], 12: [set(range(3, 12)), set(range(12))]}
+    for recent, wanted in cases.items():
+        near = policy.sinks_and_recent(order, 12, 2, recent)
+        for row in (0, 1):
+            marked = {p for p, hit in zip(order[row].tolist(), near[row].tolist(), strict=True) if hit}
+            assert marked == wanted[row]
+    policy.close()
+
+
 def test_streaming_rerotation_equals_cache_positions(tiny):
     """A sink key re-rotated by the skipped count scores as if it sat right before the window."""
     spec = tiny.spec

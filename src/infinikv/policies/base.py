@@ -153,14 +153,6 @@ def first_slots(mask: Tensor, width: int) -> Tensor:
     return index.scatter_(-1, at, torch.arange(n, device=mask.device).expand_as(mask))[..., :width]
 
 
-def sinks_and_recent(valid: Tensor, n_sink: int, recent: int) -> Tensor:
-    """bool [batch, n_past]: the first ``n_sink`` real tokens (``valid``: False on left padding) and the last
-    ``recent`` past slots."""
-    rank = valid.long().cumsum(dim=1)  # 1 for the first real token
-    slot = torch.arange(valid.shape[1], device=valid.device)
-    return valid & ((rank <= n_sink) | (slot >= valid.shape[1] - recent))
-
-
 def resolve_budget(budget: float, context: int, capped: bool = True, floor: int = 0) -> int:
     """Tokens a ``budget`` stands for: <= 1 is a fraction of ``context`` (1 = all of it, at least one token),
     above 1 a token count; at least ``floor`` (a config's ``min_tokens``). ``capped``: never more than
@@ -249,6 +241,16 @@ class Policy:
         seen = valid.shape[1]
         in_mask = valid.gather(1, flat.clamp(max=seen - 1))
         return torch.where(flat < seen, in_mask, True).view_as(positions)
+
+    def sinks_and_recent(self, positions: Tensor, seen: int, n_sink: int, recent: int) -> Tensor:
+        """bool, as ``positions`` [batch, ...] (token positions): whether each is one of its row's first
+        ``n_sink`` real tokens (attention sinks) or one of the last ``recent`` of the ``seen`` positions (the
+        recent window); left padding never is. The one rule of sinks and window, for every policy that
+        keeps them, whatever order its slots hold positions in."""
+        padding = torch.tensor(self.row_padding(positions.shape[0]), device=positions.device)
+        padding = padding.view(-1, *[1] * (positions.dim() - 1))
+        near = ((positions - padding) < n_sink) | (positions >= seen - recent)
+        return near & self.real_at(positions) if self.padded else near
 
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -354,6 +356,10 @@ class Policy:
             with self.counting:
                 self._selector_s += elapsed
                 self._selector_inline_s += elapsed if inline else 0.0
+
+    def past_positions(self, n_past: int, batch: int) -> Tensor:
+        """LongTensor [batch, n_past]: the past positions, where slots hold them in order."""
+        return torch.arange(n_past, device=self.device).expand(batch, -1)
 
     def past_valid(self, n_past: int, batch: int) -> Tensor:
         """bool [batch, n_past]: which past positions hold real tokens (False = left padding)."""
@@ -503,7 +509,7 @@ class ScoredPolicy(HostPoolPolicy):
         n_sink, window = getattr(self.config, "n_sink", 0), getattr(self.config, "window", 0)
         if not (n_sink or window):
             return None
-        return sinks_and_recent(self.past_valid(n_past, batch), n_sink, window)
+        return self.sinks_and_recent(self.past_positions(n_past, batch), n_past, n_sink, window)
 
     def most_reserved(self, layer: int) -> int | None:
         """The most units :meth:`reserved` marks in a row, known on the host (None: not known)."""

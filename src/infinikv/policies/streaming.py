@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..spec import ModelSpec, rotate_half
-from .base import ScoredPolicy, sinks_and_recent
+from .base import ScoredPolicy
 from .config import PolicyConfig, knob
 from .registry import register
 
@@ -62,7 +62,8 @@ class StreamingPolicy(ScoredPolicy):
         """The first ``n_sink`` real tokens and the last ``window`` - 1 past slots."""
         kept = self.config.n_sink + self.config.window - 1
         self._skipped[layer] = [max(real - kept, 0) for real in self.real_tokens(n_past, batch)]
-        return sinks_and_recent(self.past_valid(n_past, batch), self.config.n_sink, self.config.window - 1)
+        past = self.past_positions(n_past, batch)
+        return self.sinks_and_recent(past, n_past, self.config.n_sink, self.config.window - 1)
 
     def score(self, layer: int, n_past: int, batch: int) -> None:
         return None  # the sinks and the window are the whole pick

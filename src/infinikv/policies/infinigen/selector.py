@@ -40,8 +40,9 @@ class Meter(Protocol):
 
 
 class Rows(Protocol):
-    """Which positions of a left-padded batch hold real tokens, as the policy's base tracks them
-    (``base.Policy``: ``padded``, ``real_at``, ``row_padding``)."""
+    """Which positions of a left-padded batch hold real tokens, and which are sinks or recent, as the
+    policy's base tracks and rules them (``base.Policy``: ``padded``, ``real_at``, ``row_padding``,
+    ``sinks_and_recent``)."""
 
     @property
     def padded(self) -> bool: ...
@@ -49,6 +50,8 @@ class Rows(Protocol):
     def real_at(self, positions: Tensor) -> Tensor: ...
 
     def row_padding(self, batch: int) -> list[int]: ...
+
+    def sinks_and_recent(self, positions: Tensor, seen: int, n_sink: int, recent: int) -> Tensor: ...
 
 
 @dataclass
@@ -237,7 +240,8 @@ class Selector:
 
     def reserved(self, layer: int, index: Tensor | None = None) -> Tensor | None:
         """bool [batch, kv_heads, slots] (or as ``index`` [batch, kv_heads, m], for those slots): the slots
-        of the first ``n_sink`` real tokens and of the last ``window`` past tokens (None when both are 0)."""
+        of the first ``n_sink`` real tokens and of the last ``window`` past tokens (None when both are 0), by
+        the base's rule (``Rows.sinks_and_recent``) over the positions the slots hold."""
         n_sink, window = self.config.n_sink, self.config.window
         if not (n_sink or window):
             return None
@@ -248,9 +252,7 @@ class Selector:
             return self._unpadded_reserved(state.seen, batch, heads, state.slots.pos.device)
         if shared:  # nothing evicted: slot i holds position i in every head, so one head's answer serves all
             index = torch.arange(state.seen, device=state.slots.pos.device).expand(batch, 1, -1)
-        pos = state.positions(index)
-        padding = torch.tensor(self.rows.row_padding(batch), device=pos.device)[:, None, None]
-        near = (((pos - padding) < n_sink) | (pos >= state.seen - window)) & self.rows.real_at(pos)
+        near = self.rows.sinks_and_recent(state.positions(index), state.seen, n_sink, window)
         return near.expand(-1, heads, -1) if shared else near
 
     def _unpadded_reserved(self, seen: int, batch: int, heads: int, device: torch.device) -> Tensor:
@@ -260,10 +262,9 @@ class Selector:
         key = (seen, batch, heads, device)
         memo = self._reserved_memo  # read once: the worker's look-ahead and the decode thread both ask
         if memo is None or memo[0] != key:
-            near = torch.zeros(seen, dtype=torch.bool, device=device)
-            near[: self.config.n_sink] = True
-            near[max(seen - self.config.window, 0) :] = True
-            memo = self._reserved_memo = (key, near.expand(batch, heads, -1))
+            positions = torch.arange(seen, device=device).expand(batch, 1, -1)
+            near = self.rows.sinks_and_recent(positions, seen, self.config.n_sink, self.config.window)
+            memo = self._reserved_memo = (key, near.expand(-1, heads, -1))
         return memo[1]
 
     def _most_reserved(self, layer: int) -> int | None:
