@@ -410,8 +410,8 @@ def _extra_commands():
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # imports each command's module: Ctrl-C may land here too
         return args.func(args)
     except InfinikvError as exc:
         print(f"infinikv: error: {exc}", file=sys.stderr)
