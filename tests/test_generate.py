@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from infinikv import GenerationConfig, Generator, InfinikvCache
+from infinikv import GenerationConfig, Generator, InfinikvCache, copiers
 from infinikv.engine.engine import prompt_chunks
 from infinikv.errors import InputError, PolicyError
 from infinikv.forward import chunk_bounds
@@ -216,14 +218,49 @@ def test_pool_fetches_named_tensors_in_one_copy():
     pool.drain()
 
 
+@pytest.fixture
+def free_cores(monkeypatch):
+    """Set how many cores the decode thread's torch threads leave free, whatever the machine has."""
+
+    def leave(free: int) -> None:
+        monkeypatch.setattr(copiers, "USABLE_CORES", torch.get_num_threads() + free)
+
+    return leave
+
+
 @pytest.mark.parametrize(("overlap", "order"), [("thread", ["ahead", "own"]), ("none", ["own", "ahead"])])
-def test_the_copier_orders_a_layer_and_the_look_ahead(overlap, order):
+def test_the_copier_orders_a_layer_and_the_look_ahead(overlap, order, free_cores):
+    free_cores(1)
     """A worker gets the next layer's look-ahead first, to run beside the layer's own choice; without one
     the layer's own copy goes first, so it does not queue behind the next layer's."""
     pool, ran = KVPool(1, torch.device("cpu"), overlap=overlap), []
     pool.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
     assert ran == order
     pool.close()
+
+
+def test_a_worker_runs_only_while_a_core_is_free_for_it(free_cores):
+    """The decode thread's torch threads take their cores first, the pools that queue work the rest, oldest
+    first; a pool without a core runs its work at once, after what it queued before."""
+    first, second = (KVPool(1, torch.device("cpu"), overlap="thread") for _ in range(2))
+
+    def on_worker(pool: KVPool) -> bool:
+        return pool.ahead(copiers.on_worker).wait()
+
+    free_cores(1)
+    assert on_worker(first) and not on_worker(second)
+    first.close()  # its core goes to the next one
+    assert on_worker(second)
+    ran = []
+    second.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
+    free_cores(0)
+    second.ahead(lambda: ran.append("at once"))
+    assert ran == ["queued", "at once"] and not on_worker(second)
+    free_cores(2)
+    ran.clear()
+    second.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
+    assert ran == ["ahead", "own"] and on_worker(second)
+    second.close()
 
 
 def test_rows_stop_at_their_own_limits(tiny):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import infinikv
-from infinikv import GenerationConfig, Generator
+from infinikv import GenerationConfig, Generator, copiers
 from infinikv.cache import InfinikvCache
 from infinikv.engine.engine import prompt_chunks
 from infinikv.forward import Driver
@@ -411,6 +411,23 @@ def test_full_setting_is_dense(policy, model, request, dense_runs):
     loaded = request.getfixturevalue(model)
     results, _ = _run(loaded, policy, case(policy).full)
     assert [r.token_ids for r in results] == [r.token_ids for r in _dense(model, loaded, dense_runs)]
+
+
+# what a run moved and held, as opposed to how long it took
+COUNTED = ("bytes_h2d", "bytes_d2h", "bytes_h2d_on_demand", "fetch_peak_bytes", "selector_bytes")
+COUNTED += ("kv_bytes_host", "kv_bytes_device", "mean_tokens_attended")
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_worker_thread_changes_nothing(policy, tiny, monkeypatch):
+    """With a core free beside the decode thread, the first sequence's copies and look-aheads run on its
+    pool's worker and the second's at once; with none, both at once. Tokens and counters are the same."""
+    runs = []
+    for free in (1, 0):
+        monkeypatch.setattr(copiers, "USABLE_CORES", torch.get_num_threads() + free)
+        results, _ = _run(tiny, policy, case(policy).tight)
+        runs.append([(r.token_ids, [r.stats[key] for key in COUNTED]) for r in results])
+    assert runs[0] == runs[1]
 
 
 FLOORED = [
