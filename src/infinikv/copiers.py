@@ -185,7 +185,7 @@ class ThreadCopier(Copier):
 
     # open copiers that have had work to queue, in the order they first had some: who gets a free core
     _open: list[weakref.ref[ThreadCopier]] = []
-    _open_lock = threading.Lock()
+    _open_lock = threading.RLock()  # re-entrant: a copier collected unclosed is forgotten from a GC pass
 
     def __init__(self, counters: TransferCounters):
         super().__init__(counters)
