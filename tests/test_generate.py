@@ -230,10 +230,11 @@ def free_cores(monkeypatch):
 
 @pytest.mark.parametrize(("overlap", "order"), [("thread", ["ahead", "own"]), ("none", ["own", "ahead"])])
 def test_the_copier_orders_a_layer_and_the_look_ahead(overlap, order, free_cores):
-    free_cores(1)
     """A worker gets the next layer's look-ahead first, to run beside the layer's own choice; without one
     the layer's own copy goes first, so it does not queue behind the next layer's."""
+    free_cores(1)
     pool, ran = KVPool(1, torch.device("cpu"), overlap=overlap), []
+    pool.ahead(lambda: None).wait()  # layer 0's look-ahead: the pool now has work for a worker
     pool.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
     assert ran == order
     pool.close()
@@ -242,16 +243,19 @@ def test_the_copier_orders_a_layer_and_the_look_ahead(overlap, order, free_cores
 def test_a_worker_runs_only_while_a_core_is_free_for_it(free_cores):
     """The decode thread's torch threads take their cores first, the pools that queue work the rest, oldest
     first; a pool without a core runs its work at once, after what it queued before."""
-    first, second = (KVPool(1, torch.device("cpu"), overlap="thread") for _ in range(2))
+    idle, first, second = (KVPool(1, torch.device("cpu"), overlap="thread") for _ in range(3))
 
     def on_worker(pool: KVPool) -> bool:
         return pool.ahead(copiers.on_worker).wait()
 
     free_cores(1)
+    ran = []
+    idle.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))  # queues nothing
+    assert ran == ["own", "ahead"]
     assert on_worker(first) and not on_worker(second)
     first.close()  # its core goes to the next one
     assert on_worker(second)
-    ran = []
+    ran.clear()
     second.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
     free_cores(0)
     second.ahead(lambda: ran.append("at once"))
@@ -260,6 +264,7 @@ def test_a_worker_runs_only_while_a_core_is_free_for_it(free_cores):
     ran.clear()
     second.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
     assert ran == ["ahead", "own"] and on_worker(second)
+    idle.close()
     second.close()
 
 

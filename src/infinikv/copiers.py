@@ -195,13 +195,9 @@ class ThreadCopier(Copier):
         self._ref: weakref.ref[ThreadCopier] | None = None  # on the open list (at the first job to queue)
 
     def _has_core(self) -> bool:
-        """Whether this copier is among the oldest open ones (joining them now), as many as there are free
+        """Whether this copier is among the oldest open ones that queue work, as many as there are free
         cores."""
-        if self._ref is None:
-            self._ref = weakref.ref(self, ThreadCopier._forget)
-            with ThreadCopier._open_lock:
-                ThreadCopier._open.append(self._ref)
-        return self._ref in ThreadCopier._open[: max(free_cores(), 0)]
+        return self._ref is not None and self._ref in ThreadCopier._open[: max(free_cores(), 0)]
 
     @staticmethod
     def _forget(ref: weakref.ref[ThreadCopier]) -> None:
@@ -213,6 +209,10 @@ class ThreadCopier(Copier):
     def _worker(self) -> ThreadPoolExecutor | None:
         """The executor to queue a job on, or None to run it on the calling thread: closed, or no free core
         (the jobs queued before then run first, so copies and look-aheads keep their order)."""
+        if self._executor is not None and self._ref is None:  # the first job to queue: join the open ones
+            self._ref = weakref.ref(self, ThreadCopier._forget)
+            with ThreadCopier._open_lock:
+                ThreadCopier._open.append(self._ref)
         if self._executor is not None and self._has_core():
             self._queued = True
             return self._executor
