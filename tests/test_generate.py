@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -241,9 +242,10 @@ def test_the_copier_orders_a_layer_and_the_look_ahead(overlap, order, free_cores
 
 
 def test_a_worker_runs_only_while_a_core_is_free_for_it(free_cores):
-    """The decode thread's torch threads take their cores first, the pools that queue work the rest, oldest
-    first; a pool without a core runs its work at once, after what it queued before."""
-    idle, first, second = (KVPool(1, torch.device("cpu"), overlap="thread") for _ in range(3))
+    """The decode thread's torch threads take their cores first, the pools that queue work the rest, the
+    one that joined last first; a pool without a core runs its work at once, after what it queued before.
+    A pool closed, or collected unclosed, gives its core back."""
+    idle, first, second, dropped = (KVPool(1, torch.device("cpu"), overlap="thread") for _ in range(4))
 
     def on_worker(pool: KVPool) -> bool:
         return pool.ahead(copiers.on_worker).wait()
@@ -252,20 +254,25 @@ def test_a_worker_runs_only_while_a_core_is_free_for_it(free_cores):
     ran = []
     idle.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))  # queues nothing
     assert ran == ["own", "ahead"]
-    assert on_worker(first) and not on_worker(second)
-    first.close()  # its core goes to the next one
-    assert on_worker(second)
+    assert on_worker(first)
+    assert on_worker(second) and not on_worker(first)  # the core went to the one that joined last
+    second.close()
+    assert on_worker(first)
+    assert on_worker(dropped) and not on_worker(first)
+    del dropped  # never closed: collected
+    gc.collect()
+    assert on_worker(first)
     ran.clear()
-    second.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
+    first.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
     free_cores(0)
-    second.ahead(lambda: ran.append("at once"))
-    assert ran == ["queued", "at once"] and not on_worker(second)
+    first.ahead(lambda: ran.append("at once"))
+    assert ran == ["queued", "at once"] and not on_worker(first)
     free_cores(2)
     ran.clear()
-    second.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
-    assert ran == ["ahead", "own"] and on_worker(second)
+    first.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
+    assert ran == ["ahead", "own"] and on_worker(first)
     idle.close()
-    second.close()
+    first.close()
 
 
 def test_rows_stop_at_their_own_limits(tiny):

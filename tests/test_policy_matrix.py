@@ -25,6 +25,7 @@ from infinikv import GenerationConfig, Generator, copiers
 from infinikv.cache import InfinikvCache
 from infinikv.engine.engine import prompt_chunks
 from infinikv.forward import Driver
+from infinikv.kvpool import KVPool
 from infinikv.policies import POLICIES, PolicyConfig, make_config, prepare
 from infinikv.policies.base import Policy
 
@@ -420,13 +421,24 @@ COUNTED += ("kv_bytes_host", "kv_bytes_device", "mean_tokens_attended")
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_a_worker_thread_changes_nothing(policy, tiny, monkeypatch):
-    """With a core free beside the decode thread, the first sequence's copies and look-aheads run on its
-    pool's worker and the second's at once; with none, both at once. Tokens and counters are the same."""
+    """With a core free beside the decode thread, the look-aheads and copies of the sequence that queued
+    work last run on its pool's worker and the other's at once; with none, all at once. Tokens and counters
+    are the same."""
+    where = []
+    ahead = KVPool.ahead
+
+    def watched(pool: KVPool, work, *args):
+        return ahead(pool, lambda *a: where.append(copiers.on_worker()) or work(*a), *args)
+
+    monkeypatch.setattr(KVPool, "ahead", watched)
     runs = []
     for free in (1, 0):
         monkeypatch.setattr(copiers, "USABLE_CORES", torch.get_num_threads() + free)
+        where.clear()
         results, _ = _run(tiny, policy, case(policy).tight)
         runs.append([(r.token_ids, [r.stats[key] for key in COUNTED]) for r in results])
+        if POLICIES[policy].prefetches:  # both ways ran: on a worker only where a core was free
+            assert (True in where, False in where) == (free == 1, True)
     assert runs[0] == runs[1]
 
 

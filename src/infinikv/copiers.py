@@ -10,10 +10,11 @@ one it has:
   wait on its event; look-aheads run at once (their kernels queue on the compute stream).
 * :class:`ThreadCopier` (CPU, ``overlap="thread"``): copies and look-aheads are queued, in order, on one
   worker thread, beside the decode thread, where a core is free for it (:func:`free_cores`): the decode
-  thread's torch threads take theirs first, and the open copiers take the rest oldest first (an engine's
-  many sequences each have one). A copier without a core runs everything at once, on the calling thread:
-  a worker that shares a core only contends with the decode thread (on a 2-core CPU, one torch thread,
-  eight sequences' InfiniGen pools take 530 ms a step with eight workers and 400 ms with none).
+  thread's torch threads take theirs first, and the open copiers that queue work take the rest, the one
+  that joined last first (an engine's many sequences each have one; a pool left unclosed keeps none). A
+  copier without a core runs everything at once, on the calling thread, as a worker sharing a core only
+  contends with the decode thread: on a 2-core CPU at one torch thread, an engine step over eight
+  sequences' InfiniGen pools takes 530 ms with a worker each, 390 ms with one and 400 ms with none.
 * :class:`InlineCopier` (CPU, ``overlap="none"``): everything runs at once, on the calling thread.
 """
 
@@ -26,6 +27,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -137,7 +139,7 @@ USABLE_CORES = _usable_cores()
 
 def free_cores() -> int:
     """The cores this process may run on that the decode thread's torch threads leave free."""
-    return USABLE_CORES - torch.get_num_threads()
+    return max(USABLE_CORES - torch.get_num_threads(), 0)
 
 
 class Copier:
@@ -183,37 +185,46 @@ class ThreadCopier(Copier):
     is free for it (module docstring); else at once, on the calling thread. The thread starts at the first
     job queued."""
 
-    # open copiers that have had work to queue, in the order they first had some: who gets a free core
-    _open: list[weakref.ref[ThreadCopier]] = []
-    _open_lock = threading.RLock()  # re-entrant: a copier collected unclosed is forgotten from a GC pass
+    # open copiers that have had work to queue, in the order they first had some: the free cores go to the
+    # last ones
+    _open: ClassVar[list[weakref.ref[ThreadCopier]]] = []
+    _open_lock = threading.RLock()  # re-entrant: forgetting runs in GC passes
 
     def __init__(self, counters: TransferCounters):
         super().__init__(counters)
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(1, initializer=_mark_worker)
         self._choosing = False  # the worker runs a look-ahead now
-        self._queued = False  # jobs went to the worker since it was last drained
-        self._ref: weakref.ref[ThreadCopier] | None = None  # on the open list (at the first job to queue)
+        self._queued = False  # jobs went to the worker since it was last drained for running at once
+        self._ref: weakref.ref[ThreadCopier] | None = None  # on the open list (from the first job to queue)
 
     def _has_core(self) -> bool:
-        """Whether this copier is among the oldest open ones that queue work, as many as there are free
-        cores."""
-        return self._ref is not None and self._ref in ThreadCopier._open[: max(free_cores(), 0)]
+        """Whether this copier is among the open ones that joined last, as many as there are free cores."""
+        free = free_cores()
+        return free > 0 and self._ref is not None and self._ref in ThreadCopier._open[-free:]
 
     @staticmethod
-    def _forget(ref: weakref.ref[ThreadCopier]) -> None:
-        """Take a copier off the open list (closed, or collected unclosed)."""
-        with ThreadCopier._open_lock:
-            if ref in ThreadCopier._open:
-                ThreadCopier._open.remove(ref)
+    def _forget(
+        ref: weakref.ref[ThreadCopier],
+        open_list: list[weakref.ref[ThreadCopier]] = _open,
+        lock=_open_lock,
+    ) -> None:
+        """Take a copier off the open list (closed, or collected unclosed; the list and lock are bound here,
+        as a collection may run at interpreter exit)."""
+        with lock:
+            if ref in open_list:
+                open_list.remove(ref)
 
-    def _worker(self) -> ThreadPoolExecutor | None:
+    def _executor_for_job(self) -> ThreadPoolExecutor | None:
         """The executor to queue a job on, or None to run it on the calling thread: closed, or no free core
-        (the jobs queued before then run first, so copies and look-aheads keep their order)."""
-        if self._executor is not None and self._ref is None:  # the first job to queue: join the open ones
+        (the jobs queued before then run first, so copies and look-aheads keep their order). On the worker
+        itself (a look-ahead starting its copy), its own executor: it queues behind what runs."""
+        if self._executor is None or on_worker():
+            return self._executor
+        if self._ref is None:  # the first job to queue: join the open ones
             self._ref = weakref.ref(self, ThreadCopier._forget)
             with ThreadCopier._open_lock:
                 ThreadCopier._open.append(self._ref)
-        if self._executor is not None and self._has_core():
+        if self._has_core():
             self._queued = True
             return self._executor
         if self._queued:
@@ -222,7 +233,7 @@ class ThreadCopier(Copier):
         return None
 
     def copy(self, job: CopyJob, queue: bool = True, keep: object = None) -> Transfer:
-        worker = self._worker() if queue else None
+        worker = self._executor_for_job() if queue else None
         if worker is None:  # wanted now, closed, or no core for the worker: on this thread
             return Transfer(job(), self.counters)
         queued = worker.submit(job)
@@ -239,7 +250,7 @@ class ThreadCopier(Copier):
     def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
         """Queued on the worker, in order with the copies, under the caller's grad and inference modes (both
         are per thread)."""
-        worker = self._worker()
+        worker = self._executor_for_job()
         if worker is None:  # closed, or no core for the worker: on this thread
             return Transfer(work(*args), self.counters)
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
@@ -265,8 +276,9 @@ class ThreadCopier(Copier):
         own()
 
     def drain(self) -> None:
-        """On the worker itself (an observer reading stats), nothing: it would wait for itself."""
-        if self._executor is not None and not on_worker():
+        """On the worker itself (an observer reading stats), nothing: it would wait for itself; nor where
+        nothing went to the worker (its thread is not started for it)."""
+        if self._executor is not None and self._queued and not on_worker():
             self._executor.submit(lambda: None).result()
 
     def close(self) -> None:

@@ -25,9 +25,9 @@ Tensor = torch.Tensor
 class OffloadConfig(PolicyConfig):
     overlap: str = knob(
         "thread",
-        'CPU only: "thread" copies on a worker thread, overlapping compute, where a core is free for it '
-        'beside torch\'s threads (else when the layer needs its KV); "none" copies when the layer needs '
-        "its KV. CUDA always uses a copy stream.",
+        'CPU only: "thread" copies each layer\'s KV one layer ahead on a worker thread, overlapping compute, '
+        'where a core is free for it beside torch\'s threads (else on the decode thread); "none" always on '
+        "the decode thread. CUDA always uses a copy stream.",
         choices=("thread", "none"),
     )
 
