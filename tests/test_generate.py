@@ -241,11 +241,11 @@ def test_the_copier_orders_a_layer_and_the_look_ahead(overlap, order, free_cores
     pool.close()
 
 
-def test_a_worker_runs_only_while_a_core_is_free_for_it(free_cores):
-    """The decode thread's torch threads take their cores first, the pools that queue work the rest, the
-    one that joined last first; a pool without a core runs its work at once, after what it queued before.
-    A pool closed, or collected unclosed, gives its core back."""
-    idle, first, second, dropped = (KVPool(1, torch.device("cpu"), overlap="thread") for _ in range(4))
+def test_a_worker_runs_only_while_a_core_is_free_for_it(free_cores, monkeypatch):
+    """The decode thread's torch threads take their cores first, the pools that queue work the rest, oldest
+    first; one that queued nothing for ``IDLE_S`` (left unclosed, say) gives its core up, and one closed or
+    collected leaves. A pool without a core runs its work at once, after what it queued before."""
+    idle, first, second, third = (KVPool(1, torch.device("cpu"), overlap="thread") for _ in range(4))
 
     def on_worker(pool: KVPool) -> bool:
         return pool.ahead(copiers.on_worker).wait()
@@ -254,25 +254,27 @@ def test_a_worker_runs_only_while_a_core_is_free_for_it(free_cores):
     ran = []
     idle.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))  # queues nothing
     assert ran == ["own", "ahead"]
-    assert on_worker(first)
-    assert on_worker(second) and not on_worker(first)  # the core went to the one that joined last
-    second.close()
-    assert on_worker(first)
-    assert on_worker(dropped) and not on_worker(first)
-    del dropped  # never closed: collected
+    assert on_worker(first) and not on_worker(second)  # the oldest that queues work
+    first.close()
+    assert on_worker(second) and not on_worker(third)
+    monkeypatch.setattr(copiers, "IDLE_S", 0.05)
+    time.sleep(0.1)
+    assert on_worker(third)  # the older one went idle
+    assert on_worker(second) and not on_worker(third)  # and is back
+    del second  # never closed: collected
     gc.collect()
-    assert on_worker(first)
+    assert on_worker(third)
     ran.clear()
-    first.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
+    third.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
     free_cores(0)
-    first.ahead(lambda: ran.append("at once"))
-    assert ran == ["queued", "at once"] and not on_worker(first)
+    third.ahead(lambda: ran.append("at once"))
+    assert ran == ["queued", "at once"] and not on_worker(third)
     free_cores(2)
     ran.clear()
-    first.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
-    assert ran == ["ahead", "own"] and on_worker(first)
+    third.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
+    assert ran == ["ahead", "own"] and on_worker(third)
     idle.close()
-    first.close()
+    third.close()
 
 
 def test_rows_stop_at_their_own_limits(tiny):

@@ -421,9 +421,8 @@ COUNTED += ("kv_bytes_host", "kv_bytes_device", "mean_tokens_attended")
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_a_worker_thread_changes_nothing(policy, tiny, monkeypatch):
-    """With a core free beside the decode thread, the look-aheads and copies of the sequence that queued
-    work last run on its pool's worker and the other's at once; with none, all at once. Tokens and counters
-    are the same."""
+    """With a core free beside the decode thread, the look-aheads and copies of the first sequence run on
+    its pool's worker and the other's at once; with none, all at once. Tokens and counters are the same."""
     where = []
     ahead = KVPool.ahead
 

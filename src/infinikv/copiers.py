@@ -10,11 +10,12 @@ one it has:
   wait on its event; look-aheads run at once (their kernels queue on the compute stream).
 * :class:`ThreadCopier` (CPU, ``overlap="thread"``): copies and look-aheads are queued, in order, on one
   worker thread, beside the decode thread, where a core is free for it (:func:`free_cores`): the decode
-  thread's torch threads take theirs first, and the open copiers that queue work take the rest, the one
-  that joined last first (an engine's many sequences each have one; a pool left unclosed keeps none). A
-  copier without a core runs everything at once, on the calling thread, as a worker sharing a core only
-  contends with the decode thread: on a 2-core CPU at one torch thread, an engine step over eight
-  sequences' InfiniGen pools takes 530 ms with a worker each, 390 ms with one and 400 ms with none.
+  thread's torch threads take theirs first, and the open copiers that queue work take the rest, oldest
+  first (an engine's many sequences each have one; one that queued nothing for :data:`IDLE_S`, such as a
+  pool left unclosed, gives its core up). A copier without a core runs everything at once, on the calling
+  thread, as a worker sharing a core only contends with the decode thread: on a 2-core CPU at one torch
+  thread, an engine step over eight sequences' InfiniGen pools takes 530 ms with a worker each, 390 ms
+  with one (the first row's) and 400 ms with none.
 * :class:`InlineCopier` (CPU, ``overlap="none"``): everything runs at once, on the calling thread.
 """
 
@@ -137,6 +138,9 @@ def _usable_cores() -> int:
 USABLE_CORES = _usable_cores()
 
 
+IDLE_S = 1.0  # a copier that queued nothing for this long gives its core up
+
+
 def free_cores() -> int:
     """The cores this process may run on that the decode thread's torch threads leave free."""
     return max(USABLE_CORES - torch.get_num_threads(), 0)
@@ -186,7 +190,7 @@ class ThreadCopier(Copier):
     job queued."""
 
     # open copiers that have had work to queue, in the order they first had some: the free cores go to the
-    # last ones
+    # first ones that queued work within IDLE_S
     _open: ClassVar[list[weakref.ref[ThreadCopier]]] = []
     _open_lock = threading.RLock()  # re-entrant: forgetting runs in GC passes
 
@@ -196,11 +200,25 @@ class ThreadCopier(Copier):
         self._choosing = False  # the worker runs a look-ahead now
         self._queued = False  # jobs went to the worker since it was last drained for running at once
         self._ref: weakref.ref[ThreadCopier] | None = None  # on the open list (from the first job to queue)
+        self._last_job = 0.0  # time.monotonic() of the last job this copier had to queue
 
     def _has_core(self) -> bool:
-        """Whether this copier is among the open ones that joined last, as many as there are free cores."""
+        """Whether a free core is this copier's: the open ones that queued work within ``IDLE_S`` take them,
+        oldest first."""
         free = free_cores()
-        return free > 0 and self._ref is not None and self._ref in ThreadCopier._open[-free:]
+        if free == 0 or self._ref is None:
+            return False
+        now = time.monotonic()
+        for ref in ThreadCopier._open:
+            copier = ref()
+            if copier is None or now - copier._last_job > IDLE_S:
+                continue
+            if copier is self:
+                return True
+            free -= 1
+            if free == 0:
+                return False
+        return False
 
     @staticmethod
     def _forget(
@@ -220,6 +238,7 @@ class ThreadCopier(Copier):
         itself (a look-ahead starting its copy), its own executor: it queues behind what runs."""
         if self._executor is None or on_worker():
             return self._executor
+        self._last_job = time.monotonic()
         if self._ref is None:  # the first job to queue: join the open ones
             self._ref = weakref.ref(self, ThreadCopier._forget)
             with ThreadCopier._open_lock:
