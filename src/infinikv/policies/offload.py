@@ -2,8 +2,8 @@
 
 The whole KV cache lives in the host pool. Every decode step copies each layer's full KV to the compute
 device; the copy for layer i+1 starts before layer i computes, so it overlaps with layer i's attention and
-MLP (CUDA: a copy stream and events; CPU: a worker thread). Bytes moved per step are
-layers x 2 x kv_heads x head_dim x cached tokens x bytes per element x batch.
+MLP (CUDA: a copy stream and events; CPU: a worker thread where a core is free for it). Bytes moved per
+step are layers x 2 x kv_heads x head_dim x cached tokens x bytes per element x batch.
 """
 
 from __future__ import annotations
