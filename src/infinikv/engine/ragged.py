@@ -4,7 +4,10 @@ The model runs once over the step's rows: embeddings, norms, projections, RoPE (
 position) and MLPs are one batched computation. Attention is per sequence: :class:`RaggedCache` hands
 each row's normalised input, new K/V and query to that sequence's own ``InfinikvCache``, which asks its
 policy as it would with the sequence alone, and stacks the rows' outputs. No row is padded to another's
-length, and a row's selection, its copies and its attention are exactly those of its sequence alone.
+length, and a row's selection, its copies and its attention follow its own sequence alone, by the same
+rules and in the same order. Their inputs come from the batched projections, which may round a row's
+values differently from a one-row pass (on a CPU, a 576-wide linear layer over eight rows does); the tests
+hold each row's greedy tokens to its tokens alone.
 
 The model's own decode mask spans the longest row; it is not used. A row needs no mask on a full-attention
 layer (it attends to what its policy selected) and its own window on a sliding layer, built here.
