@@ -4,12 +4,14 @@ tokens they get alone, for every registered policy; the pool's blocks; chunking;
 from __future__ import annotations
 
 import pytest
+import torch
 
 from infinikv.engine import Engine, EngineConfig, GenerationConfig
 from infinikv.engine.blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes, free_memory_bytes
 from infinikv.engine.engine import prompt_chunks
 from infinikv.errors import InputError
 from infinikv.policies import POLICIES, make_config
+from infinikv.testing import tiny_model
 
 BLOCK = 16
 CHUNK = 8  # two prompt chunks a block
@@ -265,8 +267,6 @@ def test_a_decode_step_hands_off_its_rows_tokens_in_one_read(tiny, monkeypatch):
     import os
     import sys
 
-    import torch
-
     import infinikv
 
     package = os.path.dirname(infinikv.__file__) + os.sep
@@ -297,3 +297,45 @@ def test_a_decode_step_hands_off_its_rows_tokens_in_one_read(tiny, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
     outputs = engine.step()
     assert len(outputs) == 3 and reads == [("tolist", "engine.py")]
+
+
+def test_a_compiled_engine_compiles_its_decode_step_before_the_first_request():
+    """With ``compile=True`` the engine's first prepare compiles the decode step (a warm-up generation at one
+    row and at two), so that no request's step compiles: requests at one, two and three rows, of other
+    lengths, run on what the warm-up compiled; and the warm-up leaves nothing behind."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # what other tests compiled must not count as this warm-up's
+    loaded = tiny_model("llama")
+    engine = Engine(loaded, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, compile=True))
+    engine.prepare(make_config("dense"))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # the warm-up compiled
+    assert not engine.has_work and engine.pool.used == 0 and engine.pool.cached == 0
+    prompts = [ids(loaded, text) for text in ("a first request", "then a second one", "and a third, longer")]
+    for rows in (1, 2, 3):
+        run(
+            engine,
+            [(prompt, make_config("dense"), GenerationConfig(max_new_tokens=6)) for prompt in prompts[:rows]],
+        )
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_an_engine_step_computes_each_rows_rotation_once(tiny, monkeypatch):
+    """InfiniGen's look-ahead rotates a query of every layer by its row's position: a step of three rows
+    computes the rotary embedding once for the model and once per row, not once per row and layer."""
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
+    for text in ("one prompt", "another, longer prompt here", "a third"):
+        engine.add(ids(tiny, text), make_config("infinigen"), GenerationConfig(max_new_tokens=12))
+    while (
+        len(engine.running) < 3 or engine.waiting or any(s.phase.name != "DECODING" for s in engine.running)
+    ):
+        engine.step()
+    rotary = tiny.model.get_decoder().rotary_emb
+    calls = []
+    forward = rotary.forward
+    monkeypatch.setattr(
+        rotary, "forward", lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
+    )
+    assert len(engine.step()) == 3
+    assert tiny.spec.num_layers > 1 and len(calls) == 1 + 3

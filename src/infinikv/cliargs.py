@@ -8,7 +8,7 @@ from pathlib import Path
 
 COMPILE_HELP = (
     "run decode steps under torch.compile, the policy's calls eager (CUDA: CUDA graphs); off by default, "
-    "slower on a CPU (docs/benchmarks.md)"
+    "slower on a CPU; compiled before the first request (docs/benchmarks.md)"
 )
 
 

@@ -86,16 +86,21 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     # A signature, not __code__: some transformers versions wrap forward (torch.no_grad) and hide it.
     per_layer_type = "layer_type" in inspect.signature(rotary.forward).parameters
 
-    # The last (cos, sin) per layer type, and the rotation's form of them once asked for: a step's layers
-    # (and their look-aheads) share the positions tensor, so each type's rotation is computed once a step.
-    # Held by a weak reference to the positions.
+    # (cos, sin) per layer type and positions tensor, and the rotation's form of them once asked for: a
+    # step's layers (and their look-aheads) share the positions tensor, so each type's rotation is computed
+    # once a step; an engine step asks with one positions tensor per row (engine/ragged.py), so each live
+    # one keeps its entry. Held by a weak reference to the positions: an entry whose tensor is gone is
+    # dropped at the next miss.
     memo: dict[tuple, list] = {}
 
     def held(layer: int, x: Tensor, position_ids: Tensor) -> list:
         kind = layer_types[layer] if layer_types is not None and per_layer_type else None
-        key = (kind, x.dtype, x.device)
+        key = (kind, x.dtype, x.device, id(position_ids))
         entry = memo.get(key)
         if entry is None or entry[0]() is not position_ids:
+            for old, (ref, *_) in list(memo.items()):  # a look-ahead thread may ask at the same time
+                if ref() is None:
+                    memo.pop(old, None)
             cos, sin = rotary(x, position_ids) if kind is None else rotary(x, position_ids, kind)
             entry = memo[key] = [weakref.ref(position_ids), cos, sin, None]
         return entry

@@ -62,7 +62,8 @@ class EngineConfig:
     max_running: int = 16  # sequences admitted at once
     kv_memory: int | None = None  # the pool's bytes (None: half the memory free when the engine starts)
     prefix_cache: bool = True
-    compile: bool = False  # decode steps run under torch.compile (forward.decode_call)
+    # decode steps run under torch.compile (forward.decode_call), compiled at the engine's first prepare
+    compile: bool = False
 
     def __post_init__(self):
         for name, low in (("block_tokens", 2), ("chunk_tokens", 2), ("step_tokens", 1), ("max_running", 1)):
@@ -102,6 +103,10 @@ def prompt_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+WARM_UP_PROMPT_TOKENS = 8  # a compiled engine's warm-up generations (Engine._warm_up): prompt tokens
+WARM_UP_NEW_TOKENS = 4  # and new tokens: the decode mask takes three lengths at each batch size
+
+
 class Engine:
     """Continuous batching over ``loaded``'s model. Not thread-safe: one thread calls add, abort and step."""
 
@@ -135,6 +140,7 @@ class Engine:
         self._ids = itertools.count()
         self._admissions = itertools.count()
         self._prepared: set[PolicyConfig] = set()
+        self._warmed_up = False  # compiled decode steps: compiled before the first request (_warm_up)
         eos = loaded.model.generation_config.eos_token_id
         if eos is None:
             eos = loaded.tokenizer.eos_token_id
@@ -143,10 +149,28 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------------------------
     def prepare(self, policy: PolicyConfig) -> None:
-        """The policy's model-level work (InfiniGen's calibration), once per configuration."""
+        """The policy's model-level work (InfiniGen's calibration), once per configuration; with compiled
+        decode steps, at the first call, their compilation too (:meth:`_warm_up`)."""
         if policy not in self._prepared:
             prepare(policy, self.loaded)
             self._prepared.add(policy)
+        if self.config.compile and not self._warmed_up:
+            self._warmed_up = True
+            self._warm_up(policy)
+
+    def _warm_up(self, policy: PolicyConfig) -> None:
+        """Compile the decode step before any request, so no running stream waits for it. torch.compile
+        compiles a step at its first batch size and again at its second, after which the batch size and the
+        decode mask's length are symbolic: a short greedy generation at one row, then at two, covers both.
+        The compiled step is the model's, shared by every policy and engine (``forward.decode_call``), so
+        ``policy`` is only the one at hand. The prompts are shorter than a block: nothing of them stays in
+        the prefix cache."""
+        prompt = list(range(1, min(WARM_UP_PROMPT_TOKENS, self.config.block_tokens - 1) + 1))
+        sampling = GenerationConfig(max_new_tokens=WARM_UP_NEW_TOKENS)
+        for rows in (1, 2):
+            ids = [self.add(prompt, policy, sampling) for _ in range(rows)]
+            while any(seq_id in self._sequences for seq_id in ids):  # a finished sequence is forgotten
+                self.step()
 
     def check(self, prompt: list[int], sampling: GenerationConfig) -> None:
         """An InputError when the request can never run: empty, past the model's context, or more blocks

@@ -35,6 +35,9 @@ class RaggedCache(PolicyCache):
         self._selected: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._windows: dict[int, list[Tensor]] = {}  # sliding window -> each row's mask
         self._real: list[Tensor] | None = None  # each row's full-attention mask, all True
+        # each row's positions, sliced once a step: one tensor per row lets the rotation be computed once
+        # per row and step (spec.rotation holds it by its positions tensor)
+        self._positions: list[Tensor] | None = None
         super().__init__(layers=[PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)])
 
     def seq_length(self, layer: int) -> int:
@@ -46,9 +49,10 @@ class RaggedCache(PolicyCache):
         if self._real is None:
             device = self.rows[0].policy.device
             self._real = [torch.ones(1, 1, 1, n + 1, dtype=torch.bool, device=device) for n in self.past]
+            self._positions = [position_ids[r : r + 1] for r in range(len(self.rows))]
         for r, row in enumerate(self.rows):
             own = None if self.spec.is_sliding(layer) else self._real[r]
-            row.before_attention(layer, x[r : r + 1], own, position_ids[r : r + 1])
+            row.before_attention(layer, x[r : r + 1], own, self._positions[r])
 
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self._selected[layer] = [
