@@ -334,8 +334,11 @@ def test_an_engine_step_computes_each_rows_rotation_once(tiny, monkeypatch):
     rotary = tiny.model.get_decoder().rotary_emb
     calls = []
     forward = rotary.forward
-    monkeypatch.setattr(
-        rotary, "forward", lambda *args, **kwargs: calls.append(1) or forward(*args, **kwargs)
-    )
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(rotary, "forward", counted)
     assert len(engine.step()) == 3
     assert tiny.spec.num_layers > 1 and len(calls) == 1 + 3
