@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from infinikv.testing import tiny_model
 
@@ -15,6 +16,11 @@ def tiny():
 @pytest.fixture(scope="session")
 def tiny_gemma():
     return tiny_model("gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16():
+    return tiny_model("llama", dtype=torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

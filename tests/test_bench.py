@@ -215,7 +215,7 @@ def test_cli_bench_json_report_and_plots(tmp_path, capsys, monkeypatch):
     from infinikv.reporting import KEEP_MARKER
     from infinikv.testing import tiny_model
 
-    monkeypatch.setattr("infinikv.models.load", lambda name, device=None: tiny_model())
+    monkeypatch.setattr("infinikv.models.load", lambda name, device=None, dtype=None: tiny_model())
     report = tmp_path / "bench.md"
     report.write_text(f"an old report\n{KEEP_MARKER}\nmy notes\n")
     code = main(

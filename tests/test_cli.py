@@ -44,6 +44,16 @@ def test_batch_file(model_dir, tmp_path, capsys):
     assert [r["stats"]["batch_size"] for r in results] == [2, 2]
 
 
+def test_generate_in_bfloat16_holds_half_the_bytes(model_dir, capsys):
+    """``--dtype bfloat16`` loads the model in bfloat16, and its K/V are kept so: half float32's bytes."""
+    argv = ["generate", "--model", model_dir, "--prompt", "hello there", "--max-new-tokens", "6", "--json"]
+    held = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main([*argv, "--policy", "offload", "--dtype", dtype]) == 0
+        held[dtype] = json.loads(capsys.readouterr().out)["stats"]["kv_bytes_host"]
+    assert held["float32"] > 0 and held["bfloat16"] * 2 == held["float32"]
+
+
 def error_line(capsys) -> str:
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err
@@ -64,6 +74,7 @@ def error_line(capsys) -> str:
         (["--prompt", "hi", "--max-new-tokens", "ten"], "invalid int value"),
         (["--prompt", "hi", "--unknown-option"], "unrecognized arguments"),
         (["--prompt-file", "/no/such/file"], "prompt file not found"),
+        (["--prompt", "hi", "--dtype", "int8"], "invalid choice: 'int8'"),
     ],
 )
 def test_bad_input_is_one_line(model_dir, capsys, extra, message):

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cliargs import COMPILE_HELP
+from .cliargs import COMPILE_HELP, add_dtype_argument
 from .errors import InfinikvError, InputError
 from .models import DEFAULT_MODEL, REGISTRY, is_pulled
 from .policies import POLICIES
@@ -64,7 +64,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
     )
     policy = make_config(args.policy, **policy_knobs(args))  # check knobs before the slow model load
-    loaded = load(args.model, device=args.device)
+    loaded = load(args.model, device=args.device, dtype=args.dtype)
     if args.chat:
         prompts = [_chat(loaded.tokenizer, p) for p in prompts]
     generator = Generator(loaded, policy, compile=args.compile)
@@ -370,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill pass")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add_dtype_argument(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--compile", action="store_true", help=COMPILE_HELP)
     add_policy_arguments(gen)

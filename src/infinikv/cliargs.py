@@ -11,6 +11,19 @@ COMPILE_HELP = (
     "slower on a CPU; compiled before the first request (docs/benchmarks.md)"
 )
 
+# The dtypes a model can be loaded in (models.DTYPES maps them to torch's): float32 is every figure's in the
+# docs; bfloat16 halves the weights' bytes and, on a CPU with AMX, reads prompts faster (docs/benchmarks.md).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_HELP = (
+    "the model's weights and activations (default float32; a dummy model's: bfloat16 on CUDA); bfloat16 "
+    "reads prompts faster on a CPU with AMX (docs/benchmarks.md)"
+)
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``, one of :data:`DTYPE_NAMES` (None: the model's default, ``models.load``)."""
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help=DTYPE_HELP)
+
 
 def int_list(text: str) -> tuple[int, ...]:
     """Comma-separated positive integers (``"8,16"``; blanks around the commas and empty items are ignored),

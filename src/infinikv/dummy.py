@@ -151,10 +151,10 @@ def dummy_dtype(device: torch.device) -> torch.dtype:
 
 
 def build_dummy(
-    name: str, device: torch.device, seed: int = 0
+    name: str, device: torch.device, seed: int = 0, dtype: torch.dtype | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast, str]:
-    """``dummy:<registered shape>`` with random weights (seeded) on ``device``: (model, tokenizer, weights
-    id); ``models.load`` wraps them."""
+    """``dummy:<registered shape>`` with random weights (seeded) on ``device`` in ``dtype`` (None:
+    :func:`dummy_dtype`): (model, tokenizer, weights id); ``models.load`` wraps them."""
     key = name.removeprefix(PREFIX)
     if key not in DUMMIES:
         raise ModelError(f"unknown dummy model '{name}'; available: {', '.join(PREFIX + k for k in DUMMIES)}")
@@ -167,7 +167,7 @@ def build_dummy(
     torch.manual_seed(seed)
     try:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dummy_dtype(device))
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype or dummy_dtype(device))
     except torch.OutOfMemoryError as exc:
         raise ModelError(f"{name} does not fit on {device}: {str(exc).splitlines()[0]}") from exc
     model.eval().requires_grad_(False)

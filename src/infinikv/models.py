@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .cliargs import DTYPE_NAMES
 from .compat import accept_cache_kwarg
 from .dummy import PREFIX as DUMMY_PREFIX
 from .errors import CacheError, ModelError
@@ -287,6 +288,16 @@ class LoadedModel:
     def max_context(self) -> int:
         return int(self.model.config.get_text_config().max_position_embeddings)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' (and activations') dtype."""
+        return next(self.model.parameters()).dtype
+
+    @property
+    def dtype_name(self) -> str:
+        """:attr:`dtype` as results name it ("float32", "bfloat16")."""
+        return str(self.dtype).removeprefix("torch.")
+
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -311,15 +322,27 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # what ``load`` takes by name
+
+
 def load(
-    name: str = DEFAULT_MODEL, device: str | torch.device | None = None, dtype=torch.float32
+    name: str = DEFAULT_MODEL,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> LoadedModel:
-    """Load a registered model, a local GGUF file, a local HF directory, or a hub id."""
+    """Load a registered model, a local GGUF file, a local HF directory, or a hub id. ``dtype`` (a torch
+    dtype or a name of :data:`DTYPES`): the weights' and activations'; None: float32, or a dummy model's own
+    (``dummy.dummy_dtype``)."""
     device = resolve_device(device)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ModelError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
     if name.startswith(DUMMY_PREFIX):  # real shapes, random weights (infinikv.dummy)
         from .dummy import build_dummy
 
-        return LoadedModel(name, *build_dummy(name, device), device)
+        return LoadedModel(name, *build_dummy(name, device, dtype=dtype), device)
+    dtype = dtype or torch.float32
     path = Path(name).expanduser()
     if name in REGISTRY:
         model, tokenizer, weights_id = _load_registered(name, dtype)

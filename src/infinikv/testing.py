@@ -16,8 +16,11 @@ from .dummy import byte_tokenizer
 from .models import LoadedModel
 
 
-def tiny_model(kind: str = "llama", seed: int = 0, max_context: int = 4096) -> LoadedModel:
-    """A tiny random model: ``llama`` (4 layers, 4 q / 2 kv heads) or ``gemma3`` (sliding + global layers)."""
+def tiny_model(
+    kind: str = "llama", seed: int = 0, max_context: int = 4096, dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    """A tiny random model: ``llama`` (4 layers, 4 q / 2 kv heads) or ``gemma3`` (sliding + global layers),
+    its float32 weights cast to ``dtype``."""
     tokenizer = byte_tokenizer()
     common = dict(
         vocab_size=len(tokenizer),
@@ -47,6 +50,7 @@ def tiny_model(kind: str = "llama", seed: int = 0, max_context: int = 4096) -> L
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger logits than the default init, so greedy choices are not near-ties
         model.lm_head.weight.mul_(8.0)
-    model.eval()
-    weights_id = hashlib.sha256(f"tiny-{kind}-{seed}".encode()).hexdigest()
+    model.to(dtype).eval()
+    cast = "" if dtype == torch.float32 else f"-{dtype}"
+    weights_id = hashlib.sha256(f"tiny-{kind}-{seed}{cast}".encode()).hexdigest()
     return LoadedModel(f"tiny-{kind}", model, tokenizer, weights_id, torch.device("cpu"))

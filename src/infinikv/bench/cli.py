@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from ..cliargs import int_list, output_file, output_folder
+from ..cliargs import add_dtype_argument, int_list, output_file, output_folder
 from ..errors import InputError
 from ..models import DEFAULT_MODEL
 from .peers import PEERS
@@ -54,9 +54,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if spread is not None:  # the workers load the model, each cell on its own task (threads: its CPUs)
         from .spread import run_bench_spread
 
-        result = run_bench_spread(args.model, args.device, config, spread, command, progress=not args.quiet)
+        result = run_bench_spread(
+            args.model, args.device, config, spread, command, progress=not args.quiet, dtype=args.dtype
+        )
     else:
-        loaded = load(args.model, device=args.device)
+        loaded = load(args.model, device=args.device, dtype=args.dtype)
         result = run_bench(loaded, config, progress=not args.quiet)
         result["environment"] = bench_environment(loaded, command)
     if args.plot:
@@ -97,6 +99,7 @@ def register_cli(subparsers) -> None:
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add_dtype_argument(bench)
     bench.add_argument("--json", action="store_true", help="print the full result as JSON")
     bench.add_argument(
         "--compile",

@@ -89,7 +89,7 @@ def check_sizes(loaded: LoadedModel, config: BenchConfig) -> None:
     """Refuse, before any run, a context whose generated tokens (``gen``, and the warm-up's steps) pass the
     model's context, or a batch whose K/V the machine's free memory cannot hold (every run holds its batch's
     K/V once: dense on the device, the others in the host pool)."""
-    dtype = next(loaded.model.parameters()).dtype
+    dtype = loaded.dtype
     fed = max(config.gen, config.warmup + 1)
     for context in config.contexts:
         if context + fed > loaded.max_context:

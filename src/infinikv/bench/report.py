@@ -98,7 +98,7 @@ def bench_environment(loaded: LoadedModel, command: str) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "device": str(device) + (f" ({gpu})" if gpu else ""),
         "model": loaded.name,
-        "dtype": str(next(loaded.model.parameters()).dtype).replace("torch.", ""),
+        "dtype": loaded.dtype_name,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "infinikv_commit": _git_commit(),

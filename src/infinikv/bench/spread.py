@@ -24,11 +24,17 @@ from .report import bench_environment
 
 
 def run_bench_spread(
-    model: str, device: str | None, config: BenchConfig, spread: Spread, command: str, progress: bool = True
+    model: str,
+    device: str | None,
+    config: BenchConfig,
+    spread: Spread,
+    command: str,
+    progress: bool = True,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
-    """Like :func:`run_bench` on ``load(model, device)``, one Ray task per (batch, context) cell."""
+    """Like :func:`run_bench` on ``load(model, device, dtype)``, one Ray task per (batch, context) cell."""
     grid = [(batch, context) for context in config.contexts for batch in config.batches]
-    work = partial(_one_cell, model, device, config, command)
+    work = partial(_one_cell, model, device, dtype, config, command)
     cells: dict[tuple[int, int], dict[str, Any]] = {}
     environment: dict[str, Any] | None = None
     with tqdm(total=len(grid), desc="bench (Ray tasks)", unit="cell", disable=not progress) as bar:
@@ -48,10 +54,15 @@ def run_bench_spread(
 
 
 def _one_cell(
-    model: str, device: str | None, config: BenchConfig, command: str, item: tuple[int, int]
+    model: str,
+    device: str | None,
+    dtype: str | None,
+    config: BenchConfig,
+    command: str,
+    item: tuple[int, int],
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A Ray task: one cell's result, and the environment it ran in."""
     batch, context = item
-    loaded = load(model, device=device)
+    loaded = load(model, device=device, dtype=dtype)
     result = run_bench(loaded, replace(config, batches=(batch,), contexts=(context,)), progress=False)
     return result["cells"][0], bench_environment(loaded, command)

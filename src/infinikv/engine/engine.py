@@ -113,7 +113,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig = EngineConfig()):
         self.loaded = loaded
         self.config = config
-        dtype = next(loaded.model.parameters()).dtype
+        dtype = loaded.dtype
         per_block = block_bytes(loaded.spec, dtype, config.block_tokens)
         free = free_memory_bytes()
         memory = config.kv_memory if config.kv_memory is not None else free // 2

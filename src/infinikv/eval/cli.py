@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..cliargs import int_list, output_folder
+from ..cliargs import add_dtype_argument, int_list, output_folder
 from ..errors import InputError
 
 
@@ -29,7 +29,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 
     config = PerplexityConfig(args.text, args.context, args.prefill, args.windows)
     policy = make_config(args.policy, **policy_knobs(args))
-    result = perplexity(load(args.model, device=args.device), policy, config, progress=True)
+    result = perplexity(load(args.model, device=args.device, dtype=args.dtype), policy, config, progress=True)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -58,7 +58,7 @@ def cmd_retrieval(args: argparse.Namespace) -> int:
     if unknown:
         raise InputError(f"unknown task {', '.join(unknown)}; available: {', '.join(TASKS)} (or all)")
     policy = make_config(args.policy, **policy_knobs(args))
-    loaded = load(args.model, device=args.device)
+    loaded = load(args.model, device=args.device, dtype=args.dtype)
     results = [
         evaluate(loaded, policy, task, ctx, args.samples, args.depths, args.seed, args.chat, progress=True)
         for task in tasks
@@ -166,6 +166,7 @@ def register_cli(subparsers) -> None:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default=DEFAULT_MODEL)
         p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+        add_dtype_argument(p)
         p.add_argument("--json", action="store_true")
         add_policy_arguments(p)
 

@@ -121,6 +121,7 @@ def perplexity(
     nll, stats = token_nll(loaded, policy, windows, config.prefill, progress, memo)
     result = {
         "model": loaded.name,
+        "dtype": loaded.dtype_name,
         "policy": policy_name(policy),
         "knobs": policy.knobs(),
         "text": config.text,

@@ -168,6 +168,7 @@ def evaluate(
         by_depth.setdefault(str(row["depth"]), []).append(row["score"])
     return {
         "model": loaded.name,
+        "dtype": loaded.dtype_name,
         "policy": policy_name(policy),
         "knobs": policy.knobs(),
         "task": task,

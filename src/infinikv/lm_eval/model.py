@@ -27,14 +27,13 @@ from tqdm import tqdm
 from ..errors import InputError
 from ..forward import PrefillMemo
 from ..generate import GenerationConfig, Generator
-from ..models import DEFAULT_MODEL, LoadedModel, load
+from ..models import DEFAULT_MODEL, DTYPES, LoadedModel, load
 from ..policies import PolicyConfig, make_config
 from ..policy_flags import knob_table
 from .loglik import Pair, prefill_length, score
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What generate_until honours from a task's generation_kwargs; anything else is refused, not ignored.
 GENERATION_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_p")
 

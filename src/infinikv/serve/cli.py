@@ -7,7 +7,7 @@ import logging
 import math
 import socket
 
-from ..cliargs import COMPILE_HELP
+from ..cliargs import COMPILE_HELP, add_dtype_argument
 from ..errors import InputError, ModelError
 from ..models import DEFAULT_MODEL
 from . import DEFAULT_REQUEST_TIMEOUT
@@ -88,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         options = ReplicaOptions(
             model=args.model,
             device=args.device,
+            dtype=args.dtype,
             policy=args.policy,
             knobs=knobs,
             max_batch=args.max_batch,
@@ -121,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = create_app(
-        lambda: load(args.model, device=args.device),
+        lambda: load(args.model, device=args.device, dtype=args.dtype),
         policy=args.policy,
         knobs=knobs,
         settings=settings,
@@ -208,6 +209,7 @@ def register_cli(subparsers) -> None:
         "--graceful-timeout", type=_seconds, default=30.0, help="seconds in-flight requests get on shutdown"
     )
     serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add_dtype_argument(serve)
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )

@@ -66,6 +66,7 @@ class ReplicaOptions:
 
     model: str
     device: str | None = None
+    dtype: str | None = None  # models.load's
     policy: str = "dense"
     knobs: dict[str, Any] = field(default_factory=dict)
     max_batch: int = 8
@@ -125,7 +126,7 @@ class InfinikvServer:
         from ..models import load
 
         torch.set_num_threads(max(1, int(options.cpus)))
-        loaded = load(options.model, device=options.device)
+        loaded = load(options.model, device=options.device, dtype=options.dtype)
         self.app = create_app(loaded, options.policy, options.knobs, options.settings())
         self._lifespan: AsyncExitStack | None = None
         self._starting = asyncio.Lock()
