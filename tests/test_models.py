@@ -57,3 +57,19 @@ def test_failed_download_is_one_line(tmp_path, monkeypatch):
 def test_unknown_registered_name():
     with pytest.raises(ModelError, match="unknown model"):
         models.pull("gpt-17")
+
+
+def test_a_model_in_another_dtype_has_its_own_weights_id(tmp_path):
+    """What is calibrated or cached for weights (InfiniGen's skew, prefills) is keyed by their id: loaded in
+    bfloat16, a model's id is not its float32 one, so neither dtype uses what the other made."""
+    from infinikv.errors import InputError
+    from infinikv.testing import tiny_model
+
+    tiny = tiny_model()
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    default, full, half = (models.load(str(tmp_path), dtype=d) for d in (None, "float32", "bfloat16"))
+    assert default.weights_id == full.weights_id != half.weights_id
+    assert (full.dtype_name, half.dtype_name) == ("float32", "bfloat16")
+    with pytest.raises(InputError, match="unknown dtype 'int8'"):
+        models.load(str(tmp_path), dtype="int8")

@@ -416,8 +416,8 @@ def test_full_setting_is_dense(policy, model, request, dense_runs):
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_full_setting_is_dense_in_bfloat16(policy, tiny_bf16, dense_runs):
-    """The same in bfloat16 (``--dtype bfloat16``): every policy's full setting keeps the model's dtype end to
-    end and attends to what dense attends to, token for token."""
+    """The same in bfloat16 (``--dtype bfloat16``): every policy's full setting gives dense's tokens, both in
+    bfloat16."""
     results, finite = _run(tiny_bf16, policy, case(policy).full)
     assert all(finite)
     assert [r.token_ids for r in results] == [r.token_ids for r in _dense("tiny_bf16", tiny_bf16, dense_runs)]

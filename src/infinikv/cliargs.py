@@ -11,8 +11,9 @@ COMPILE_HELP = (
     "slower on a CPU; compiled before the first request (docs/benchmarks.md)"
 )
 
-# The dtypes a model can be loaded in (models.DTYPES maps them to torch's): float32 is every figure's in the
-# docs; bfloat16 halves the weights' bytes and, on a CPU with AMX, reads prompts faster (docs/benchmarks.md).
+# The dtypes a model can be loaded in (models.DTYPES maps them to torch's): float32 is the default and that
+# of the CPU figures in the docs; bfloat16 halves the weights' and K/V's bytes and, on a CPU with AMX,
+# reads prompts faster (docs/benchmarks.md, "bfloat16").
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_HELP = (
     "the model's weights and activations (default float32; a dummy model's: bfloat16 on CUDA); bfloat16 "

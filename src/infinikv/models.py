@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from .cliargs import DTYPE_NAMES
 from .compat import accept_cache_kwarg
 from .dummy import PREFIX as DUMMY_PREFIX
-from .errors import CacheError, ModelError
+from .errors import CacheError, InputError, ModelError
 from .spec import ModelSpec, model_spec
 from .store import (
     atomic_write,
@@ -332,16 +332,18 @@ def load(
 ) -> LoadedModel:
     """Load a registered model, a local GGUF file, a local HF directory, or a hub id. ``dtype`` (a torch
     dtype or a name of :data:`DTYPES`): the weights' and activations'; None: float32, or a dummy model's own
-    (``dummy.dummy_dtype``)."""
+    (``dummy.dummy_dtype``). In another dtype than that, the weights id names it too, so what is calibrated
+    or cached for the model in one dtype (InfiniGen's skew, prefills) is not used in another."""
     device = resolve_device(device)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ModelError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
+            raise InputError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     if name.startswith(DUMMY_PREFIX):  # real shapes, random weights (infinikv.dummy)
-        from .dummy import build_dummy
+        from .dummy import build_dummy, dummy_dtype
 
-        return LoadedModel(name, *build_dummy(name, device, dtype=dtype), device)
+        model, tokenizer, weights_id = build_dummy(name, device, dtype=dtype)
+        return LoadedModel(name, model, tokenizer, _in_dtype(weights_id, dtype, dummy_dtype(device)), device)
     dtype = dtype or torch.float32
     path = Path(name).expanduser()
     if name in REGISTRY:
@@ -368,7 +370,15 @@ def load(
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(name, model, tokenizer, weights_id, device)
+    return LoadedModel(name, model, tokenizer, _in_dtype(weights_id, dtype, torch.float32), device)
+
+
+def _in_dtype(weights_id: str, dtype: torch.dtype | None, native: torch.dtype) -> str:
+    """``weights_id`` of weights loaded in ``dtype`` (None: their ``native`` one): itself in the native dtype,
+    else a hash of it and the dtype's name."""
+    if dtype is None or dtype == native:
+        return weights_id
+    return hashlib.sha256(f"{weights_id}:{str(dtype).removeprefix('torch.')}".encode()).hexdigest()
 
 
 def _load_registered(name: str, dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:

@@ -7,6 +7,7 @@ other: the loader builds one with :func:`model_spec`, the cache hands it to the 
 from __future__ import annotations
 
 import inspect
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,20 +91,25 @@ def model_spec(model: PreTrainedModel) -> ModelSpec:
     # step's layers (and their look-aheads) share the positions tensor, so each type's rotation is computed
     # once a step; an engine step asks with one positions tensor per row (engine/ragged.py), so each live
     # one keeps its entry. Held by a weak reference to the positions: an entry whose tensor is gone is
-    # dropped at the next miss.
+    # dropped at the next miss. The decode thread and the pools' look-ahead threads ask at once: a miss
+    # changes the memo under a lock.
     memo: dict[tuple, list] = {}
+    missing = threading.Lock()
 
     def held(layer: int, x: Tensor, position_ids: Tensor) -> list:
         kind = layer_types[layer] if layer_types is not None and per_layer_type else None
         key = (kind, x.dtype, x.device, id(position_ids))
         entry = memo.get(key)
-        if entry is None or entry[0]() is not position_ids:
-            for old, (ref, *_) in list(memo.items()):  # a look-ahead thread may ask at the same time
-                if ref() is None:
-                    memo.pop(old, None)
-            cos, sin = rotary(x, position_ids) if kind is None else rotary(x, position_ids, kind)
-            entry = memo[key] = [weakref.ref(position_ids), cos, sin, None]
-        return entry
+        if entry is not None and entry[0]() is position_ids:
+            return entry
+        with missing:
+            entry = memo.get(key)
+            if entry is None or entry[0]() is not position_ids:
+                for old in [old for old, (ref, *_) in memo.items() if ref() is None]:
+                    del memo[old]
+                cos, sin = rotary(x, position_ids) if kind is None else rotary(x, position_ids, kind)
+                entry = memo[key] = [weakref.ref(position_ids), cos, sin, None]
+            return entry
 
     def rope(layer: int, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         entry = held(layer, x, position_ids)

@@ -154,7 +154,7 @@ class Engine:
         if policy not in self._prepared:
             prepare(policy, self.loaded)
             self._prepared.add(policy)
-        if self.config.compile and not self._warmed_up:
+        if self.config.compile and not self._warmed_up and not self.has_work:
             self._warmed_up = True
             self._warm_up(policy)
 
@@ -163,14 +163,30 @@ class Engine:
         compiles a step at its first batch size and again at its second, after which the batch size and the
         decode mask's length are symbolic: a short greedy generation at one row, then at two, covers both.
         The compiled step is the model's, shared by every policy and engine (``forward.decode_call``), so
-        ``policy`` is only the one at hand. The prompts are shorter than a block: nothing of them stays in
-        the prefix cache."""
+        ``policy`` is only the one at hand. Nothing of it stays: its prompts are shorter than a block (no
+        prefix cache entry), its rows are ended if it fails, and the counters ``stats`` reports are as
+        before. A pool too small for one of its rows skips it (the first request compiles)."""
         prompt = list(range(1, min(WARM_UP_PROMPT_TOKENS, self.config.block_tokens - 1) + 1))
+        if self.pool.blocks_for(len(prompt) + WARM_UP_NEW_TOKENS) > self.pool.total:
+            return
         sampling = GenerationConfig(max_new_tokens=WARM_UP_NEW_TOKENS)
-        for rows in (1, 2):
-            ids = [self.add(prompt, policy, sampling) for _ in range(rows)]
-            while any(seq_id in self._sequences for seq_id in ids):  # a finished sequence is forgotten
-                self.step()
+        prefixes = self.prefixes
+        looked_up = None if prefixes is None else (prefixes.hit_tokens, prefixes.miss_tokens)
+        counted = (self.preemptions, self.pool.peak, looked_up)
+        eos_ids, self.eos_ids = self.eos_ids, set()  # every row takes all its steps
+        ids: list[int] = []
+        try:
+            for rows in (1, 2):
+                ids = [self.add(prompt, policy, sampling) for _ in range(rows)]
+                while any(seq_id in self._sequences for seq_id in ids):  # a finished sequence is forgotten
+                    self.step()
+        finally:
+            for seq_id in ids:  # after a failure, what it left running
+                self.abort(seq_id)
+            self.eos_ids = eos_ids
+            self.preemptions, self.pool.peak, looked_up = counted
+            if prefixes is not None:
+                prefixes.hit_tokens, prefixes.miss_tokens = looked_up
 
     def check(self, prompt: list[int], sampling: GenerationConfig) -> None:
         """An InputError when the request can never run: empty, past the model's context, or more blocks

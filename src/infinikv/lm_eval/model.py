@@ -45,7 +45,7 @@ class Options:
 
     policy: str
     config: PolicyConfig
-    dtype: str
+    dtype: str | None  # models.load's (None: the model's own)
     batch_size: int
     decode_context: int
     prefill_chunk: int
@@ -55,14 +55,14 @@ class Options:
     def parse(
         cls,
         policy: str = "dense",
-        dtype: str = "float32",
+        dtype: str | None = None,
         batch_size: int | str = 1,
         decode_context: int = 1,
         prefill_chunk: int = 2048,
         max_gen_toks: int = 256,
         **knobs: Any,
     ) -> Options:
-        if dtype not in DTYPES:
+        if dtype is not None and dtype not in DTYPES:
             raise InputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         return cls(
             policy=str(policy),
@@ -97,7 +97,7 @@ class InfinikvLM(LM):
                 raise InputError("device and dtype apply to a model loaded by name, not to a loaded one")
             loaded = pretrained
         else:
-            loaded = load(str(pretrained), device=device, dtype=DTYPES[self.options.dtype])
+            loaded = load(str(pretrained), device=device, dtype=self.options.dtype)
         self.generator = Generator(loaded, self.options.config, memo=memo)
         self.loaded = loaded
         self._device = loaded.device

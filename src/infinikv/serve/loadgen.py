@@ -774,7 +774,8 @@ def _infinikv_server(args: argparse.Namespace, plan: Plan, scheduler: str | None
     command = [
         sys.executable, "-m", "infinikv", "serve", "--model", args.model, "--port", str(args.port),
         "--max-batch", str(args.max_batch), "--max-queue", str(max(64, args.concurrency, largest_round)),
-        "--scheduler", scheduler or "continuous", "--log-level", "warning", "--dtype", args.dtype,
+        "--scheduler", scheduler or "continuous", "--log-level", "warning",
+        *(["--dtype", args.dtype] if args.dtype else []),
     ]  # fmt: skip
     process = subprocess.Popen(command)
     with _running(
@@ -785,14 +786,15 @@ def _infinikv_server(args: argparse.Namespace, plan: Plan, scheduler: str | None
 
 @contextlib.contextmanager
 def _transformers_server(args: argparse.Namespace, plan: Plan) -> Iterator[Target]:
-    """``transformers serve --continuous-batching`` on the model's HF directory, in the dtype infinikv serve
-    runs (``--dtype``), its output in a log file (its access log would drown the progress lines)."""
+    """``transformers serve --continuous-batching`` on the model's HF directory, in ``--dtype`` (float32 by
+    default, as infinikv serve loads a registered model), its output in a log file (its access log would
+    drown the progress lines)."""
     assert plan.peer_command is not None and plan.peer_model is not None
     url = f"http://127.0.0.1:{args.peer_port}"
     log = Path(tempfile.gettempdir()) / f"bench-serve-transformers-{args.peer_port}.log"
     command = [
         plan.peer_command, "serve", plan.peer_model, "--continuous-batching", "--host", "127.0.0.1",
-        "--port", str(args.peer_port), "--dtype", args.dtype, "--log-level", "warning",
+        "--port", str(args.peer_port), "--dtype", args.dtype or "float32", "--log-level", "warning",
     ]  # fmt: skip
     print(f"starting transformers serve on port {args.peer_port} (log: {log})", file=sys.stderr)
     with open(log, "wb") as sink:
@@ -944,11 +946,12 @@ def _setup(args: argparse.Namespace, plan: Plan, model: str) -> str:
         servers = f"the server at {args.url}"
     else:
         servers = f"infinikv serve --scheduler {' then '.join(str(s) for s in plan.schedulers)}"
-        servers += f" --max-batch {args.max_batch} --dtype {args.dtype}"
+        servers += f" --max-batch {args.max_batch}" + (f" --dtype {args.dtype}" if args.dtype else "")
     if plan.peer_model is not None:
         servers += (
-            f", then transformers serve --continuous-batching ({args.dtype}, its default batching settings) "
-            f"on {plan.peer_model}, sent the same prompts to the same endpoints without kv_policy"
+            f", then transformers serve --continuous-batching ({args.dtype or 'float32'}, its default "
+            f"batching settings) on {plan.peer_model}, sent the same prompts to the same endpoints without "
+            "kv_policy"
         )
     return (
         f"{'; '.join(w.description for w in plan.workloads)}. Prompts to /v1/completions, chat messages to "
@@ -1018,8 +1021,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
-        default="float32",
-        help="--dtype of the servers it starts (both peers)",
+        default=None,
+        help="--dtype of the servers it starts (default: infinikv serve's; transformers serve: float32)",
     )
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument(

@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from ..cliargs import DTYPE_NAMES
 from ..engine import EngineConfig
 from ..errors import InputError, ModelError, PolicyError
 from ..policies import make_config
@@ -84,6 +85,8 @@ class ReplicaOptions:
         if self.replicas < 1 or self.cpus <= 0 or self.gpus < 0:
             raise InputError("--replicas must be >= 1, --cpus-per-task > 0 and --gpus-per-task >= 0")
         make_config(self.policy, **self.knobs)  # a bad default policy or knob fails before any replica
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise InputError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
 
     @property
     def defaults(self) -> PolicyDefaults:
