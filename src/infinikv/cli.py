@@ -213,12 +213,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             text = Path(args.text).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise InputError(f"cannot read calibration text {args.text}: {exc}") from None
-    loaded = load(args.model, device=args.device)
+    loaded = load(args.model, device=args.device, dtype=args.dtype)
     with locked(f"skew-{loaded.weights_id[:16]}"):  # fails before the work when the cache is read-only
         skew = calibrate(loaded, text=text, tokens=args.tokens)
     tuned = skew.tuned
     report: dict[str, Any] = {
         "model": loaded.name,
+        "dtype": loaded.dtype_name,
         "weights_id": loaded.weights_id,
         "path": str(skew_path(loaded.weights_id, skew.source, skew.tokens)),
         "source": skew.source,
@@ -326,6 +327,7 @@ def register_calibrate(subparsers) -> None:
     parser.add_argument("--text", help=f"UTF-8 calibration text file (default: the {DEFAULT_CORPUS} corpus)")
     parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="calibration tokens")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add_dtype_argument(parser)
     parser.add_argument("--json", action="store_true")
     parser.set_defaults(func=cmd_calibrate)
 

@@ -83,7 +83,7 @@ def cmd_speculation(args: argparse.Namespace) -> int:
         k: getattr(args, k) for k in InfiniGenConfig.__dataclass_fields__ if getattr(args, k) is not None
     }
     policy = make_config("infinigen", **knobs)
-    result = probe(load(args.model, device=args.device), policy, config, progress=True)
+    result = probe(load(args.model, device=args.device, dtype=args.dtype), policy, config, progress=True)
     paths = write(result, args.out)
     print(json.dumps(result, indent=2) if args.json else markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
@@ -198,6 +198,7 @@ def register_cli(subparsers) -> None:
     )
     spec.add_argument("--model", default=DEFAULT_MODEL)
     spec.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add_dtype_argument(spec)
     spec.add_argument("--text", default="austen", help="austen, essays, or a UTF-8 text file")
     spec.add_argument("--context", type=int, default=2048, help="tokens in the window")
     spec.add_argument("--scored", type=int, default=512, help="last tokens fed through the decode path")

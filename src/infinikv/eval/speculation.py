@@ -246,6 +246,7 @@ def probe(
         stats = run.stats()
     return {
         "model": loaded.name,
+        "dtype": loaded.dtype_name,
         "text": config.text,
         "context": config.context,
         "prefill": prefill,
