@@ -296,7 +296,7 @@ class LoadedModel:
     @property
     def dtype_name(self) -> str:
         """:attr:`dtype` as results name it ("float32", "bfloat16")."""
-        return str(self.dtype).removeprefix("torch.")
+        return _dtype_name(self.dtype)
 
 
 def default_device() -> torch.device:
@@ -378,7 +378,12 @@ def _in_dtype(weights_id: str, dtype: torch.dtype | None, native: torch.dtype) -
     else a hash of it and the dtype's name."""
     if dtype is None or dtype == native:
         return weights_id
-    return hashlib.sha256(f"{weights_id}:{str(dtype).removeprefix('torch.')}".encode()).hexdigest()
+    return hashlib.sha256(f"{weights_id}:{_dtype_name(dtype)}".encode()).hexdigest()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``dtype`` by its name in :data:`DTYPES` ("bfloat16")."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _load_registered(name: str, dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
