@@ -3,6 +3,8 @@ tokens they get alone, for every registered policy; the pool's blocks; chunking;
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -322,9 +324,10 @@ def test_a_compiled_engine_compiles_its_decode_step_before_the_first_request():
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_an_engine_step_computes_each_rows_rotation_once(tiny, monkeypatch):
-    """InfiniGen's look-ahead rotates a query of every layer by its row's position: a step of three rows
-    computes the rotary embedding once for the model and once per row, not once per row and layer."""
+def test_an_engine_step_projects_the_look_ahead_queries_once_for_every_row(tiny, monkeypatch):
+    """InfiniGen's look-ahead projects a layer's query from each row's input: a step of three rows projects
+    it once for all of them (and rotates it once), not once per row: each layer's query projection runs
+    at most twice a step (the model's own and the look-ahead's), and the rotary embedding twice."""
     engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
     for text in ("one prompt", "another, longer prompt here", "a third"):
         engine.add(ids(tiny, text), make_config("infinigen"), GenerationConfig(max_new_tokens=12))
@@ -332,14 +335,21 @@ def test_an_engine_step_computes_each_rows_rotation_once(tiny, monkeypatch):
         if len(engine.running) == 3 and all(s.phase.name == "DECODING" for s in engine.running):
             break
         engine.step()
-    rotary = tiny.model.get_decoder().rotary_emb
-    calls = []
-    forward = rotary.forward
+    calls: Counter = Counter()
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return forward(*args, **kwargs)
+    def counting(module: torch.nn.Module, name: str) -> None:
+        forward = module.forward
 
-    monkeypatch.setattr(rotary, "forward", counted)
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(module, "forward", counted)
+
+    counting(tiny.model.get_decoder().rotary_emb, "rotary")
+    for layer, attention in enumerate(tiny.spec.attention):
+        counting(attention.q_proj, layer)
     assert len(engine.step()) == 3
-    assert tiny.spec.num_layers > 1 and len(calls) == 1 + 3
+    rehearsed = [layer for layer in range(tiny.spec.num_layers) if calls[layer] == 2]
+    assert rehearsed and all(calls[layer] in (1, 2) for layer in range(tiny.spec.num_layers))
+    assert calls["rotary"] == 2

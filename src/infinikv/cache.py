@@ -5,8 +5,8 @@ The cache is called three times per layer and step (``hooks.py`` installs what c
 1. ``before_attention``, from the pre-attention hook: in a decode step it gives the policy the layer's own
    normalised input x (``policy.before_attention``; first, so a copy the layer starts for itself is not
    queued behind the look-ahead's), then, for a policy that declares ``prefetches``, runs the look-ahead
-   here, once for all such policies — ``policy.plan(i + 1, x, position_ids)`` (layer 0 also plans
-   itself);
+   here, once for all such policies — ``policy.plan(i + 1, x, position_ids, queries)`` (layer 0 also
+   plans itself; ``queries``: x's projections shared by an engine step's rows, else None);
 2. ``update`` (called by the attention module after q/k/v and RoPE): prefill chunks go to
    ``policy.prefill``, decode tokens to ``policy.decode``, which returns the K/V the layer attends to;
 3. ``attend``, from the registered attention function: it fits the model's mask to the policy's selection
@@ -28,7 +28,7 @@ from .errors import ModelError
 from .hooks import ONE_USE, UNSUPPORTED, PolicyCache, install
 from .paged import BlockStore
 from .policies import Policy, PolicyConfig, Selection, make_policy
-from .spec import model_spec
+from .spec import QueryOf, model_spec
 
 Tensor = torch.Tensor
 
@@ -103,7 +103,16 @@ class InfinikvCache(PolicyCache):
             pool.draw_from(blocks)
 
     # -- called by the pre-attention hook ------------------------------------------------------------------
-    def before_attention(self, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor) -> None:
+    def before_attention(
+        self,
+        layer: int,
+        x: Tensor,
+        mask: Tensor | None,
+        position_ids: Tensor,
+        queries: QueryOf | None = None,
+    ) -> None:
+        """``queries``: this row's queries from ``x``, projected once for every row of an engine step
+        (``spec.SharedQueries``; None: a policy projects ``x`` itself)."""
         policy = self.policy
         decode = self._is_decode(layer, x.shape[1])
         if not policy.spec.is_sliding(layer):
@@ -116,13 +125,13 @@ class InfinikvCache(PolicyCache):
         # layers 0 and 1. After that, the pool's copier orders a layer's own work and the look-ahead for the
         # next one (``Copier.in_order``): a worker runs the look-ahead beside the layer's own choice.
         def own() -> None:
-            policy.before_attention(layer, x, position_ids)
+            policy.before_attention(layer, x, position_ids, queries)
 
         def ahead() -> None:
             if policy.prefetches:  # look one layer ahead, so the copy for layer i+1 overlaps layer i
                 for target in (0, 1) if layer == 0 else (layer + 1,):
                     if target < policy.spec.num_layers:
-                        policy.plan(target, x, position_ids)
+                        policy.plan(target, x, position_ids, queries)
 
         pool = policy.pool()
         if layer == 0 or pool is None:

@@ -6,6 +6,7 @@ other: the loader builds one with :func:`model_spec`, the cache hands it to the 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import weakref
@@ -16,6 +17,9 @@ import torch
 from transformers import PreTrainedModel
 
 Tensor = torch.Tensor
+
+# layer -> a row's post-RoPE query of that layer [1, heads, 1, d] from the input a look-ahead was handed
+QueryOf = Callable[[int], Tensor]
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -70,6 +74,33 @@ class ModelSpec:
         # rotate_half(heads) * sin, as the halves swapped times sin with its first half negated: the same
         # products to the last bit (a sign moves from one factor to the other), in fewer operations
         return heads * cos + heads.roll(self.head_dim // 2, dims=-1) * signed_sin
+
+
+class SharedQueries:
+    """The post-RoPE queries of rows' inputs ``x`` [rows, 1, hidden] (``ModelSpec.query``), projected for
+    every row at once, per layer asked for, and handed out a row at a time (:meth:`of_row`). An engine
+    step's rows each look ahead from their own row of one batched input (``engine/ragged.py``): this way a
+    layer's query projection reads its weights once a step, not once per row. Look-aheads may ask from
+    their pools' worker threads, so a layer is projected under a lock."""
+
+    def __init__(self, spec: ModelSpec, x: Tensor, position_ids: Tensor):
+        self._spec, self._x, self._position_ids = spec, x, position_ids
+        self._projected: dict[int, Tensor] = {}
+        self._projecting = threading.Lock()
+
+    def of_row(self, row: int) -> QueryOf:
+        """Row ``row``'s queries, as a function of the layer."""
+        return functools.partial(self._row_query, row)
+
+    def _row_query(self, row: int, layer: int) -> Tensor:
+        query = self._projected.get(layer)
+        if query is None:
+            with self._projecting:
+                query = self._projected.get(layer)
+                if query is None:
+                    query = self._spec.query(layer, self._x, self._position_ids)
+                    self._projected[layer] = query
+        return query[row : row + 1]
 
 
 def model_spec(model: PreTrainedModel) -> ModelSpec:

@@ -7,7 +7,9 @@ policy as it would with the sequence alone, and stacks the rows' outputs. No row
 length, and a row's selection, its copies and its attention follow its own sequence alone, by the same
 rules and in the same order. Their inputs come from the batched projections, which may round a row's
 values differently from a one-row pass (on a CPU, a 576-wide linear layer over eight rows does); the tests
-hold each row's greedy tokens to its tokens alone.
+hold each row's greedy tokens to its tokens alone. A look-ahead that projects its input to a layer's
+query (InfiniGen's rehearsal) gets its row of one projection of every row (``spec.SharedQueries``), so
+the layer's query weights are read once a step, not once per row.
 
 The model's own decode mask spans the longest row; it is not used. A row needs no mask on a full-attention
 layer (it attends to what its policy selected) and its own window on a sliding layer, built here.
@@ -19,7 +21,7 @@ import torch
 
 from ..cache import InfinikvCache, PolicyLayer
 from ..hooks import PolicyCache
-from ..spec import ModelSpec
+from ..spec import ModelSpec, SharedQueries
 
 Tensor = torch.Tensor
 
@@ -35,8 +37,8 @@ class RaggedCache(PolicyCache):
         self._selected: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._windows: dict[int, list[Tensor]] = {}  # sliding window -> each row's mask
         self._real: list[Tensor] | None = None  # each row's full-attention mask, all True
-        # each row's positions, sliced once a step: one tensor per row lets the rotation be computed once
-        # per row and step (spec.rotation holds it by its positions tensor)
+        # each row's positions, sliced once a step (a look-ahead projecting its row's query takes them from
+        # the step's shared projections, spec.SharedQueries, instead)
         self._positions: list[Tensor] | None = None
         super().__init__(layers=[PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)])
 
@@ -50,9 +52,10 @@ class RaggedCache(PolicyCache):
             device = self.rows[0].policy.device
             self._real = [torch.ones(1, 1, 1, n + 1, dtype=torch.bool, device=device) for n in self.past]
             self._positions = [position_ids[r : r + 1] for r in range(len(self.rows))]
+        queries = SharedQueries(self.spec, x, position_ids)
         for r, row in enumerate(self.rows):
             own = None if self.spec.is_sliding(layer) else self._real[r]
-            row.before_attention(layer, x[r : r + 1], own, self._positions[r])
+            row.before_attention(layer, x[r : r + 1], own, self._positions[r], queries.of_row(r))
 
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self._selected[layer] = [

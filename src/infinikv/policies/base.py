@@ -4,12 +4,14 @@ A policy owns the KV cache of one generation run. The cache (``infinikv.cache``)
 
 * ``prefill(layer, k, v)`` with each prompt chunk's K/V; it stores them and returns the K/V the chunk
   attends to (prefill attention is dense, over everything stored so far);
-* ``plan(layer, x, position_ids)``, only for policies that declare ``prefetches = True``: once per decode
-  step, from the previous layer's pre-attention hook (layer 0: its own), decide what ``layer`` will read and
-  start copying it from the host pool, so the copy overlaps the previous layer's compute. ``x`` is the
-  normalised input of the layer whose hook runs (InfiniGen rehearses ``layer``'s attention from it);
-* ``before_attention(layer, x, position_ids)`` with ``layer``'s own normalised input, before its q/k/v
-  projections and before the look-ahead's ``plan`` of the next layer;
+* ``plan(layer, x, position_ids, queries)``, only for policies that declare ``prefetches = True``: once per
+  decode step, from the previous layer's pre-attention hook (layer 0: its own), decide what ``layer`` will
+  read and start copying it from the host pool, so the copy overlaps the previous layer's compute. ``x`` is
+  the normalised input of the layer whose hook runs (InfiniGen rehearses ``layer``'s attention from it);
+  ``queries``, where not None, gives a layer's query of ``x`` (``spec.QueryOf``), projected once for every
+  row of an engine step;
+* ``before_attention(layer, x, position_ids, queries)`` with ``layer``'s own normalised input, before its
+  q/k/v projections and before the look-ahead's ``plan`` of the next layer;
 * ``decode(layer, k_new, v_new)`` with the new token's K/V; it stores them and returns a :class:`Selection`,
   the K/V the layer attends to this step. A layer that chooses with its real query
   (``chooses_with_query``: Quest and the oracle, through :class:`ScoredPolicy`) is decoded from the
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 from ..copiers import Transfer, on_worker
 from ..errors import PolicyError
 from ..kvpool import KVPool
-from ..spec import ModelSpec
+from ..spec import ModelSpec, QueryOf
 from .config import PolicyConfig
 
 Tensor = torch.Tensor
@@ -262,10 +264,12 @@ class Policy:
     def restore_prefill_state(self, state: Any) -> None:
         """Take the ``prefill_state`` of a policy of the same family, after a replayed prefill."""
 
-    def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+    def plan(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None) -> None:
         """Look-ahead for ``layer`` (prefetching policies only): decide what it reads and start the copy."""
 
-    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+    def before_attention(
+        self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None
+    ) -> None:
         """``layer``'s own input, before its attention; most policies need nothing here."""
 
     def chooses_with_query(self, layer: int) -> bool:
@@ -383,13 +387,20 @@ class HostPoolPolicy(Policy):
         self.host_pool = KVPool(spec.num_layers, device, overlap=overlap)
         self._in_flight: dict[int, Any] = {}
 
-    def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Any:
+    def start_fetch(
+        self,
+        layer: int,
+        x: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        queries: QueryOf | None = None,
+    ) -> Any:
         """Begin copying what ``layer`` reads this step; returns what ``decode`` needs to finish it. ``x``
-        is the look-ahead input when called from ``plan``, None when called late from ``decode``."""
+        is the look-ahead input when called from ``plan`` (``queries``: its shared projections, or None),
+        None when called late from ``decode``."""
         raise NotImplementedError
 
-    def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
-        self.prefetch(layer, self.start_fetch, layer, x, position_ids)
+    def plan(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None) -> None:
+        self.prefetch(layer, self.start_fetch, layer, x, position_ids, queries)
 
     def prefetch(self, layer: int, work: Callable[..., Any], *args: Any) -> None:
         """Queue ``work(*args)`` (it chooses what ``layer`` reads and starts the copy: ``start_fetch``, unless
@@ -397,11 +408,13 @@ class HostPoolPolicy(Policy):
         (``KVPool.ahead``; at once on CUDA), for ``take_fetch`` to pick up."""
         self._in_flight[layer] = self.host_pool.ahead(work, *args)
 
-    def fetch_own(self, layer: int, x: Tensor | None, position_ids: Tensor | None) -> None:
+    def fetch_own(
+        self, layer: int, x: Tensor | None, position_ids: Tensor | None, queries: QueryOf | None = None
+    ) -> None:
         """Start ``layer``'s fetch now, on the decode thread, from its own input ``x`` (a layer that chooses
         with its own query; None: as ``start_fetch`` without one), for ``decode`` to pick up: on demand, as
         nothing overlaps it."""
-        self.hold(layer, self._fetch_on_demand(layer, x, position_ids))
+        self.hold(layer, self._fetch_on_demand(layer, x, position_ids, queries))
 
     def hold(self, layer: int, started: Any) -> None:
         """Keep what was started for ``layer`` on the decode thread (``start_fetch``'s kind of result) for
@@ -425,10 +438,14 @@ class HostPoolPolicy(Policy):
         return None if started is None else started.wait()
 
     def _fetch_on_demand(
-        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
+        self,
+        layer: int,
+        x: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        queries: QueryOf | None = None,
     ) -> Any:
         with self.host_pool.on_demand():
-            return self.start_fetch(layer, x, position_ids)
+            return self.start_fetch(layer, x, position_ids, queries)
 
     def seq_length(self, layer: int) -> int:
         return self.host_pool.length(layer)
@@ -574,7 +591,11 @@ class ScoredPolicy(HostPoolPolicy):
         return self.expand(layer, index.to(self.device), valid)
 
     def start_fetch(
-        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
+        self,
+        layer: int,
+        x: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        queries: QueryOf | None = None,
     ) -> tuple[Tensor, Tensor | None, Transfer]:
         n_past, batch = self.host_pool.length(layer), self.host_pool.rows
         window = self.spec.sliding_window[layer]

@@ -29,7 +29,15 @@ import torch
 
 from ..copiers import Transfer
 from ..spec import ModelSpec
-from .base import HostPoolPolicy, Selection, attention, attention_weights, per_kv_head, resolve_budget
+from .base import (
+    HostPoolPolicy,
+    QueryOf,
+    Selection,
+    attention,
+    attention_weights,
+    per_kv_head,
+    resolve_budget,
+)
 from .config import PolicyConfig, knob, min_tokens_knob
 from .registry import register
 
@@ -194,12 +202,16 @@ class H2OPolicy(HostPoolPolicy):
         ]
         return sum(t.numel() * t.element_size() for t in tables)
 
-    def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+    def plan(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None) -> None:
         if self.slot_pos[layer] is not None:  # from the second step on: the prompt is cut at the first
-            super().plan(layer, x, position_ids)
+            super().plan(layer, x, position_ids, queries)
 
     def start_fetch(
-        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
+        self,
+        layer: int,
+        x: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        queries: QueryOf | None = None,
     ) -> Transfer:
         return self.host_pool.fetch(layer, extra=1)  # a spare slot: decode writes the new token there
 

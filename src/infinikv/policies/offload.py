@@ -14,7 +14,7 @@ import torch
 
 from ..copiers import Transfer
 from ..spec import ModelSpec
-from .base import HostPoolPolicy, Selection
+from .base import HostPoolPolicy, QueryOf, Selection
 from .config import PolicyConfig, knob
 from .registry import register
 
@@ -42,7 +42,11 @@ class OffloadPolicy(HostPoolPolicy):
         super().__init__(config, spec, device, overlap=config.overlap)
 
     def start_fetch(
-        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
+        self,
+        layer: int,
+        x: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        queries: QueryOf | None = None,
     ) -> Transfer:
         # One spare slot: the new token's K/V goes there, no concatenation on the device.
         return self.host_pool.fetch(layer, extra=1)

@@ -27,7 +27,7 @@ import torch
 from ..copiers import Transfer, on_worker
 from ..errors import PolicyError
 from ..spec import ModelSpec
-from .base import HostPoolPolicy, Selection
+from .base import HostPoolPolicy, QueryOf, Selection
 from .config import PolicyConfig, knob
 from .registry import register
 
@@ -176,7 +176,11 @@ class QuantPolicy(HostPoolPolicy):
 
     # -- loading -------------------------------------------------------------------------------------------
     def start_fetch(
-        self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None
+        self,
+        layer: int,
+        x: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        queries: QueryOf | None = None,
     ) -> tuple[int, Loading]:
         ahead = on_worker()  # a look-ahead on the pool's worker: it copies and dequantizes, beside the layer
         first, transfer = self._start(layer, now=ahead)

@@ -94,7 +94,7 @@ from typing import Any
 import torch
 
 from ...errors import PolicyError
-from ...spec import ModelSpec
+from ...spec import ModelSpec, QueryOf
 from ..base import HostPoolPolicy, Selection
 from ..registry import register
 from . import skewfile
@@ -265,7 +265,9 @@ class InfiniGenPolicy(HostPoolPolicy):
         return settled or layer_alpha(self.config, self.skew(), layer, self.own_query())
 
     # -- decode: rehearsal and prefetch ----------------------------------------------------------------------
-    def before_attention(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+    def before_attention(
+        self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None
+    ) -> None:
         if layer == 0:  # the cache calls this before anything else of a decode step
             self._step += 1
             if self._step == 1:
@@ -280,15 +282,15 @@ class InfiniGenPolicy(HostPoolPolicy):
                 return
             # its look-ahead's rows if one ran (own_query_prefetch): its own choice copies what they missed
             self.layers[layer].prefetched = self.take_planned(layer)
-            self.fetch_own(layer, x, position_ids)
+            self.fetch_own(layer, x, position_ids, queries)
 
-    def plan(self, layer: int, x: Tensor, position_ids: Tensor) -> None:
+    def plan(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None) -> None:
         schedule, own_query = self.schedule, self.decoding.own_query
         if schedule.reads_again(self.layers[layer], self._step):
             if not self.planned(layer):  # layer 0's was started at the step before
                 self._fetch_reused(layer, self._step)
         elif layer not in own_query:
-            super().plan(layer, x, position_ids)
+            super().plan(layer, x, position_ids, queries)
         elif layer > 0 and schedule.own_query_prefetch:
             self._prefetch_previous(layer)
         # the next step's layer 0, beside this step's last layers (planned from layer 1 on: layer 0 has
@@ -315,15 +317,22 @@ class InfiniGenPolicy(HostPoolPolicy):
         positions = state.positions(index)
         self.hold(layer, Fetch(self.host_pool.fetch(layer, index, extra=1), index, positions, valid))
 
-    def start_fetch(self, layer: int, x: Tensor | None = None, position_ids: Tensor | None = None) -> Fetch:
+    def start_fetch(
+        self,
+        layer: int,
+        x: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        queries: QueryOf | None = None,
+    ) -> Fetch:
         """Decide what ``layer`` reads this step and start copying it from the pool. Without an input ``x`` a
-        managed layer loads everything. An own-query layer whose look-ahead prefetched rows this step
+        managed layer loads everything; ``queries``: its query of ``x`` projected for an engine step's rows
+        at once (None: projected here). An own-query layer whose look-ahead prefetched rows this step
         (``own_query_prefetch``) copies only the rows of its own choice that the prefetch missed."""
         state = self.layers[layer]
         slots, window = state.slots, self.spec.sliding_window[layer]
         valid = None
         if self.managed(layer) and x is not None:
-            index, valid = self._select(layer, x, position_ids)
+            index, valid = self._select(layer, x, position_ids, queries)
         elif window is not None:
             index = slots.view("pos").topk(min(window - 1, slots.n), dim=-1).indices
         else:
@@ -406,13 +415,15 @@ class InfiniGenPolicy(HostPoolPolicy):
                 self.host_pool.keep(layer, keep)
                 slots.keep(keep)
 
-    def _select(self, layer: int, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _select(
+        self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None
+    ) -> tuple[Tensor, Tensor | None]:
         """Rehearse ``layer`` from input x: slot indices [batch, kv_heads, max n'] to fetch, ascending per
         row, and which of them each row attends to (None: all) (``selector.Selector``); kept for stats and
         shown to the observer."""
         state = self.layers[layer]
         with self.selecting():
-            query = self._rehearsal_query(layer, x, position_ids)
+            query = self._rehearsal_query(layer, x, position_ids, queries)
             real_tokens = self._real_tokens(state)
             budgets, follows = zip(*(self.schedule.choice_budget(n) for n in real_tokens), strict=True)
             slot_scores = self.observer is not None or self.schedule.follows  # both read scores by slot
@@ -446,11 +457,14 @@ class InfiniGenPolicy(HostPoolPolicy):
             )
         return index, valid
 
-    def _rehearsal_query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
-        """``layer``'s partial query [batch, kv_heads, group, k] from the look-ahead input ``x``, times the
-        attention scale."""
+    def _rehearsal_query(
+        self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None
+    ) -> Tensor:
+        """``layer``'s partial query [batch, kv_heads, group, k] from the look-ahead input ``x`` (its query
+        from ``queries`` where given), times the attention scale."""
         spec = self.spec
-        query = spec.query(layer, x, position_ids)  # [batch, heads, 1, d]
+        # [batch, heads, 1, d]
+        query = spec.query(layer, x, position_ids) if queries is None else queries(layer)
         grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
         # a look-ahead reads the query projection's weights (an own-query layer's query is the layer's
         # own, which it computes anyway)
