@@ -90,8 +90,13 @@ def pack(codes: Tensor, bits: int) -> Tensor:
 
 
 def unpack(packed: Tensor, bits: int) -> Tensor:
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
+    """[..., n] bytes of :func:`pack` -> uint8 codes [..., n * 8 / bits]. One shift and mask by a scalar per
+    code in a byte, then interleaved: on a CPU about twice as fast as one shift by a tensor of shifts."""
+    if bits == 8:
+        return packed
+    mask = 2**bits - 1
+    codes = [(packed >> shift) & mask for shift in range(0, 8, bits)]
+    return torch.stack(codes, dim=-1).flatten(-2)
 
 
 def quantize(x: Tensor, bits: int, dim: int, valid: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
