@@ -319,10 +319,10 @@ def test_a_policy_that_chooses_with_its_query_takes_the_models_own(tiny, policy,
         ScoredPolicy.take_query,
     )
 
-    def before_attention(self, layer, x, mask, position_ids):
+    def before_attention(self, layer, x, mask, position_ids, queries=None):
         if x.shape[1] == 1 and self.policy.chooses_with_query(layer):
             projected[id(self.policy), layer] = real_query(self.policy.spec, layer, x, position_ids)[:, :, -1]
-        real_before(self, layer, x, mask, position_ids)
+        real_before(self, layer, x, mask, position_ids, queries)
 
     def take_query(self, layer, query):
         handed.append(torch.equal(query, projected.pop((id(self), layer))))
