@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import gc
+import threading
 import time
 
 import pytest
@@ -241,40 +241,33 @@ def test_the_copier_orders_a_layer_and_the_look_ahead(overlap, order, free_cores
     pool.close()
 
 
-def test_a_worker_runs_only_while_a_core_is_free_for_it(free_cores, monkeypatch):
-    """The decode thread's torch threads take their cores first, the pools that queue work the rest, oldest
-    first; one that queued nothing for ``IDLE_S`` (left unclosed, say) gives its core up, and one closed or
-    collected leaves. A pool without a core runs its work at once, after what it queued before."""
-    idle, first, second, third = (KVPool(1, torch.device("cpu"), overlap="thread") for _ in range(4))
+def test_pools_share_the_workers_of_the_free_cores(free_cores):
+    """The decode thread's torch threads take their cores first; the pools that queue work share the
+    process's workers, one per free core, given in turn, each pool keeping the one it was given (its work
+    stays in order). A pool closed, or without a free core, runs its work at once, after what it queued
+    before."""
+    first, second, third, fourth = (KVPool(1, torch.device("cpu"), overlap="thread") for _ in range(4))
 
-    def on_worker(pool: KVPool) -> bool:
-        return pool.ahead(copiers.on_worker).wait()
+    def worker_of(pool: KVPool) -> str | None:
+        return pool.ahead(lambda: threading.current_thread().name if copiers.on_worker() else None).wait()
 
     free_cores(1)
-    ran = []
-    idle.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))  # queues nothing
-    assert ran == ["own", "ahead"]
-    assert on_worker(first) and not on_worker(second)  # the oldest that queues work
+    assert worker_of(first) is not None and worker_of(first) == worker_of(second)
     first.close()
-    assert on_worker(second) and not on_worker(third)
-    monkeypatch.setattr(copiers, "IDLE_S", 0.5)  # wide enough for a loaded machine between two calls
-    time.sleep(0.6)
-    assert on_worker(third)  # the older one went idle
-    assert on_worker(second) and not on_worker(third)  # and is back
-    del second  # never closed: collected
-    gc.collect()
-    assert on_worker(third)
-    ran.clear()
-    third.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
+    assert worker_of(first) is None
+    ran = []
+    second.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
     free_cores(0)
-    third.ahead(lambda: ran.append("at once"))
-    assert ran == ["queued", "at once"] and not on_worker(third)
+    second.ahead(lambda: ran.append("at once"))
+    assert ran == ["queued", "at once"] and worker_of(second) is None
     free_cores(2)
     ran.clear()
     third.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
-    assert ran == ["ahead", "own"] and on_worker(third)
-    idle.close()
-    third.close()
+    assert ran == ["ahead", "own"]
+    workers = {worker_of(third), worker_of(fourth)}  # two free cores: one worker each, in turn
+    assert None not in workers and len(workers) == 2
+    for pool in (second, third, fourth):
+        pool.close()
 
 
 def test_rows_stop_at_their_own_limits(tiny):

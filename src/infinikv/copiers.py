@@ -8,27 +8,25 @@ one it has:
 
 * :class:`StreamCopier` (CUDA): the copy is queued on a side stream, and ``wait`` makes the compute stream
   wait on its event; look-aheads run at once (their kernels queue on the compute stream).
-* :class:`ThreadCopier` (CPU, ``overlap="thread"``): copies and look-aheads are queued, in order, on one
-  worker thread, beside the decode thread, where a core is free for it (:func:`free_cores`): the decode
-  thread's torch threads take theirs first, and the open copiers that queue work take the rest, oldest
-  first (an engine's many sequences each have one; one that queued nothing for :data:`IDLE_S`, such as a
-  pool left unclosed, gives its core up). A copier without a core runs everything at once, on the calling
-  thread, as a worker sharing a core only contends with the decode thread: on a 2-core CPU at one torch
-  thread, an engine step over eight sequences' InfiniGen pools takes 530 ms with a worker each, 390 ms
-  with one (the first row's) and 400 ms with none.
+* :class:`ThreadCopier` (CPU, ``overlap="thread"``): copies and look-aheads are queued, in order, on a
+  worker thread beside the decode thread, where a core is free for it (:func:`free_cores`: the decode
+  thread's torch threads take theirs first). The workers are the process's, one per free core, shared by
+  every copier: a copier is given one at its first queued job and keeps it, so its jobs stay in order, and
+  an engine's sequences, a copier each, all look ahead beside the step's own work. Without a free core a
+  copier runs everything at once, on the calling thread, as a worker sharing a core only contends with the
+  decode thread.
 * :class:`InlineCopier` (CPU, ``overlap="none"``): everything runs at once, on the calling thread.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
@@ -138,12 +136,42 @@ def _usable_cores() -> int:
 USABLE_CORES = _usable_cores()
 
 
-IDLE_S = 1.0  # a copier that queued nothing for this long gives its core up
-
-
 def free_cores() -> int:
     """The cores this process may run on that the decode thread's torch threads leave free."""
     return max(USABLE_CORES - torch.get_num_threads(), 0)
+
+
+class _Worker:
+    """One of the process's worker threads (:class:`ThreadCopier`), and whether it runs a look-ahead now."""
+
+    def __init__(self, number: int):
+        name = f"infinikv-worker-{number}"
+        self.executor = ThreadPoolExecutor(1, initializer=_mark_worker, thread_name_prefix=name)
+        self.choosing = False
+
+
+_workers: list[_Worker] = []  # the process's, started as copiers first need them
+_workers_lock = threading.Lock()
+_given = itertools.count()  # copiers given a worker so far: the next takes the next worker, in turn
+
+
+def _forget_workers() -> None:
+    """A forked child has none of its parent's threads: its copiers start their own workers."""
+    global _workers_lock
+    _workers.clear()
+    _workers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_workers)
+
+
+def _next_worker() -> _Worker:
+    """A worker for a copier's first queued job: the cores free now take them in turn."""
+    with _workers_lock:
+        turn = next(_given) % max(free_cores(), 1)
+        while len(_workers) <= turn:
+            _workers.append(_Worker(len(_workers)))
+        return _workers[turn]
 
 
 class Copier:
@@ -185,67 +213,28 @@ class InlineCopier(Copier):
 
 
 class ThreadCopier(Copier):
-    """CPU: copies and look-aheads run in order on one worker thread, beside the decode thread, while a core
-    is free for it (module docstring); else at once, on the calling thread. The thread starts at the first
-    job queued."""
-
-    # open copiers that have had work to queue, in the order they first had some: the free cores go to the
-    # first ones that queued work within IDLE_S
-    _open: ClassVar[list[weakref.ref[ThreadCopier]]] = []
-    _open_lock = threading.RLock()  # re-entrant: forgetting runs in GC passes
+    """CPU: copies and look-aheads run in order on a worker thread the process's copiers share, beside the
+    decode thread, while a core is free for it (module docstring); else at once, on the calling thread."""
 
     def __init__(self, counters: TransferCounters):
         super().__init__(counters)
-        self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(1, initializer=_mark_worker)
-        self._choosing = False  # the worker runs a look-ahead now
+        self._worker: _Worker | None = None  # given at the first job queued
+        self._closed = False
         self._queued = False  # jobs went to the worker since it was last drained for running at once
-        self._ref: weakref.ref[ThreadCopier] | None = None  # on the open list (from the first job to queue)
-        self._last_job = 0.0  # time.monotonic() of the last job this copier had to queue
-
-    def _has_core(self) -> bool:
-        """Whether a free core is this copier's: the open ones that queued work within ``IDLE_S`` take them,
-        oldest first."""
-        free = free_cores()
-        if free == 0 or self._ref is None:
-            return False
-        now = time.monotonic()
-        for ref in ThreadCopier._open:
-            copier = ref()
-            if copier is None or now - copier._last_job > IDLE_S:
-                continue
-            if copier is self:
-                return True
-            free -= 1
-            if free == 0:
-                return False
-        return False
-
-    @staticmethod
-    def _forget(
-        ref: weakref.ref[ThreadCopier],
-        open_list: list[weakref.ref[ThreadCopier]] = _open,
-        lock=_open_lock,
-    ) -> None:
-        """Take a copier off the open list (closed, or collected unclosed; the list and lock are bound here,
-        as a collection may run at interpreter exit)."""
-        with lock:
-            if ref in open_list:
-                open_list.remove(ref)
 
     def _executor_for_job(self) -> ThreadPoolExecutor | None:
         """The executor to queue a job on, or None to run it on the calling thread: closed, or no free core
         (the jobs queued before then run first, so copies and look-aheads keep their order). On the worker
-        itself (a look-ahead starting its copy), its own executor: it queues behind what runs."""
-        if self._executor is None or on_worker():
-            return self._executor
-        self._last_job = time.monotonic()
-        if self._ref is None:  # the first job to queue: join the open ones
-            self._ref = weakref.ref(self, ThreadCopier._forget)
-            with ThreadCopier._open_lock:
-                ThreadCopier._open.append(self._ref)
-        if self._has_core():
+        itself (a look-ahead starting its copy), the same one: it queues behind what runs."""
+        if on_worker():
+            return None if self._worker is None else self._worker.executor
+        if self._closed:
+            return None
+        if free_cores() > 0:
+            if self._worker is None:
+                self._worker = _next_worker()
             self._queued = True
-            return self._executor
+            return self._worker.executor
         if self._queued:
             self.drain()
             self._queued = False
@@ -262,7 +251,7 @@ class ThreadCopier(Copier):
         """A copy a thread needs now, still queued behind a look-ahead the worker is choosing for a later
         layer, is made by that thread itself (the choice takes longer than the copy; a copy queued behind
         copies waits its turn). Returns its result, or None when it stays the worker's."""
-        if self._choosing and queued.cancel():
+        if self._worker.choosing and queued.cancel():
             return job()
         return None
 
@@ -274,13 +263,15 @@ class ThreadCopier(Copier):
             return Transfer(work(*args), self.counters)
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
+        chooser = self._worker
+
         def run() -> object:
-            self._choosing = True
+            chooser.choosing = True
             try:
                 with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                     return work(*args)
             finally:
-                self._choosing = False
+                chooser.choosing = False
 
         return Transfer(worker.submit(run), self.counters)
 
@@ -288,7 +279,7 @@ class ThreadCopier(Copier):
         """The look-ahead is queued first, so it runs beside the layer's own choice; a copy the layer then
         queues behind it is made by the decode thread itself when needed (``Transfer.wait``). Without a core
         for the worker, as the base orders them."""
-        if self._executor is None or not self._has_core():
+        if self._closed or free_cores() == 0:
             super().in_order(own, ahead)
             return
         ahead()
@@ -297,17 +288,14 @@ class ThreadCopier(Copier):
     def drain(self) -> None:
         """On the worker itself (an observer reading stats), nothing: it would wait for itself; nor where
         nothing went to the worker (its thread is not started for it)."""
-        if self._executor is not None and self._queued and not on_worker():
-            self._executor.submit(lambda: None).result()
+        if self._worker is not None and self._queued and not on_worker():
+            self._worker.executor.submit(lambda: None).result()
 
     def close(self) -> None:
-        """Wait for what is queued and stop the worker; a later copy runs on the calling thread (statistics
-        read after a run)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-            if self._ref is not None:
-                ThreadCopier._forget(self._ref)
+        """Wait for what it queued; a later copy runs on the calling thread (statistics read after a run).
+        The worker stays, for the other copiers."""
+        self.drain()
+        self._closed = True
 
 
 class StreamCopier(Copier):
