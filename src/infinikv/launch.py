@@ -1,19 +1,27 @@
 """The ``infinikv`` command's entry point: imports the command line (torch, transformers: seconds) and runs
-it, so that Ctrl-C during those seconds ends in one line, as it does later (``cli.main``)."""
+it, so that Ctrl-C during those seconds ends in one line, as it does later (``cli.main``): once the imports
+are done, or at once on a second Ctrl-C."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
+INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (as cli.main's)
+
 
 def main() -> int:
-    interrupted = False
+    presses = 0
 
     def interrupt(signum: int, frame: object) -> None:
-        nonlocal interrupted
-        interrupted = True  # kept even where an import catches the KeyboardInterrupt raised inside it
-        raise KeyboardInterrupt
+        # Counted, not raised: a KeyboardInterrupt raised inside an import can abort the process (torch's
+        # C++ calling back into Python) or come out as another error. A second press ends it at once.
+        nonlocal presses
+        presses += 1
+        if presses > 1:
+            _say_interrupted()
+            os._exit(INTERRUPTED)
 
     try:
         previous = signal.signal(signal.SIGINT, interrupt)
@@ -21,15 +29,17 @@ def main() -> int:
         previous = None
     try:
         from .cli import main as run
-    except KeyboardInterrupt:
-        interrupted = True
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-    if interrupted:
-        print("infinikv: interrupted", file=sys.stderr)
-        return 130
+    if presses:
+        _say_interrupted()
+        return INTERRUPTED
     return run()
+
+
+def _say_interrupted() -> None:
+    print("infinikv: interrupted", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
