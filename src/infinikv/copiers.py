@@ -162,7 +162,8 @@ def _forget_workers() -> None:
     _workers_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_workers)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_workers)
 
 
 def _next_worker() -> _Worker:
