@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cliargs import COMPILE_HELP, add_dtype_argument
+from .cliargs import COMPILE_HELP, INTERRUPTED, add_dtype_argument, say_interrupted
 from .errors import InfinikvError, InputError
 from .models import DEFAULT_MODEL, REGISTRY, is_pulled
 from .policies import POLICIES
@@ -425,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"infinikv: error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
         return 1  # the run itself failed, not its command line
     except KeyboardInterrupt:
-        print("infinikv: interrupted", file=sys.stderr)
-        return 130
+        say_interrupted()
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

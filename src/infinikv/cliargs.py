@@ -1,10 +1,20 @@
-"""Values of command-line options shared by infinikv's commands, checked where they are parsed."""
+"""Values of command-line options shared by infinikv's commands, checked where they are parsed, and how a
+command ended by Ctrl-C says so."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
+
+INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C
+
+
+def say_interrupted() -> None:
+    """The one line a command ended by Ctrl-C prints (``cli.main``, and ``launch`` while it imports)."""
+    print("infinikv: interrupted", file=sys.stderr, flush=True)
+
 
 COMPILE_HELP = (
     "run decode steps under torch.compile, the policy's calls eager (CUDA: CUDA graphs); off by default, "

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-INTERRUPTED = 130  # the exit status of a command ended by Ctrl-C (as cli.main's)
+from .cliargs import INTERRUPTED, say_interrupted
 
 
 def main() -> int:
@@ -20,7 +20,7 @@ def main() -> int:
         nonlocal presses
         presses += 1
         if presses > 1:
-            _say_interrupted()
+            say_interrupted()
             os._exit(INTERRUPTED)
 
     try:
@@ -33,13 +33,9 @@ def main() -> int:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
     if presses:
-        _say_interrupted()
+        say_interrupted()
         return INTERRUPTED
     return run()
-
-
-def _say_interrupted() -> None:
-    print("infinikv: interrupted", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
