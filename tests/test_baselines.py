@@ -9,7 +9,14 @@ import torch
 
 from infinikv import GenerationConfig, Generator
 from infinikv.policies import make_policy
-from infinikv.policies.base import ScoredPolicy, attention_weights, per_kv_head, pick_top, reserved_first
+from infinikv.policies.base import (
+    ScoredPolicy,
+    attention_weights,
+    per_kv_head,
+    pick_each,
+    pick_top,
+    reserved_first,
+)
 from infinikv.policies.quant import dequantize, pack, quantize, unpack
 
 FULL = [
@@ -306,6 +313,27 @@ def test_pick_top_takes_reserved_entries_first_by_their_own_order(takes):
         assert torch.equal(got[1], expected[1])
 
 
+@pytest.mark.parametrize("reserve", [False, True])
+def test_pick_each_gives_every_sequence_its_pick_alone(reserve):
+    """Sequences of different lengths, padded at the end with -inf and picked in one pass: each row's first
+    ``takes[r]`` entries are its own ``pick_top`` over its slots alone, ties (half steps) included."""
+    torch.manual_seed(2)
+    lengths, takes = [50, 23, 64], [20, 23, 9]
+    rows = [torch.randn(1, 2, n).mul(2).round().div(2) for n in lengths]
+    reserved = [torch.zeros(1, 2, n, dtype=torch.bool) for n in lengths]
+    for near, n in zip(reserved, lengths, strict=True):
+        near[..., [0, 1, n - 3, n - 2, n - 1]] = reserve
+    padded = torch.full((3, 2, 64), -math.inf)
+    lifted = torch.zeros(3, 2, 64, dtype=torch.bool)
+    for r, (row, near, n) in enumerate(zip(rows, reserved, lengths, strict=True)):
+        padded[r, :, :n], lifted[r, :, :n] = row[0], near[0]
+    index = pick_each(padded, takes, lifted, 5)
+    assert index.shape == (3, 2, max(takes))
+    for r, (row, near, take) in enumerate(zip(rows, reserved, takes, strict=True)):
+        own, valid = pick_top(row, [take], near, 5)
+        assert valid is None and torch.equal(index[r : r + 1, :, :take], own)
+
+
 @pytest.mark.parametrize("policy", ["quest", "oracle"])
 def test_a_policy_that_chooses_with_its_query_takes_the_models_own(tiny, policy, monkeypatch):
     """Quest and the oracle choose with the layer's real query: the one the model computed, handed over at
@@ -313,16 +341,12 @@ def test_a_policy_that_chooses_with_its_query_takes_the_models_own(tiny, policy,
     from infinikv.cache import InfinikvCache
 
     spec_type, projected, handed = type(tiny.spec), {}, []
-    real_query, real_before, real_take = (
-        spec_type.query,
-        InfinikvCache.before_attention,
-        ScoredPolicy.take_query,
-    )
+    real_query, real_own, real_take = spec_type.query, InfinikvCache.own, ScoredPolicy.take_query
 
-    def before_attention(self, layer, x, mask, position_ids, queries=None):
-        if x.shape[1] == 1 and self.policy.chooses_with_query(layer):
+    def own(self, layer, x, position_ids, queries):  # a decode step's own work of a layer, before attention
+        if self.policy.chooses_with_query(layer):
             projected[id(self.policy), layer] = real_query(self.policy.spec, layer, x, position_ids)[:, :, -1]
-        real_before(self, layer, x, mask, position_ids, queries)
+        real_own(self, layer, x, position_ids, queries)
 
     def take_query(self, layer, query):
         handed.append(torch.equal(query, projected.pop((id(self), layer))))
@@ -332,7 +356,7 @@ def test_a_policy_that_chooses_with_its_query_takes_the_models_own(tiny, policy,
     monkeypatch.setattr(
         spec_type, "query", lambda self, *args: computed.append(args[0]) or real_query(self, *args)
     )
-    monkeypatch.setattr(InfinikvCache, "before_attention", before_attention)
+    monkeypatch.setattr(InfinikvCache, "own", own)
     monkeypatch.setattr(ScoredPolicy, "take_query", take_query)
     config = GenerationConfig(max_new_tokens=6, prefill_chunk=64)
     Generator(tiny, policy, budget=0.3, min_tokens=0, dense_layers=0).generate(PROMPTS, config)

@@ -353,3 +353,30 @@ def test_an_engine_step_projects_the_look_ahead_queries_once_for_every_row(tiny,
     rehearsed = [layer for layer in range(tiny.spec.num_layers) if calls[layer] == 2]
     assert rehearsed and all(calls[layer] in (1, 2) for layer in range(tiny.spec.num_layers))
     assert calls["rotary"] == 2
+
+
+@pytest.mark.parametrize("knobs", [{}, {"budget": 0.1, "min_tokens": 0}])
+def test_infinigen_rows_of_a_step_are_rehearsed_together_and_choose_as_alone(tiny, knobs, monkeypatch):
+    """An engine step's InfiniGen rows look ahead together (``InfiniGenPolicy.plan_rows``): a layer's
+    rehearsal scores the rows of one form in one product, and each row still gets its tokens alone, whatever
+    joins beside it and however long its prompt."""
+    from infinikv.policies.infinigen import policy as infinigen
+
+    together: Counter = Counter()
+    choose_together = infinigen.choose_together
+
+    def counted(selectors, layer, queries, widths):
+        together[len(selectors)] += 1
+        return choose_together(selectors, layer, queries, widths)
+
+    monkeypatch.setattr(infinigen, "choose_together", counted)
+    config = make_config("infinigen", **knobs)
+    texts = [
+        "The harbour lantern glowed over the copper river while the falcon watched. " * k for k in (3, 1, 2)
+    ]
+    prompts = [ids(tiny, text) for text in texts]
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
+    results = run(engine, [(prompt, config, GREEDY) for prompt in prompts], join_at=[0, 1, 4])
+    assert together and max(together) >= 2
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == alone(tiny, prompt, config)

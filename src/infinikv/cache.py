@@ -3,10 +3,12 @@
 The cache is called three times per layer and step (``hooks.py`` installs what calls it):
 
 1. ``before_attention``, from the pre-attention hook: in a decode step it gives the policy the layer's own
-   normalised input x (``policy.before_attention``; first, so a copy the layer starts for itself is not
-   queued behind the look-ahead's), then, for a policy that declares ``prefetches``, runs the look-ahead
-   here, once for all such policies — ``policy.plan(i + 1, x, position_ids, queries)`` (layer 0 also
-   plans itself; ``queries``: x's projections shared by an engine step's rows, else None);
+   normalised input x (``policy.before_attention``) and, for a policy that declares ``prefetches``, runs the
+   look-ahead, ``policy.plan(i + 1, x, position_ids, queries)`` (layer 0 also plans itself; ``queries``:
+   x's projections shared by an engine step's rows, else None), in the order :func:`in_order` picks: layer
+   0 and a copier without a worker do the layer's own work first; a CPU worker takes the look-ahead first,
+   so it runs beside the layer's own choice. An engine step plans each layer once for all its rows of one
+   policy class (``Policy.plan_rows``, from ``engine/ragged.py``);
 2. ``update`` (called by the attention module after q/k/v and RoPE): prefill chunks go to
    ``policy.prefill``, decode tokens to ``policy.decode``, which returns the K/V the layer attends to;
 3. ``attend``, from the registered attention function: it fits the model's mask to the policy's selection
@@ -19,6 +21,8 @@ feeds exactly one token per sequence.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -62,6 +66,18 @@ class PolicyLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+
+def in_order(policy: Policy, layer: int, own: Callable[[], None], ahead: Callable[[], None]) -> None:
+    """Run a decode step's ``own`` work of ``layer`` and its look-ahead ``ahead``. Layer 0 starts its own copy
+    before the look-ahead for layers 0 and 1; after that the pool's copier orders them
+    (``Copier.in_order``): a worker runs the look-ahead beside the layer's own choice."""
+    pool = policy.pool()
+    if layer == 0 or pool is None:
+        own()
+        ahead()
+    else:
+        pool.copier.in_order(own, ahead)
 
 
 class InfinikvCache(PolicyCache):
@@ -113,32 +129,38 @@ class InfinikvCache(PolicyCache):
     ) -> None:
         """``queries``: this row's queries from ``x``, projected once for every row of an engine step
         (``spec.SharedQueries``; None: a policy projects ``x`` itself)."""
-        policy = self.policy
-        decode = self._is_decode(layer, x.shape[1])
-        if not policy.spec.is_sliding(layer):
-            # Last query row of a full-attention mask = which cached positions are real tokens.
-            policy.set_key_valid(None if mask is None else mask[:, 0, -1, :], decode)
-        if not decode:
+        if not self.begin_layer(layer, x, mask):
             return
+        policy = self.policy
 
-        # A step begins with layer 0's before_attention, which starts its own copy before the look-ahead for
-        # layers 0 and 1. After that, the pool's copier orders a layer's own work and the look-ahead for the
-        # next one (``Copier.in_order``): a worker runs the look-ahead beside the layer's own choice.
         def own() -> None:
-            policy.before_attention(layer, x, position_ids, queries)
+            self.own(layer, x, position_ids, queries)
 
         def ahead() -> None:
-            if policy.prefetches:  # look one layer ahead, so the copy for layer i+1 overlaps layer i
-                for target in (0, 1) if layer == 0 else (layer + 1,):
-                    if target < policy.spec.num_layers:
-                        policy.plan(target, x, position_ids, queries)
+            for target in self.look_ahead_targets(layer):
+                policy.plan(target, x, position_ids, queries)
 
-        pool = policy.pool()
-        if layer == 0 or pool is None:
-            own()
-            ahead()
-        else:
-            pool.copier.in_order(own, ahead)
+        in_order(policy, layer, own, ahead)
+
+    def begin_layer(self, layer: int, x: Tensor, mask: Tensor | None) -> bool:
+        """Hand the policy which cached positions are real tokens (the last query row of a full-attention
+        layer's mask); whether this forward pass is a decode step."""
+        decode = self._is_decode(layer, x.shape[1])
+        if not self.policy.spec.is_sliding(layer):
+            self.policy.set_key_valid(None if mask is None else mask[:, 0, -1, :], decode)
+        return decode
+
+    def own(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None) -> None:
+        """A decode step's own work of ``layer`` before its attention (``policy.before_attention``)."""
+        self.policy.before_attention(layer, x, position_ids, queries)
+
+    def look_ahead_targets(self, layer: int) -> tuple[int, ...]:
+        """The layers a decode step plans from ``layer``'s input: the next one, so that its copy overlaps
+        this layer (layer 0 plans itself too), for a policy that ``prefetches``; none for the others."""
+        if not self.policy.prefetches:
+            return ()
+        targets = (0, 1) if layer == 0 else (layer + 1,)
+        return tuple(target for target in targets if target < self.policy.spec.num_layers)
 
     # -- called from the attention module via Cache.update -------------------------------------------------
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

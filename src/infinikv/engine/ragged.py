@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import InfinikvCache, PolicyLayer
+from ..cache import InfinikvCache, PolicyLayer, in_order
 from ..hooks import PolicyCache
 from ..spec import ModelSpec, SharedQueries
 
@@ -53,9 +53,35 @@ class RaggedCache(PolicyCache):
             self._real = [torch.ones(1, 1, 1, n + 1, dtype=torch.bool, device=device) for n in self.past]
             self._positions = [position_ids[r : r + 1] for r in range(len(self.rows))]
         queries = SharedQueries(self.spec, x, position_ids)
-        for r, row in enumerate(self.rows):
-            own = None if self.spec.is_sliding(layer) else self._real[r]
-            row.before_attention(layer, x[r : r + 1], own, self._positions[r], queries.of_row(r))
+        decoding = [
+            r
+            for r, row in enumerate(self.rows)
+            if row.begin_layer(layer, x[r : r + 1], None if self.spec.is_sliding(layer) else self._real[r])
+        ]
+
+        def own() -> None:
+            for r in decoding:
+                self.rows[r].own(layer, x[r : r + 1], self._positions[r], queries.of_row(r))
+
+        def ahead() -> None:
+            # each policy class plans a layer for all its rows at once (Policy.plan_rows)
+            classes: dict[tuple[type, tuple[int, ...]], list[int]] = {}
+            for r in decoding:
+                row = self.rows[r]
+                classes.setdefault((type(row.policy), row.look_ahead_targets(layer)), []).append(r)
+            for (policy_class, targets), rows in classes.items():
+                for target in targets:
+                    policy_class.plan_rows(
+                        [self.rows[r].policy for r in rows],
+                        target,
+                        [x[r : r + 1] for r in rows],
+                        [self._positions[r] for r in rows],
+                        [queries.of_row(r) for r in rows],
+                    )
+
+        if decoding:  # ordered by the first row with a pool (the rows' copiers are of one kind)
+            pooled = [self.rows[r].policy for r in decoding if self.rows[r].policy.pool() is not None]
+            in_order((pooled or [self.rows[decoding[0]].policy])[0], layer, own, ahead)
 
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         self._selected[layer] = [

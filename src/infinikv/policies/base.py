@@ -118,6 +118,23 @@ def pick_top(
     return index, _earliest_at_cut(scores, cut, count).gather(-1, index)
 
 
+def pick_each(scores: Tensor, takes: list[int], reserved: Tensor | None, most_reserved: int) -> Tensor:
+    """:func:`pick_top` for rows that are separate sequences, their slots padded at the end with -inf: row
+    r's choice, ``pick_top(scores[r:r+1, :, :n_r], [takes[r]], ...)``, in the first ``takes[r]`` entries of
+    its row of the index [batch, kv_heads, max(takes)] (ascending; the entries after it are 0). Every row
+    takes at least one entry. ``reserved`` entries are lifted as :func:`pick_top` lifts them
+    (``most_reserved``: the most a head holds); where a row takes them all, in one pass or in their own
+    order, it takes the same entries."""
+    if reserved is not None:
+        scores = _lift_reserved(scores, reserved, takes, most_reserved)
+    batch, heads, _ = scores.shape
+    width = max(takes)
+    count = torch.tensor(takes, device=scores.device)[:, None, None]
+    values = scores.topk(width, dim=-1).values  # sorted: each row's cut is at its own count
+    cut = values.gather(-1, (count - 1).expand(batch, heads, 1))
+    return _slots_of(_earliest_at_cut(scores, cut, count), width)
+
+
 def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int], most: int | None) -> Tensor:
     """``scores`` with the ``reserved`` entries first, for :func:`pick_top`. When every row takes at least
     the ``most`` entries a head can have reserved, all of them are taken whatever their order, so +inf lifts
@@ -267,6 +284,21 @@ class Policy:
     def plan(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None) -> None:
         """Look-ahead for ``layer`` (prefetching policies only): decide what it reads and start the copy."""
 
+    @classmethod
+    def plan_rows(
+        cls,
+        policies: list[Policy],
+        layer: int,
+        x: list[Tensor],
+        position_ids: list[Tensor],
+        queries: list[QueryOf | None],
+    ) -> None:
+        """:meth:`plan` for the rows of an engine step whose policies are of this class, each with its own
+        input, positions and queries (``engine/ragged.py``). Each row plans alone here; a class may plan them
+        together, in fewer and larger operations, as long as each row reads what it would read alone."""
+        for policy, row_x, row_positions, row_queries in zip(policies, x, position_ids, queries, strict=True):
+            policy.plan(layer, row_x, row_positions, row_queries)
+
     def before_attention(
         self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None
     ) -> None:
@@ -352,14 +384,17 @@ class Policy:
         """Time the enclosed choosing (``stats()["selector_s"]``; ``selector_inline_s``: the part on the
         decode thread, not a pool worker's look-ahead). Host time without a device sync: on a GPU it is the
         time to queue the work, so the bench reads the selector's share from CPU runs."""
-        start, inline = time.perf_counter(), not on_worker()
+        start = time.perf_counter()
         try:
             yield
         finally:
-            elapsed = time.perf_counter() - start
-            with self.counting:
-                self._selector_s += elapsed
-                self._selector_inline_s += elapsed if inline else 0.0
+            self.count_selector_time(time.perf_counter() - start)
+
+    def count_selector_time(self, seconds: float) -> None:
+        """Count ``seconds`` of this thread's time as the selector's (:meth:`selecting`)."""
+        with self.counting:
+            self._selector_s += seconds
+            self._selector_inline_s += 0.0 if on_worker() else seconds
 
     def past_positions(self, n_past: int, batch: int) -> Tensor:
         """LongTensor [batch, n_past]: the past positions, where slots hold them in order."""
@@ -370,6 +405,17 @@ class Policy:
         if self.key_valid is None:
             return torch.ones(batch, n_past, dtype=torch.bool, device=self.device)
         return self.key_valid[:, :n_past].to(self.device)
+
+
+class RowOf:
+    """One sequence's part of a look-ahead run for several sequences at once (``Policy.plan_rows``): row
+    ``row`` of what ``started`` returns."""
+
+    def __init__(self, started: Transfer, row: int):
+        self._started, self._row = started, row
+
+    def wait(self) -> Any:
+        return self._started.wait()[self._row]
 
 
 class HostPoolPolicy(Policy):
@@ -415,6 +461,11 @@ class HostPoolPolicy(Policy):
         with its own query; None: as ``start_fetch`` without one), for ``decode`` to pick up: on demand, as
         nothing overlaps it."""
         self.hold(layer, self._fetch_on_demand(layer, x, position_ids, queries))
+
+    def hold_planned(self, layer: int, started: RowOf) -> None:
+        """Keep this sequence's row of a look-ahead planned for several sequences at once (``plan_rows``) for
+        ``take_fetch`` to pick up."""
+        self._in_flight[layer] = started
 
     def hold(self, layer: int, started: Any) -> None:
         """Keep what was started for ``layer`` on the decode thread (``start_fetch``'s kind of result) for

@@ -87,7 +87,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -95,7 +97,7 @@ import torch
 
 from ...errors import PolicyError
 from ...spec import ModelSpec, QueryOf
-from ..base import HostPoolPolicy, Selection
+from ..base import HostPoolPolicy, RowOf, Selection
 from ..registry import register
 from . import skewfile
 from .calibration import ensure_skew
@@ -106,7 +108,7 @@ from .layer import LayerState
 from .plan import DecodePlan, layer_alpha, own_query_layers, settle
 from .rehearsal import Rehearsal, quantize
 from .schedule import Schedule
-from .selector import Selector
+from .selector import Choice, Selector, choose_together
 from .skewfile import Skew
 from .slots import SlotTable
 
@@ -285,6 +287,90 @@ class InfiniGenPolicy(HostPoolPolicy):
             self.fetch_own(layer, x, position_ids, queries)
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None) -> None:
+        self._plan_layer(layer, x, position_ids, queries)
+        self._plan_next_first(layer)
+
+    @classmethod
+    def plan_rows(
+        cls,
+        policies: list[InfiniGenPolicy],
+        layer: int,
+        x: list[Tensor],
+        position_ids: list[Tensor],
+        queries: list[QueryOf | None],
+    ) -> None:
+        """The sequences of an engine step whose rehearsal of ``layer`` is plain (:meth:`_rehearses_together`)
+        and whose partial keys have one form are rehearsed together, in one look-ahead on the worker
+        (``selector.choose_together``); the others, and a form held by one sequence alone, plan alone."""
+        together: dict[tuple, list[int]] = {}
+        for r, policy in enumerate(policies):
+            if policy._rehearses_together(layer):
+                together.setdefault(policy.layers[layer].slots.form(), []).append(r)
+            else:
+                policy._plan_layer(layer, x[r], position_ids[r], queries[r])
+        for rows in together.values():
+            if len(rows) == 1:
+                policies[rows[0]]._plan_layer(layer, x[rows[0]], position_ids[rows[0]], queries[rows[0]])
+                continue
+            group = [policies[r] for r in rows]
+            inputs = ([x[r] for r in rows], [position_ids[r] for r in rows], [queries[r] for r in rows])
+            started = group[0].host_pool.ahead(cls._start_fetches_together, group, layer, *inputs)
+            for row, policy in enumerate(group):
+                policy.hold_planned(layer, RowOf(started, row))
+        for policy in policies:
+            policy._plan_next_first(layer)
+
+    def _rehearses_together(self, layer: int) -> bool:
+        """Whether this step's look-ahead for ``layer`` is a plain token rehearsal of one unpadded sequence,
+        which :meth:`plan_rows` may run with other sequences': one layer ahead, at a choosing step, counted by
+        the budget (no alpha counts) over a pool that evicted nothing, in one set of columns, without blocks
+        or an observer."""
+        plan, state = self.decoding, self.layers[layer]
+        if not (plan is not None and state.managed and layer not in plan.own_query and state.slots.n):
+            return False
+        alpha = plan.row_alphas[layer]
+        if not (isinstance(alpha, float) and alpha == math.inf) or plan.row_columns[layer]:
+            return False
+        if self.padded or state.slots.pos.shape[0] != 1 or self.observer is not None:
+            return False
+        return not (self.schedule.follows or self.config.block_size or state.slots.n != state.seen)
+
+    @staticmethod
+    def _start_fetches_together(
+        policies: list[InfiniGenPolicy],
+        layer: int,
+        x: list[Tensor],
+        position_ids: list[Tensor],
+        queries: list[QueryOf | None],
+    ) -> list[Fetch]:
+        """:meth:`start_fetch` of ``layer`` for each of ``policies`` (sequences :meth:`plan_rows` rehearses
+        together): each chooses what it would alone, in one product over their partial keys; the time it
+        takes counts in equal shares as each sequence's selector time."""
+        start = time.perf_counter()
+        rehearsed = [
+            policy._rehearsal_query(layer, row_x, row_positions, row_queries)
+            for policy, row_x, row_positions, row_queries in zip(
+                policies, x, position_ids, queries, strict=True
+            )
+        ]
+        real_tokens = [policy._real_tokens(policy.layers[layer]) for policy in policies]
+        budgets = [
+            policy.schedule.choice_budget(real[0])[0]
+            for policy, real in zip(policies, real_tokens, strict=True)
+        ]
+        widths = [min(real[0], budget) for real, budget in zip(real_tokens, budgets, strict=True)]
+        choices = choose_together([policy.selector for policy in policies], layer, rehearsed, widths)
+        share = (time.perf_counter() - start) / len(policies)
+        fetches = []
+        for policy, choice, real in zip(policies, choices, real_tokens, strict=True):
+            policy.count_selector_time(share)
+            index, valid = policy._keep_choice(layer, choice, real, (0,))
+            fetches.append(policy._fetch_chosen(layer, index, valid))
+        return fetches
+
+    def _plan_layer(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None) -> None:
+        """This step's look-ahead for ``layer`` alone: a read again, a choice one layer ahead, or an
+        own-query layer's prefetch."""
         schedule, own_query = self.schedule, self.decoding.own_query
         if schedule.reads_again(self.layers[layer], self._step):
             if not self.planned(layer):  # layer 0's was started at the step before
@@ -293,8 +379,11 @@ class InfiniGenPolicy(HostPoolPolicy):
             super().plan(layer, x, position_ids, queries)
         elif layer > 0 and schedule.own_query_prefetch:
             self._prefetch_previous(layer)
-        # the next step's layer 0, beside this step's last layers (planned from layer 1 on: layer 0 has
-        # taken its own fetch of this step)
+
+    def _plan_next_first(self, layer: int) -> None:
+        """From the last layer, the next step's layer 0, beside this step's last layers (planned from layer 1
+        on: layer 0 has taken its own fetch of this step)."""
+        schedule, own_query = self.schedule, self.decoding.own_query
         last = self.spec.num_layers - 1
         if layer == last >= 2 and 0 in own_query:
             if schedule.reads_again(self.layers[0], self._step + 1):
@@ -337,6 +426,12 @@ class InfiniGenPolicy(HostPoolPolicy):
             index = slots.view("pos").topk(min(window - 1, slots.n), dim=-1).indices
         else:
             index = None
+        return self._fetch_chosen(layer, index, valid)
+
+    def _fetch_chosen(self, layer: int, index: Tensor | None, valid: Tensor | None) -> Fetch:
+        """Start copying ``layer``'s slots ``index`` (None: every slot) from the pool and count them
+        (``valid``: which of them each row attends to; None: all)."""
+        state = self.layers[layer]
         prefetched, state.prefetched = state.prefetched, None
         if index is not None and prefetched is not None and prefetched.index is not None:
             fetch = functools.partial(self.host_pool.fetch, layer)
@@ -430,6 +525,15 @@ class InfiniGenPolicy(HostPoolPolicy):
             choice = self.selector.choose(
                 layer, query, self.decoding, real_tokens, budgets, self.spec.group_size, slot_scores
             )
+        return self._keep_choice(layer, choice, real_tokens, follows)
+
+    def _keep_choice(
+        self, layer: int, choice: Choice, real_tokens: list[int], follows: tuple[int, ...]
+    ) -> tuple[Tensor, Tensor | None]:
+        """``choice``'s slots and which of them each row attends to, once its statistics are kept, what the
+        steps until the next choice follow is settled (``follows``: per sequence, how many) and the
+        observer has seen it."""
+        state = self.layers[layer]
         index, valid, counts, widths = choice.index, choice.valid, choice.counts, choice.widths
         state.selected.append(counts.float().mean() if counts is not None else sum(widths) / len(widths))
         if counts is None and self.observer is not None:

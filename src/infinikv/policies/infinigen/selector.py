@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from ..base import group_relative_max, pick_top
+from ..base import group_relative_max, pick_each, pick_top
 from ..bounds import BlockBounds
 from .blocks import block_scores, gather_slots
 from .config import InfiniGenConfig
@@ -295,3 +295,52 @@ class Selector:
         slot_blocks = bounds.block_of(torch.arange(n, device=device)).expand(batch, heads, n)
         hits = torch.zeros(batch, heads, blocks, dtype=torch.int32, device=device)
         return hits.scatter_add_(2, slot_blocks, self.reserved(layer).int()) > 0
+
+
+def choose_together(
+    selectors: list[Selector], layer: int, queries: list[Tensor], widths: list[int]
+) -> list[Choice]:
+    """:meth:`Selector.choose` for several sequences of one unpadded row each, whose partial keys of
+    ``layer`` have one form, that count by their budgets over pools that evicted nothing (``widths``: each
+    one's n'; at least its reserved slots): their partial keys, padded with zeros to the longest, are scored
+    in one product (``queries``: each one's partial query, as :meth:`Selector.choose` takes it), the
+    padding masked to -inf, and each head's top n' are picked in one pass (``base.pick_each``). Each gets the
+    choice it makes alone: a batched product computes each row as it would alone, and a row's scores over
+    its own slots, its reserved slots and its cut are its own."""
+    states = [selector.layers[layer] for selector in selectors]
+    keys = [state.slots.unpacked(state.slots.view("partial")) for state in states]
+    scales = [selector.scales(layer) for selector in selectors]
+    for selector, key, scale in zip(selectors, keys, scales, strict=True):
+        selector.meter.selector_read(key, *([] if scale is None else [scale]))
+    lengths = [key.shape[-1] for key in keys]
+    longest, rows, heads = max(lengths), len(keys), keys[0].shape[1]
+    device = keys[0].device
+    padded_keys = keys[0].new_zeros(rows, heads, keys[0].shape[2], longest)
+    padded_scale = None if scales[0] is None else scales[0].new_ones(rows, heads, 1, longest)
+    reserved = [selector.reserved(layer) for selector in selectors]
+    lifted = (
+        None if reserved[0] is None else torch.zeros(rows, heads, longest, dtype=torch.bool, device=device)
+    )
+    for row, (key, scale, near, n) in enumerate(zip(keys, scales, reserved, lengths, strict=True)):
+        padded_keys[row, ..., :n] = key[0]
+        if padded_scale is not None:
+            padded_scale[row, ..., :n] = scale[0]
+        if lifted is not None:
+            lifted[row, :, :n] = near[0]
+    real = torch.arange(longest, device=device) < torch.tensor(lengths, device=device)[:, None]
+    scores = speculative_scores(
+        torch.cat(queries), padded_keys, (), real[:, None].expand(-1, heads, -1), padded_scale
+    )
+    most_reserved = selectors[0].config.n_sink + selectors[0].config.window
+    index = pick_each(scores, widths, lifted, most_reserved)
+    return [
+        Choice(
+            index[row : row + 1, :, :width].contiguous(),
+            None,
+            scores[row : row + 1, :, :n],
+            None,
+            [width],
+            near,
+        )
+        for row, (width, n, near) in enumerate(zip(widths, lengths, reserved, strict=True))
+    ]

@@ -161,6 +161,12 @@ class SlotTable:
         self.n = index.shape[2]
         self.bounds = None  # slots moved: the bounds are taken again
 
+    def form(self) -> tuple:
+        """How the partial keys are stored (their columns, 4-bit packing, dtype, scales): tables of one form
+        are scored in one product (``selector.choose_together``)."""
+        columns = self.columns if self.packed else self.partial.shape[2]
+        return columns, self.packed, self.partial.dtype, self.scale is None
+
     def unpacked(self, keys: Tensor) -> Tensor:
         """``keys`` (the partial key table, a view of it or slots gathered from it) with one integer per
         column: 4-bit ones unpacked, the others as they are."""
