@@ -380,3 +380,16 @@ def test_infinigen_rows_of_a_step_are_rehearsed_together_and_choose_as_alone(tin
     assert together and max(together) >= 2
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == alone(tiny, prompt, config)
+
+
+def test_a_step_that_brings_two_stop_strings_cuts_at_the_earliest():
+    """When one token's text completes two stop strings, the answer ends before the earlier one in the text,
+    whichever the request listed first."""
+    from infinikv.engine.sequence import Sequence
+
+    texts = {1: "x", 2: "xab"}  # the second token adds "ab": both stop strings at once
+    sampling = GenerationConfig(max_new_tokens=8, stop=("b", "a"))
+    seq = Sequence(0, [5], make_config("dense"), sampling, torch.Generator(), b"")
+    for token in (1, 2):
+        seq.advance(token, set(), lambda ids, **_: texts[len(ids)])
+    assert seq.finish == "stop" and seq.text == "x"

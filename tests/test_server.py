@@ -474,6 +474,30 @@ def test_a_failed_step_fails_the_requests_it_ran_and_not_those_waiting(model, mo
         assert served.json()["choices"][0]["text"] == alone(model, PROMPTS[1], 4)
 
 
+def test_a_cancellation_that_fails_does_not_stop_the_server(model, monkeypatch):
+    """Ending a request whose client left reads its policy's statistics and closes its cache; where that
+    fails, the server goes on serving."""
+    from infinikv.policies.streaming import StreamingPolicy
+
+    def broken(self):
+        raise RuntimeError("broken on purpose")
+
+    with serving(model, settings=ServerSettings(max_batch=1)) as (url, app):
+        monkeypatch.setattr(StreamingPolicy, "stats", broken)
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(timeout=60) as http:
+                blocker = await _Blocker(http, url, kv_policy="streaming").start()
+                await blocker.close()
+            await _wait_for(lambda: app.state.infinikv.scheduler.in_flight == 0)
+
+        asyncio.run(scenario())
+        monkeypatch.undo()
+        answer = _post(url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == alone(model, PROMPTS[1], 4)
+
+
 # -- each prompt tokenised once ------------------------------------------------------------------------------
 def test_each_prompt_is_tokenised_once(model, server, client, monkeypatch):
     """The server tokenises a prompt once and hands the token ids on: neither its own tokenizer copy nor the
@@ -512,8 +536,8 @@ async def _wait_for(condition, timeout: float = 20.0) -> None:
 class _Blocker:
     """A long streaming request that holds the worker until ``close`` (its client leaves)."""
 
-    def __init__(self, http: httpx.AsyncClient, url: str, max_tokens: int = 3000):
-        body = {"prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    def __init__(self, http: httpx.AsyncClient, url: str, max_tokens: int = 3000, **fields: object):
+        body = {"prompt": PROMPTS[0], "max_tokens": max_tokens, "temperature": 0, "stream": True, **fields}
         self.request = http.stream("POST", f"{url}/v1/completions", json=body)
 
     async def start(self) -> _Blocker:
@@ -615,6 +639,36 @@ def test_a_request_past_its_deadline_is_cancelled_and_answered_504(model, schedu
         assert metric(app, "infinikv_requests_total", policy="dense", status="504") == 2
         assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
         assert app.state.infinikv.scheduler.in_flight == 0
+
+
+def test_a_request_that_leaves_while_waiting_is_counted_under_its_policy(model):
+    """A request whose client leaves before the engine admits it (here behind a running one, one row at a
+    time) ran no policy; its metrics still go under the policy's name."""
+    with serving(model, settings=ServerSettings(max_batch=1)) as (url, app):
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(timeout=60) as http:
+                running = await _Blocker(http, url).start()
+                waiting = http.stream(
+                    "POST", f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True}
+                )
+                await waiting.__aenter__()
+                await _wait_for(lambda: metric(app, "infinikv_queue_length") == 1)
+                await waiting.__aexit__(None, None, None)
+                await _wait_for(
+                    lambda: metric(app, "infinikv_requests_total", policy="dense", status="499") == 1
+                )
+                await running.close()
+            await _wait_for(lambda: app.state.infinikv.scheduler.in_flight == 0)
+
+        asyncio.run(scenario())
+        names = {
+            sample.labels.get("policy")
+            for family in app.state.infinikv.metrics.registry.collect()
+            for sample in family.samples
+        }
+        assert "DenseConfig" not in names
+        assert metric(app, "infinikv_batch_size_count", policy="dense") == 2
 
 
 def test_full_queue_is_429_with_retry_after(model):

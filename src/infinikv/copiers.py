@@ -249,8 +249,8 @@ class ThreadCopier(Copier):
         return Transfer(queued, self.counters, take_over=lambda: self._take_over(queued, job))
 
     def _take_over(self, queued: Future, job: CopyJob) -> tuple[Tensor, ...] | None:
-        """A copy a thread needs now, still queued behind a look-ahead the worker is choosing for a later
-        layer, is made by that thread itself (the choice takes longer than the copy; a copy queued behind
+        """A copy a thread needs now, still queued while the worker runs a look-ahead (this pool's or another
+        one's), is made by that thread itself (the choice takes longer than the copy; a copy queued behind
         copies waits its turn). Returns its result, or None when it stays the worker's."""
         if self._worker.choosing and queued.cancel():
             return job()

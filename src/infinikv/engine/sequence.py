@@ -70,11 +70,10 @@ class Sequence:
             return
         self.generated.append(token)
         text = decode(self.generated, skip_special_tokens=True)
-        for stop in self.sampling.stop:
-            cut = text.find(stop)
-            if cut != -1:
-                self.text, self.finish = text[:cut], "stop"
-                return
+        cuts = [cut for cut in (text.find(stop) for stop in self.sampling.stop) if cut != -1]
+        if cuts:  # the earliest stop string in the text, whichever is listed first
+            self.text, self.finish = text[: min(cuts)], "stop"
+            return
         self.text = text
         if len(self.generated) >= self.sampling.max_new_tokens:
             self.finish = "length"

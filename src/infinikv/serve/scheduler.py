@@ -32,7 +32,7 @@ from ..engine import Engine, EngineConfig
 from ..errors import InfinikvError
 from ..generate import GenerationConfig, Generator, RequestResult
 from ..models import LoadedModel
-from ..policies import PolicyConfig
+from ..policies import PolicyConfig, policy_of
 from .metrics import ServerMetrics
 
 log = logging.getLogger("infinikv.serve")
@@ -221,7 +221,7 @@ class StaticScheduler(_QueueWorker):
         limits = [job.sampling.max_new_tokens for job in batch]
         policy = batch[0].policy
         sampling = dataclasses.replace(batch[0].sampling, max_new_tokens=max(limits))
-        name = type(policy).__name__
+        name = policy_of(policy).name
         started = time.perf_counter()
 
         def on_text(row: int, piece: str) -> None:
@@ -322,8 +322,8 @@ class ContinuousScheduler(_QueueWorker):
                 arrived, self._inbox = list(self._inbox), deque()
             for job in arrived:
                 self._add(job)
-            self._cancel_departed()
             try:
+                self._cancel_departed()
                 outputs = self.engine.step()
             except Exception as exc:  # a failed step must not stop the server: its requests fail
                 log.exception("an engine step failed")
@@ -338,7 +338,8 @@ class ContinuousScheduler(_QueueWorker):
             self._record_engine()
         for seq in list(self._jobs):
             self._jobs[seq].emit("error", "the server is shutting down")
-            self.engine.abort(seq)
+            with contextlib.suppress(Exception):  # its cache may be the one that failed
+                self.engine.abort(seq)
         self._jobs.clear()
 
     def _add(self, job: Job) -> None:
@@ -371,7 +372,7 @@ class ContinuousScheduler(_QueueWorker):
         job = self._jobs.pop(seq)
         stats = result.stats
         self.metrics.record_batch(
-            stats.get("policy", type(job.policy).__name__),
+            stats.get("policy", policy_of(job.policy).name),  # cancelled before it ran: no policy stats
             rows=stats.get("batch_size", 1),
             prompt_tokens=stats.get("prompt_tokens", len(job.prompt)),
             new_tokens=len(result.token_ids),
