@@ -10,6 +10,7 @@ import torch
 from infinikv import GenerationConfig, Generator
 from infinikv.policies import make_policy
 from infinikv.policies.base import (
+    Policy,
     ScoredPolicy,
     attention_weights,
     per_kv_head,
@@ -338,15 +339,13 @@ def test_pick_each_gives_every_sequence_its_pick_alone(reserve):
 def test_a_policy_that_chooses_with_its_query_takes_the_models_own(tiny, policy, monkeypatch):
     """Quest and the oracle choose with the layer's real query: the one the model computed, handed over at
     attention (equal to the layer's input projected again, as they once did), never a second projection."""
-    from infinikv.cache import InfinikvCache
-
     spec_type, projected, handed = type(tiny.spec), {}, []
-    real_query, real_own, real_take = spec_type.query, InfinikvCache.own, ScoredPolicy.take_query
+    real_query, real_before, real_take = spec_type.query, Policy.before_attention, ScoredPolicy.take_query
 
-    def own(self, layer, x, position_ids, queries):  # a decode step's own work of a layer, before attention
-        if self.policy.chooses_with_query(layer):
-            projected[id(self.policy), layer] = real_query(self.policy.spec, layer, x, position_ids)[:, :, -1]
-        real_own(self, layer, x, position_ids, queries)
+    def before_attention(self, layer, x, position_ids, queries=None):  # a decode step's layer, its input
+        if self.chooses_with_query(layer):
+            projected[id(self), layer] = real_query(self.spec, layer, x, position_ids)[:, :, -1]
+        real_before(self, layer, x, position_ids, queries)
 
     def take_query(self, layer, query):
         handed.append(torch.equal(query, projected.pop((id(self), layer))))
@@ -356,7 +355,7 @@ def test_a_policy_that_chooses_with_its_query_takes_the_models_own(tiny, policy,
     monkeypatch.setattr(
         spec_type, "query", lambda self, *args: computed.append(args[0]) or real_query(self, *args)
     )
-    monkeypatch.setattr(InfinikvCache, "own", own)
+    monkeypatch.setattr(Policy, "before_attention", before_attention)
     monkeypatch.setattr(ScoredPolicy, "take_query", take_query)
     config = GenerationConfig(max_new_tokens=6, prefill_chunk=64)
     Generator(tiny, policy, budget=0.3, min_tokens=0, dense_layers=0).generate(PROMPTS, config)

@@ -7,8 +7,8 @@ The cache is called three times per layer and step (``hooks.py`` installs what c
    look-ahead, ``policy.plan(i + 1, x, position_ids, queries)`` (layer 0 also plans itself; ``queries``:
    x's projections shared by an engine step's rows, else None), in the order :func:`in_order` picks: layer
    0 and a copier without a worker do the layer's own work first; a CPU worker takes the look-ahead first,
-   so it runs beside the layer's own choice. An engine step plans each layer once for all its rows of one
-   policy class (``Policy.plan_rows``, from ``engine/ragged.py``);
+   so it runs beside the layer's own choice. An engine step hands each policy class a layer's input for all
+   its rows at once (``Policy.before_attention_rows``, ``Policy.plan_rows``, from ``engine/ragged.py``);
 2. ``update`` (called by the attention module after q/k/v and RoPE): prefill chunks go to
    ``policy.prefill``, decode tokens to ``policy.decode``, which returns the K/V the layer attends to;
 3. ``attend``, from the registered attention function: it fits the model's mask to the policy's selection
@@ -134,7 +134,7 @@ class InfinikvCache(PolicyCache):
         policy = self.policy
 
         def own() -> None:
-            self.own(layer, x, position_ids, queries)
+            policy.before_attention(layer, x, position_ids, queries)
 
         def ahead() -> None:
             for target in self.look_ahead_targets(layer):
@@ -149,10 +149,6 @@ class InfinikvCache(PolicyCache):
         if not self.policy.spec.is_sliding(layer):
             self.policy.set_key_valid(None if mask is None else mask[:, 0, -1, :], decode)
         return decode
-
-    def own(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None) -> None:
-        """A decode step's own work of ``layer`` before its attention (``policy.before_attention``)."""
-        self.policy.before_attention(layer, x, position_ids, queries)
 
     def look_ahead_targets(self, layer: int) -> tuple[int, ...]:
         """The layers a decode step plans from ``layer``'s input: the next one, so that its copy overlaps

@@ -59,25 +59,31 @@ class RaggedCache(PolicyCache):
             if row.begin_layer(layer, x[r : r + 1], None if self.spec.is_sliding(layer) else self._real[r])
         ]
 
+        # each policy class takes a layer's own work and its look-ahead for all its rows at once
+        # (Policy.before_attention_rows, Policy.plan_rows)
+        classes: dict[tuple[type, tuple[int, ...]], list[int]] = {}
+        for r in decoding:
+            row = self.rows[r]
+            classes.setdefault((type(row.policy), row.look_ahead_targets(layer)), []).append(r)
+
+        def inputs(rows: list[int]) -> tuple[list, list[Tensor], list[Tensor], list]:
+            return (
+                [self.rows[r].policy for r in rows],
+                [x[r : r + 1] for r in rows],
+                [self._positions[r] for r in rows],
+                [queries.of_row(r) for r in rows],
+            )
+
         def own() -> None:
-            for r in decoding:
-                self.rows[r].own(layer, x[r : r + 1], self._positions[r], queries.of_row(r))
+            for (policy_class, _), rows in classes.items():
+                policies, row_x, positions, row_queries = inputs(rows)
+                policy_class.before_attention_rows(policies, layer, row_x, positions, row_queries)
 
         def ahead() -> None:
-            # each policy class plans a layer for all its rows at once (Policy.plan_rows)
-            classes: dict[tuple[type, tuple[int, ...]], list[int]] = {}
-            for r in decoding:
-                row = self.rows[r]
-                classes.setdefault((type(row.policy), row.look_ahead_targets(layer)), []).append(r)
             for (policy_class, targets), rows in classes.items():
+                policies, row_x, positions, row_queries = inputs(rows)
                 for target in targets:
-                    policy_class.plan_rows(
-                        [self.rows[r].policy for r in rows],
-                        target,
-                        [x[r : r + 1] for r in rows],
-                        [self._positions[r] for r in rows],
-                        [queries.of_row(r) for r in rows],
-                    )
+                    policy_class.plan_rows(policies, target, row_x, positions, row_queries)
 
         if decoding:  # ordered by the first row with a pool (the rows' copiers are of one kind)
             pooled = [self.rows[r].policy for r in decoding if self.rows[r].policy.pool() is not None]

@@ -304,6 +304,20 @@ class Policy:
     ) -> None:
         """``layer``'s own input, before its attention; most policies need nothing here."""
 
+    @classmethod
+    def before_attention_rows(
+        cls,
+        policies: list[Policy],
+        layer: int,
+        x: list[Tensor],
+        position_ids: list[Tensor],
+        queries: list[QueryOf | None],
+    ) -> None:
+        """:meth:`before_attention` for the rows of an engine step whose policies are of this class (as
+        :meth:`plan_rows`): each row alone here."""
+        for policy, row_x, row_positions, row_queries in zip(policies, x, position_ids, queries, strict=True):
+            policy.before_attention(layer, row_x, row_positions, row_queries)
+
     def chooses_with_query(self, layer: int) -> bool:
         """Whether ``layer``'s decode step chooses with the layer's own query: then the cache calls
         :meth:`decode` from the attention function, after :meth:`take_query` hands it the query the model

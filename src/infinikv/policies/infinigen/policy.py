@@ -85,6 +85,7 @@ type. ``stats()`` reports the knob values used and where they came from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -270,21 +271,57 @@ class InfiniGenPolicy(HostPoolPolicy):
     def before_attention(
         self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None
     ) -> None:
-        if layer == 0:  # the cache calls this before anything else of a decode step
+        self._begin_layer(layer)
+        if layer in self.decoding.own_query:
+            self._choose_own(layer, x, position_ids, queries)
+
+    @classmethod
+    def before_attention_rows(
+        cls,
+        policies: list[InfiniGenPolicy],
+        layer: int,
+        x: list[Tensor],
+        position_ids: list[Tensor],
+        queries: list[QueryOf | None],
+    ) -> None:
+        """An own-query layer's choice, for an engine step's sequences: those that choose plainly
+        (:meth:`_chooses_together`) in one product per partial-key form, on the decode thread, the others
+        alone."""
+        for policy in policies:
+            policy._begin_layer(layer)
+        own = [r for r, policy in enumerate(policies) if layer in policy.decoding.own_query]
+        alone, together = cls._groups([policies[r] for r in own], layer, own_query=True)
+        for r in alone:
+            row = own[r]
+            policies[row]._choose_own(layer, x[row], position_ids[row], queries[row])
+        for rows in together:
+            group = [policies[own[r]] for r in rows]
+            for policy in group:  # its look-ahead's rows if one ran (own_query_prefetch)
+                policy.layers[layer].prefetched = policy.take_planned(layer)
+            inputs = [[values[own[r]] for r in rows] for values in (x, position_ids, queries)]
+            fetches = cls._start_fetches_together(group, layer, *inputs, on_demand=True)
+            for policy, fetch in zip(group, fetches, strict=True):
+                policy.hold(layer, fetch)
+
+    def _begin_layer(self, layer: int) -> None:
+        """Count the decode step at its layer 0 (the cache calls it before anything else of a step), and
+        settle the run's plan at the first."""
+        if layer == 0:
             self._step += 1
             if self._step == 1:
                 self.begin_decoding()
-        if layer in self.decoding.own_query:
-            if self.schedule.reads_again(
-                self.layers[layer], self._step
-            ):  # nothing to choose: its copy started ahead (or now)
-                if not self.planned(layer):
-                    with self.host_pool.on_demand():
-                        self._fetch_reused(layer, self._step)
-                return
-            # its look-ahead's rows if one ran (own_query_prefetch): its own choice copies what they missed
-            self.layers[layer].prefetched = self.take_planned(layer)
-            self.fetch_own(layer, x, position_ids, queries)
+
+    def _choose_own(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None) -> None:
+        """An own-query layer's choice by its own input ``x``, on the decode thread, on demand."""
+        if self.schedule.reads_again(self.layers[layer], self._step):
+            # nothing to choose: its copy started ahead (or now)
+            if not self.planned(layer):
+                with self.host_pool.on_demand():
+                    self._fetch_reused(layer, self._step)
+            return
+        # its look-ahead's rows if one ran (own_query_prefetch): its own choice copies what they missed
+        self.layers[layer].prefetched = self.take_planned(layer)
+        self.fetch_own(layer, x, position_ids, queries)
 
     def plan(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None) -> None:
         self._plan_layer(layer, x, position_ids, queries)
@@ -299,34 +336,47 @@ class InfiniGenPolicy(HostPoolPolicy):
         position_ids: list[Tensor],
         queries: list[QueryOf | None],
     ) -> None:
-        """The sequences of an engine step whose rehearsal of ``layer`` is plain (:meth:`_rehearses_together`)
-        and whose partial keys have one form are rehearsed together, in one look-ahead on the worker
-        (``selector.choose_together``); the others, and a form held by one sequence alone, plan alone."""
-        together: dict[tuple, list[int]] = {}
-        for r, policy in enumerate(policies):
-            if policy._rehearses_together(layer):
-                together.setdefault(policy.layers[layer].slots.form(), []).append(r)
-            else:
-                policy._plan_layer(layer, x[r], position_ids[r], queries[r])
-        for rows in together.values():
-            if len(rows) == 1:
-                policies[rows[0]]._plan_layer(layer, x[rows[0]], position_ids[rows[0]], queries[rows[0]])
-                continue
+        """The look-ahead for ``layer``, for an engine step's sequences: those that rehearse it plainly
+        (:meth:`_chooses_together`) in one job on the worker per partial-key form
+        (``selector.choose_together``), the others alone."""
+        alone, together = cls._groups(policies, layer, own_query=False)
+        for r in alone:
+            policies[r]._plan_layer(layer, x[r], position_ids[r], queries[r])
+        for rows in together:
             group = [policies[r] for r in rows]
-            inputs = ([x[r] for r in rows], [position_ids[r] for r in rows], [queries[r] for r in rows])
+            inputs = [[values[r] for r in rows] for values in (x, position_ids, queries)]
             started = group[0].host_pool.ahead(cls._start_fetches_together, group, layer, *inputs)
             for row, policy in enumerate(group):
                 policy.hold_planned(layer, RowOf(started, row))
         for policy in policies:
             policy._plan_next_first(layer)
 
-    def _rehearses_together(self, layer: int) -> bool:
-        """Whether this step's look-ahead for ``layer`` is a plain token rehearsal of one unpadded sequence,
-        which :meth:`plan_rows` may run with other sequences': one layer ahead, at a choosing step, counted by
-        the budget (no alpha counts) over a pool that evicted nothing, in one set of columns, without blocks
-        or an observer."""
+    @staticmethod
+    def _groups(
+        policies: list[InfiniGenPolicy], layer: int, own_query: bool
+    ) -> tuple[list[int], list[list[int]]]:
+        """Which of ``policies`` choose ``layer`` alone, and the groups of two or more that choose it
+        together: those that choose plainly (:meth:`_chooses_together`), by partial-key form."""
+        forms: dict[tuple, list[int]] = {}
+        alone = []
+        for r, policy in enumerate(policies):
+            if policy._chooses_together(layer, own_query):
+                forms.setdefault(policy.layers[layer].slots.form(), []).append(r)
+            else:
+                alone.append(r)
+        alone += [rows[0] for rows in forms.values() if len(rows) == 1]
+        return sorted(alone), [rows for rows in forms.values() if len(rows) > 1]
+
+    def _chooses_together(self, layer: int, own_query: bool) -> bool:
+        """Whether this step's choice for ``layer`` (``own_query``: an own-query layer's, by its own input;
+        else the look-ahead's, one layer ahead) is a plain token rehearsal of one unpadded sequence, which
+        the ``_rows`` class methods may run with other sequences': at a choosing step, counted by the
+        budget (no alpha counts) over a pool that evicted nothing, in one set of columns, without blocks or
+        an observer."""
         plan, state = self.decoding, self.layers[layer]
-        if not (plan is not None and state.managed and layer not in plan.own_query and state.slots.n):
+        if not (
+            plan is not None and state.managed and (layer in plan.own_query) == own_query and state.slots.n
+        ):
             return False
         alpha = plan.row_alphas[layer]
         if not (isinstance(alpha, float) and alpha == math.inf) or plan.row_columns[layer]:
@@ -342,10 +392,12 @@ class InfiniGenPolicy(HostPoolPolicy):
         x: list[Tensor],
         position_ids: list[Tensor],
         queries: list[QueryOf | None],
+        on_demand: bool = False,
     ) -> list[Fetch]:
-        """:meth:`start_fetch` of ``layer`` for each of ``policies`` (sequences :meth:`plan_rows` rehearses
-        together): each chooses what it would alone, in one product over their partial keys; the time it
-        takes counts in equal shares as each sequence's selector time."""
+        """:meth:`start_fetch` of ``layer`` for each of ``policies`` (sequences that choose it together,
+        :meth:`_groups`): each chooses what it would alone, in one product over their partial keys; the time
+        it takes counts in equal shares as each sequence's selector time. ``on_demand``: the copies are an
+        own-query layer's, made now (``KVPool.on_demand``)."""
         start = time.perf_counter()
         rehearsed = [
             policy._rehearsal_query(layer, row_x, row_positions, row_queries)
@@ -365,7 +417,8 @@ class InfiniGenPolicy(HostPoolPolicy):
         for policy, choice, real in zip(policies, choices, real_tokens, strict=True):
             policy.count_selector_time(share)
             index, valid = policy._keep_choice(layer, choice, real, (0,))
-            fetches.append(policy._fetch_chosen(layer, index, valid))
+            with policy.host_pool.on_demand() if on_demand else contextlib.nullcontext():
+                fetches.append(policy._fetch_chosen(layer, index, valid))
         return fetches
 
     def _plan_layer(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None) -> None:
