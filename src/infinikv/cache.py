@@ -164,14 +164,22 @@ class InfinikvCache(PolicyCache):
             if self.policy.chooses_with_query(layer):  # decoded in attend(), with the model's own query
                 self._waiting[layer] = (k, v)
                 return k, v
-            selection = self.policy.decode(layer, k, v)
-            self._selections[layer] = selection
-            return selection.keys, selection.values
+            return self.selected(layer, self.policy.decode(layer, k, v))
         self._selections.pop(layer, None)
         self._waiting.pop(layer, None)
         if self.prefill_log is not None:
             self.prefill_log.append((layer, k, v, self.policy.key_valid))
         return self.policy.prefill(layer, k, v)
+
+    def decodes_in_update(self, layer: int, q_len: int) -> bool:
+        """Whether ``Cache.update`` of ``layer`` with ``q_len`` new tokens is a decode step that the policy
+        decodes there (``policy.decode``; not one that waits for the layer's query)."""
+        return self._is_decode(layer, q_len) and not self.policy.chooses_with_query(layer)
+
+    def selected(self, layer: int, selection: Selection) -> tuple[Tensor, Tensor]:
+        """Keep the policy's decode ``selection`` of ``layer`` for ``attend``; the K/V it attends to."""
+        self._selections[layer] = selection
+        return selection.keys, selection.values
 
     def seq_length(self, layer: int) -> int:
         return self.policy.seq_length(layer)

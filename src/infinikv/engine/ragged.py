@@ -90,9 +90,23 @@ class RaggedCache(PolicyCache):
             in_order((pooled or [self.rows[decoding[0]].policy])[0], layer, own, ahead)
 
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self._selected[layer] = [
-            row.store_and_select(layer, k[r : r + 1], v[r : r + 1]) for r, row in enumerate(self.rows)
-        ]
+        # the rows a policy decodes here, a policy class's at once (Policy.decode_rows); the others (those
+        # that wait for the layer's query) through their own cache
+        selected: dict[int, tuple[Tensor, Tensor]] = {}
+        classes: dict[type, list[int]] = {}
+        for r, row in enumerate(self.rows):
+            if row.decodes_in_update(layer, k.shape[2]):
+                classes.setdefault(type(row.policy), []).append(r)
+            else:
+                selected[r] = row.store_and_select(layer, k[r : r + 1], v[r : r + 1])
+        for policy_class, rows in classes.items():
+            policies = [self.rows[r].policy for r in rows]
+            row_k, row_v = [k[r : r + 1] for r in rows], [v[r : r + 1] for r in rows]
+            for r, selection in zip(
+                rows, policy_class.decode_rows(policies, layer, row_k, row_v), strict=True
+            ):
+                selected[r] = self.rows[r].selected(layer, selection)
+        self._selected[layer] = [selected[r] for r in range(len(self.rows))]
         return k, v  # the rows' own K/V reach attend() through _selected
 
     def attend(

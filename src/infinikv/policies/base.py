@@ -331,6 +331,14 @@ class Policy:
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
         raise NotImplementedError
 
+    @classmethod
+    def decode_rows(
+        cls, policies: list[Policy], layer: int, k_new: list[Tensor], v_new: list[Tensor]
+    ) -> list[Selection]:
+        """:meth:`decode` for the rows of an engine step whose policies are of this class (as
+        :meth:`plan_rows`): each row alone here."""
+        return [policy.decode(layer, k, v) for policy, k, v in zip(policies, k_new, v_new, strict=True)]
+
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
     ) -> Tensor:

@@ -645,12 +645,57 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     # -- decode: attend and store ----------------------------------------------------------------------------
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
+        return self._decode(layer, k_new, v_new, None)
+
+    @classmethod
+    def decode_rows(
+        cls, policies: list[InfiniGenPolicy], layer: int, k_new: list[Tensor], v_new: list[Tensor]
+    ) -> list[Selection]:
+        """:meth:`decode` for an engine step's sequences; the partial keys of the new tokens of those whose
+        layer stores them with one projection are taken in one product (:meth:`_partial_keys_together`)."""
+        partial_keys = cls._partial_keys_together(policies, layer, k_new)
+        return [
+            policy._decode(layer, k, v, partial)
+            for policy, k, v, partial in zip(policies, k_new, v_new, partial_keys, strict=True)
+        ]
+
+    @staticmethod
+    def _partial_keys_together(
+        policies: list[InfiniGenPolicy], layer: int, k_new: list[Tensor]
+    ) -> list[tuple[Tensor, Tensor | None] | None]:
+        """Per sequence, :meth:`_partial_keys` of its new token ``k_new`` where two or more of them project
+        ``layer``'s keys with equal projections into the same storage (else None: it takes its own). The
+        product and the per-token scales are row by row those each takes alone."""
+        given: list[tuple[Tensor, Tensor | None] | None] = [None] * len(policies)
+        kinds: dict[tuple, list[int]] = {}
+        for r, policy in enumerate(policies):
+            projection = policy.layers[layer].projection
+            if policy.managed(layer) and projection is not None:
+                kinds.setdefault((projection.shape, projection.dtype, policy._bits), []).append(r)
+        for rows in kinds.values():
+            first = policies[rows[0]].layers[layer].projection
+            same = [r for r in rows if torch.equal(policies[r].layers[layer].projection, first)]
+            if len(same) < 2:
+                continue
+            partial, scale = quantize(
+                torch.matmul(torch.cat([k_new[r] for r in same]), first), policies[same[0]]._bits
+            )
+            for i, r in enumerate(same):
+                stored = policies[r].layers[layer].in_store(partial[i : i + 1])
+                given[r] = (stored, None if scale is None else scale[i : i + 1])
+        return given
+
+    def _decode(
+        self, layer: int, k_new: Tensor, v_new: Tensor, partial_keys: tuple[Tensor, Tensor | None] | None
+    ) -> Selection:
+        """:meth:`decode`; ``partial_keys``: the new token's (its partial keys and scale, as
+        :meth:`_partial_keys` gives them), taken with other sequences', or None."""
         fetch = self.take_fetch(layer)
         positions, valid = fetch.positions, fetch.valid
         keys, values = fetch.transfer.wait()  # the selected rows plus a spare last slot for the new token
         keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
         position = self.layers[layer].seen
-        self._store(layer, k_new, v_new, position)
+        self._store(layer, k_new, v_new, position, partial_keys)
         self.layers[layer].seen = position + 1
         attended = positions.shape[2] if valid is None else valid.sum(dim=-1).float().mean()
         self.record_attended(layer, attended + 1)
@@ -659,10 +704,17 @@ class InfiniGenPolicy(HostPoolPolicy):
             valid = torch.cat([valid, torch.ones_like(valid[:, :, :1])], dim=2)
         return Selection(keys, values, torch.cat([positions, newest], dim=2), valid)
 
-    def _store(self, layer: int, k: Tensor, v: Tensor, position: int) -> None:
+    def _store(
+        self,
+        layer: int,
+        k: Tensor,
+        v: Tensor,
+        position: int,
+        partial_keys: tuple[Tensor, Tensor | None] | None,
+    ) -> None:
         state = self.layers[layer]
         slots = state.slots
-        partial, scale = self._partial_keys(layer, k)
+        partial, scale = self._partial_keys(layer, k) if partial_keys is None else partial_keys
         if slots.n < self.limit(layer, position + 1):
             self.host_pool.append(layer, k, v)
             slots.store(position, partial, self._step, scale)
