@@ -9,7 +9,10 @@ rules and in the same order. Their inputs come from the batched projections, whi
 values differently from a one-row pass (on a CPU, a 576-wide linear layer over eight rows does); the tests
 hold each row's greedy tokens to its tokens alone. A look-ahead that projects its input to a layer's
 query (InfiniGen's rehearsal) gets its row of one projection of every row (``spec.SharedQueries``), so
-the layer's query weights are read once a step, not once per row.
+the layer's query weights are read once a step, not once per row. A layer's own work, look-ahead and
+decode reach each policy class once for all its rows (``Policy.before_attention_rows``, ``plan_rows``,
+``decode_rows``): a class may take its rows together where each still gets what it gets alone (InfiniGen
+scores them in one product); a row whose layer waits for its query decodes through its own cache.
 
 The model's own decode mask spans the longest row; it is not used. A row needs no mask on a full-attention
 layer (it attends to what its policy selected) and its own window on a sliding layer, built here.
@@ -21,6 +24,7 @@ import torch
 
 from ..cache import InfinikvCache, PolicyLayer, in_order
 from ..hooks import PolicyCache
+from ..policies import Policy, StepRows
 from ..spec import ModelSpec, SharedQueries
 
 Tensor = torch.Tensor
@@ -66,24 +70,24 @@ class RaggedCache(PolicyCache):
             row = self.rows[r]
             classes.setdefault((type(row.policy), row.look_ahead_targets(layer)), []).append(r)
 
-        def inputs(rows: list[int]) -> tuple[list, list[Tensor], list[Tensor], list]:
-            return (
-                [self.rows[r].policy for r in rows],
+        def inputs(rows: list[int]) -> tuple[list[Policy], StepRows]:
+            step_rows = StepRows(
                 [x[r : r + 1] for r in rows],
                 [self._positions[r] for r in rows],
                 [queries.of_row(r) for r in rows],
             )
+            return [self.rows[r].policy for r in rows], step_rows
 
         def own() -> None:
             for (policy_class, _), rows in classes.items():
-                policies, row_x, positions, row_queries = inputs(rows)
-                policy_class.before_attention_rows(policies, layer, row_x, positions, row_queries)
+                policies, step_rows = inputs(rows)
+                policy_class.before_attention_rows(policies, layer, step_rows)
 
         def ahead() -> None:
             for (policy_class, targets), rows in classes.items():
-                policies, row_x, positions, row_queries = inputs(rows)
+                policies, step_rows = inputs(rows)
                 for target in targets:
-                    policy_class.plan_rows(policies, target, row_x, positions, row_queries)
+                    policy_class.plan_rows(policies, target, step_rows)
 
         if decoding:  # ordered by the first row with a pool (the rows' copiers are of one kind)
             pooled = [self.rows[r].policy for r in decoding if self.rows[r].policy.pool() is not None]

@@ -5,7 +5,7 @@ other distributions declare in the ``infinikv.policies`` entry-point group (``re
 """
 
 from ..spec import ModelSpec
-from .base import HostPoolPolicy, Policy, ScoredPolicy, Selection, pick_top, resolve_budget
+from .base import HostPoolPolicy, Policy, ScoredPolicy, Selection, StepRows, pick_top, resolve_budget
 from .config import PolicyConfig, knob
 from .registry import (
     POLICIES,
@@ -55,6 +55,7 @@ __all__ = [
     "QuestPolicy",
     "ScoredPolicy",
     "Selection",
+    "StepRows",
     "StreamingConfig",
     "StreamingPolicy",
     "knob",

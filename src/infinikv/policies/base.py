@@ -19,6 +19,11 @@ A policy owns the KV cache of one generation run. The cache (``infinikv.cache``)
 * ``attend(layer, q, k, v, mask, scaling)``, the attention itself (SDPA unless the policy needs the
   attention weights, as H2O does).
 
+An engine step (``engine/ragged.py``) runs many sequences, each with its own policy instance, and hands a
+policy class all its rows of a layer at once: ``plan_rows``, ``before_attention_rows`` and ``decode_rows``
+(class methods; by default each row alone). A class may do its rows' work together in fewer, larger
+operations, as long as each row gets what it gets alone (InfiniGen does).
+
 :class:`HostPoolPolicy` is the base of every policy whose KV lives in the host pool: it owns the pool, the
 prompt storage and the prefetch bookkeeping, so a policy only says what to copy (``start_fetch``) and what
 to attend to. :class:`ScoredPolicy` goes further for a policy that chooses tokens: it says only how it
@@ -285,19 +290,12 @@ class Policy:
         """Look-ahead for ``layer`` (prefetching policies only): decide what it reads and start the copy."""
 
     @classmethod
-    def plan_rows(
-        cls,
-        policies: list[Policy],
-        layer: int,
-        x: list[Tensor],
-        position_ids: list[Tensor],
-        queries: list[QueryOf | None],
-    ) -> None:
-        """:meth:`plan` for the rows of an engine step whose policies are of this class, each with its own
-        input, positions and queries (``engine/ragged.py``). Each row plans alone here; a class may plan them
-        together, in fewer and larger operations, as long as each row reads what it would read alone."""
-        for policy, row_x, row_positions, row_queries in zip(policies, x, position_ids, queries, strict=True):
-            policy.plan(layer, row_x, row_positions, row_queries)
+    def plan_rows(cls, policies: list[Policy], layer: int, rows: StepRows) -> None:
+        """:meth:`plan` for the rows of an engine step whose policies are of this class
+        (``engine/ragged.py``). Each row plans alone here; a class may plan them together, in fewer and
+        larger operations, as long as each row reads what it would read alone."""
+        for r, policy in enumerate(policies):
+            policy.plan(layer, *rows.of(r))
 
     def before_attention(
         self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None
@@ -305,18 +303,11 @@ class Policy:
         """``layer``'s own input, before its attention; most policies need nothing here."""
 
     @classmethod
-    def before_attention_rows(
-        cls,
-        policies: list[Policy],
-        layer: int,
-        x: list[Tensor],
-        position_ids: list[Tensor],
-        queries: list[QueryOf | None],
-    ) -> None:
+    def before_attention_rows(cls, policies: list[Policy], layer: int, rows: StepRows) -> None:
         """:meth:`before_attention` for the rows of an engine step whose policies are of this class (as
         :meth:`plan_rows`): each row alone here."""
-        for policy, row_x, row_positions, row_queries in zip(policies, x, position_ids, queries, strict=True):
-            policy.before_attention(layer, row_x, row_positions, row_queries)
+        for r, policy in enumerate(policies):
+            policy.before_attention(layer, *rows.of(r))
 
     def chooses_with_query(self, layer: int) -> bool:
         """Whether ``layer``'s decode step chooses with the layer's own query: then the cache calls
@@ -427,6 +418,24 @@ class Policy:
         if self.key_valid is None:
             return torch.ones(batch, n_past, dtype=torch.bool, device=self.device)
         return self.key_valid[:, :n_past].to(self.device)
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """A layer's input for rows of an engine step (``Policy.plan_rows`` and ``before_attention_rows``), in
+    the order of their policies: each row's normalised input [1, 1, hidden], its positions and its queries
+    of the step's shared projections (``spec.SharedQueries``)."""
+
+    x: list[Tensor]
+    position_ids: list[Tensor]
+    queries: list[QueryOf | None]
+
+    def of(self, row: int) -> tuple[Tensor, Tensor, QueryOf | None]:
+        return self.x[row], self.position_ids[row], self.queries[row]
+
+    def pick(self, rows: list[int]) -> StepRows:
+        """These rows' inputs, in the order of ``rows``."""
+        return StepRows(*([values[r] for r in rows] for values in (self.x, self.position_ids, self.queries)))
 
 
 class RowOf:

@@ -98,7 +98,7 @@ import torch
 
 from ...errors import PolicyError
 from ...spec import ModelSpec, QueryOf
-from ..base import HostPoolPolicy, RowOf, Selection
+from ..base import HostPoolPolicy, RowOf, Selection, StepRows
 from ..registry import register
 from . import skewfile
 from .calibration import ensure_skew
@@ -276,14 +276,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             self._choose_own(layer, x, position_ids, queries)
 
     @classmethod
-    def before_attention_rows(
-        cls,
-        policies: list[InfiniGenPolicy],
-        layer: int,
-        x: list[Tensor],
-        position_ids: list[Tensor],
-        queries: list[QueryOf | None],
-    ) -> None:
+    def before_attention_rows(cls, policies: list[InfiniGenPolicy], layer: int, rows: StepRows) -> None:
         """An own-query layer's choice, for an engine step's sequences: those that choose plainly
         (:meth:`_chooses_together`) in one product per partial-key form, on the decode thread, the others
         alone."""
@@ -292,14 +285,13 @@ class InfiniGenPolicy(HostPoolPolicy):
         own = [r for r, policy in enumerate(policies) if layer in policy.decoding.own_query]
         alone, together = cls._groups([policies[r] for r in own], layer, own_query=True)
         for r in alone:
-            row = own[r]
-            policies[row]._choose_own(layer, x[row], position_ids[row], queries[row])
-        for rows in together:
-            group = [policies[own[r]] for r in rows]
+            policies[own[r]]._choose_own(layer, *rows.of(own[r]))
+        for members in together:
+            group = [policies[own[r]] for r in members]
             for policy in group:  # its look-ahead's rows if one ran (own_query_prefetch)
                 policy.layers[layer].prefetched = policy.take_planned(layer)
-            inputs = [[values[own[r]] for r in rows] for values in (x, position_ids, queries)]
-            fetches = cls._start_fetches_together(group, layer, *inputs, on_demand=True)
+            picked = rows.pick([own[r] for r in members])
+            fetches = cls._start_fetches_together(group, layer, picked, on_demand=True)
             for policy, fetch in zip(group, fetches, strict=True):
                 policy.hold(layer, fetch)
 
@@ -328,24 +320,16 @@ class InfiniGenPolicy(HostPoolPolicy):
         self._plan_next_first(layer)
 
     @classmethod
-    def plan_rows(
-        cls,
-        policies: list[InfiniGenPolicy],
-        layer: int,
-        x: list[Tensor],
-        position_ids: list[Tensor],
-        queries: list[QueryOf | None],
-    ) -> None:
+    def plan_rows(cls, policies: list[InfiniGenPolicy], layer: int, rows: StepRows) -> None:
         """The look-ahead for ``layer``, for an engine step's sequences: those that rehearse it plainly
         (:meth:`_chooses_together`) in one job on the worker per partial-key form
         (``selector.choose_together``), the others alone."""
         alone, together = cls._groups(policies, layer, own_query=False)
         for r in alone:
-            policies[r]._plan_layer(layer, x[r], position_ids[r], queries[r])
-        for rows in together:
-            group = [policies[r] for r in rows]
-            inputs = [[values[r] for r in rows] for values in (x, position_ids, queries)]
-            started = group[0].host_pool.ahead(cls._start_fetches_together, group, layer, *inputs)
+            policies[r]._plan_layer(layer, *rows.of(r))
+        for members in together:
+            group = [policies[r] for r in members]
+            started = group[0].host_pool.ahead(cls._start_fetches_together, group, layer, rows.pick(members))
             for row, policy in enumerate(group):
                 policy.hold_planned(layer, RowOf(started, row))
         for policy in policies:
@@ -387,24 +371,14 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     @staticmethod
     def _start_fetches_together(
-        policies: list[InfiniGenPolicy],
-        layer: int,
-        x: list[Tensor],
-        position_ids: list[Tensor],
-        queries: list[QueryOf | None],
-        on_demand: bool = False,
+        policies: list[InfiniGenPolicy], layer: int, rows: StepRows, on_demand: bool = False
     ) -> list[Fetch]:
         """:meth:`start_fetch` of ``layer`` for each of ``policies`` (sequences that choose it together,
         :meth:`_groups`): each chooses what it would alone, in one product over their partial keys; the time
         it takes counts in equal shares as each sequence's selector time. ``on_demand``: the copies are an
         own-query layer's, made now (``KVPool.on_demand``)."""
         start = time.perf_counter()
-        rehearsed = [
-            policy._rehearsal_query(layer, row_x, row_positions, row_queries)
-            for policy, row_x, row_positions, row_queries in zip(
-                policies, x, position_ids, queries, strict=True
-            )
-        ]
+        rehearsed = [policy._rehearsal_query(layer, *rows.of(r)) for r, policy in enumerate(policies)]
         real_tokens = [policy._real_tokens(policy.layers[layer]) for policy in policies]
         budgets = [
             policy.schedule.choice_budget(real[0])[0]
