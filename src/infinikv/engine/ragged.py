@@ -70,22 +70,24 @@ class RaggedCache(PolicyCache):
             row = self.rows[r]
             classes.setdefault((type(row.policy), row.look_ahead_targets(layer)), []).append(r)
 
-        def inputs(rows: list[int]) -> tuple[list[Policy], StepRows]:
-            step_rows = StepRows(
-                [x[r : r + 1] for r in rows],
-                [self._positions[r] for r in rows],
-                [queries.of_row(r) for r in rows],
+        inputs: dict[tuple[type, tuple[int, ...]], tuple[list[Policy], StepRows]] = {
+            key: (
+                [self.rows[r].policy for r in rows],
+                StepRows(
+                    [x[r : r + 1] for r in rows],
+                    [self._positions[r] for r in rows],
+                    [queries.of_row(r) for r in rows],
+                ),
             )
-            return [self.rows[r].policy for r in rows], step_rows
+            for key, rows in classes.items()
+        }
 
         def own() -> None:
-            for (policy_class, _), rows in classes.items():
-                policies, step_rows = inputs(rows)
+            for (policy_class, _), (policies, step_rows) in inputs.items():
                 policy_class.before_attention_rows(policies, layer, step_rows)
 
         def ahead() -> None:
-            for (policy_class, targets), rows in classes.items():
-                policies, step_rows = inputs(rows)
+            for (policy_class, targets), (policies, step_rows) in inputs.items():
                 for target in targets:
                     policy_class.plan_rows(policies, target, step_rows)
 
