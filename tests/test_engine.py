@@ -393,3 +393,21 @@ def test_a_step_that_brings_two_stop_strings_cuts_at_the_earliest():
     for token in (1, 2):
         seq.advance(token, set(), lambda ids, **_: texts[len(ids)])
     assert seq.finish == "stop" and seq.text == "x"
+
+
+def test_a_preempted_prompt_is_counted_once_by_the_prefix_cache(tiny):
+    """A preempted sequence reads its prompt again (from the blocks it cached, or by prefilling); the
+    prefix cache's hit and miss counters, and the request's own hits, count each prompt token once."""
+    document = ids(tiny, "copper river lantern " * 4)
+    prompts = [document + ids(tiny, "First?"), document + ids(tiny, "And the second one?")]
+    new = 40
+    per_block = block_bytes(tiny.spec, next(tiny.model.parameters()).dtype, BLOCK)
+    admitted = sum(-(-(len(p) + 1) // BLOCK) for p in prompts)
+    config = EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=(admitted + 1) * per_block)
+    engine = Engine(tiny, config)
+    sampling = GenerationConfig(max_new_tokens=new)
+    results = run(engine, [(p, make_config("dense"), sampling) for p in prompts], join_at=[0, 2])
+    assert sum(result.stats["preemptions"] for result in results) >= 1
+    stats = engine.stats()
+    assert stats["prefix_hit_tokens"] + stats["prefix_miss_tokens"] == sum(map(len, prompts))
+    assert stats["prefix_hit_tokens"] == sum(result.stats["prefix_hit_tokens"] for result in results)

@@ -299,6 +299,32 @@ def test_a_knob_past_what_it_can_take_is_refused_before_any_work(server, knob, v
     assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
+class _DroppingTokenizer:
+    """The served tokenizer, but a prompt of only zero-width spaces tokenizes to no ids (as text that a
+    tokenizer's normaliser removes entirely does)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, text, **kwargs):
+        return {"input_ids": []} if not text.replace("\u200b", "") else self.tokenizer(text, **kwargs)
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "static"])
+def test_a_prompt_of_no_tokens_is_a_400(model, scheduler):
+    settings = ServerSettings(max_batch=8, max_queue=16, scheduler=scheduler)
+    with serving(model, settings=settings) as (url, app):
+        state = app.state.infinikv
+        state.tokenizer = _DroppingTokenizer(state.tokenizer)
+        response = _post(url, "/v1/completions", {"prompt": "\u200b\u200b", "max_tokens": 2})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"] == "the prompt has no tokens once tokenized"
+        assert _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 def test_bad_knob_names_its_parameter(server):
     response = _post(server[0], "/v1/completions", {"prompt": "hi", "kv_policy": "quest", "kv_alpha": 3})
     assert response.json()["error"]["param"] == "kv_alpha"

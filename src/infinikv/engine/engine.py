@@ -405,8 +405,9 @@ class Engine:
         seq.driver.restore(calls, state, seq.prefilled + restored)
         seq.prefill_s += now(device) - start
         seq.prefilled, seq.digest = seq.prefilled + restored, found[-1].digest
-        seq.prefix_hit_tokens += restored
-        self.prefixes.hit_tokens += restored
+        if not seq.preemptions:  # a prompt read again after a preemption is counted once
+            seq.prefix_hit_tokens += restored
+            self.prefixes.hit_tokens += restored
         if seq.prefilled == len(seq.prompt):
             self._prompt_read(seq, on_device(found[-1].logits, device), outputs)
 
@@ -421,7 +422,7 @@ class Engine:
         logits, calls = seq.driver.extend(ids, record=record)
         seq.prefill_s += now(self.loaded.device) - start
         seq.prefilled = end
-        if self.prefixes is not None:
+        if self.prefixes is not None and not seq.preemptions:  # counted once, as in _restore
             self.prefixes.miss_tokens += end - begin
         block = self.config.block_tokens
         if record:

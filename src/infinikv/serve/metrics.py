@@ -53,7 +53,7 @@ class ServerMetrics:
         )
         self.prefix_tokens = Counter(
             "infinikv_prefix_cache_tokens",
-            "Prompt tokens found in the prefix cache (hit) and prefilled (miss)",
+            "Prompt tokens found in the prefix cache (hit) and prefilled (miss), each prompt once",
             ["result"],
             registry=registry,
         )

@@ -27,15 +27,18 @@ REQUEST_FIELDS = {
 
 
 def prompt_ids(tokenizer: Any, prompt: str, param: str) -> list[int]:
-    """The prompt's token ids; 400 for an empty prompt or one that is not valid UTF-8 (``param``: the field
-    the prompt came from)."""
+    """The prompt's token ids; 400 for an empty prompt, one that is not valid UTF-8 or one the tokenizer
+    makes no tokens of (``param``: the field the prompt came from)."""
     if not prompt.strip():
         raise ApiError("the prompt is empty", param=param)
     try:
         check_text("the prompt" if param == "prompt" else "a message", prompt)
     except InputError as exc:
         raise ApiError(str(exc), param=param) from None
-    return tokenizer(prompt)["input_ids"]
+    ids = tokenizer(prompt)["input_ids"]
+    if not ids:  # text the tokenizer drops entirely (e.g. only characters its normaliser removes)
+        raise ApiError("the prompt has no tokens once tokenized", param=param)
+    return ids
 
 
 def sampling_config(
