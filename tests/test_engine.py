@@ -360,7 +360,7 @@ def test_infinigen_rows_of_a_step_are_rehearsed_together_and_choose_as_alone(tin
     """An engine step's InfiniGen rows look ahead together (``InfiniGenPolicy.plan_rows``): a layer's
     rehearsal scores the rows of one form in one product, and each row still gets its tokens alone, whatever
     joins beside it and however long its prompt."""
-    from infinikv.policies.infinigen import policy as infinigen
+    from infinikv.policies.infinigen import together as infinigen
 
     together: Counter = Counter()
     choose_together = infinigen.choose_together

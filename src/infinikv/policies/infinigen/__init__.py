@@ -3,6 +3,7 @@
 Each module imports only those listed after it:
 
 * ``policy.py``: the policy (rehearsal of the next layer, selection, prefetch, host-pool capacity);
+* ``together.py``: an engine step's sequences that choose a layer together, each as it would alone;
 * ``plan.py``: what the first decode step settles, in one immutable ``DecodePlan`` (each sequence's
   columns and count rule, each layer's alpha, the own-query layers);
 * ``schedule.py``: when layers choose and what they read between choices (``select_every``,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,39 @@ class DecodePlan:
     # agrees, else [batch, 1, 1] float32; and the (rows, columns) of the sequences that score with fewer
     row_alphas: tuple[float | Tensor | None, ...]
     row_columns: tuple[RowColumns, ...]
+
+    def report(self, dense_layers: int, num_layers: int) -> dict[str, Any]:
+        """What the plan settled, as ``InfiniGenPolicy.stats`` reports it (``dense_layers``: the config's
+        first layers that choose by their own query)."""
+        out: dict[str, Any] = {}
+        alphas = self.alphas
+        if any(alphas):
+            sources = dict.fromkeys(alpha[1] for alpha in alphas if alpha is not None)
+            out.update(
+                # per layer, None for the layers that load their full KV or their window
+                alpha_used=[None if alpha is None else alpha[0] for alpha in alphas],
+                alpha_source="; ".join(sources),
+            )
+        out.update(
+            # the later layers (the knob's), and every layer whose copy waits on its own query
+            own_query_layers_used=sorted(layer for layer in self.own_query if layer >= dense_layers),
+            own_query_source=self.own_query_source,
+            layers_by_own_query=sorted(self.own_query),
+        )
+        if self.ratios:
+            out.update(
+                # per sequence of the batch (by its prompt length)
+                partial_ratio_used=[ratio for ratio, _ in self.ratios],
+                partial_ratio_source="; ".join(dict.fromkeys(source for _, source in self.ratios)),
+                # per sequence: "alpha", or "budget (why)" where the calibrated alphas do not hold
+                count_rule_used=[rule for _, rule in self.count_rules],
+            )
+        if any(self.layer_ratios):
+            # per sequence, per layer: its allocated ratio (None where the layer takes the uniform one)
+            out["partial_ratio_by_layer"] = [
+                [allocated.get(layer) for layer in range(num_layers)] for allocated in self.layer_ratios
+            ]
+        return out
 
 
 def own_query_layers(

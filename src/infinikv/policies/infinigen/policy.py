@@ -85,12 +85,9 @@ type. ``stats()`` reports the knob values used and where they came from.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import math
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -100,7 +97,7 @@ from ...errors import PolicyError
 from ...spec import ModelSpec, QueryOf
 from ..base import HostPoolPolicy, RowOf, Selection, StepRows
 from ..registry import register
-from . import skewfile
+from . import skewfile, together
 from .calibration import ensure_skew
 from .config import PAPER_ALPHA, PAPER_PARTIAL_RATIO, PARTIAL_KEYS, InfiniGenConfig
 from .eviction import eviction_keys, pool_limit
@@ -109,7 +106,7 @@ from .layer import LayerState
 from .plan import DecodePlan, layer_alpha, own_query_layers, settle
 from .rehearsal import Rehearsal, quantize
 from .schedule import Schedule
-from .selector import Choice, Selector, choose_together
+from .selector import Choice, Selector
 from .skewfile import Skew
 from .slots import SlotTable
 
@@ -159,7 +156,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         self.decoding: DecodePlan | None = None
         # how the partial keys are stored and their bits, settled with the first prompt chunk's dtype
         self._stored_keys = config.partial_keys
-        self._bits = PARTIAL_KEYS[config.partial_keys]
+        self.key_bits = PARTIAL_KEYS[config.partial_keys]
         # columns allocated per layer, per calibration window (empty: uniform), set with the first partial
         # keys
         self._allocations: dict[int, dict[int, float]] | None = None
@@ -203,6 +200,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             raise PolicyError("infinigen: a prompt chunk after decoding started is not supported")
         start, count = self.layers[layer].seen, k.shape[2]
         pos = torch.arange(start, start + count, device=k.device).expand(k.shape[0], k.shape[1], -1)
+        self._settle_projection(layer, k)
         partial, scale = self._partial_keys(layer, k)
         self.layers[layer].slots.append(pos, partial, 0, scale)
         self.layers[layer].seen = start + count
@@ -216,29 +214,34 @@ class InfiniGenPolicy(HostPoolPolicy):
         """The partial skewed keys of ``k`` [batch, kv_heads, tokens, k'] in the columns the store keeps, and
         their per-token scales [batch, kv_heads, tokens, 1] (None: not quantized). The scale is taken over
         the widest calibrated columns, whatever the batch keeps, so a row's integers are those it gets
-        alone."""
+        alone. The layer's projection is settled by its first prompt chunk (:meth:`_settle_projection`)."""
         state = self.layers[layer]
         if not state.managed:
             return None, None
+        partial, scale = quantize(torch.matmul(k, state.projection), self.key_bits)
+        return state.in_store(partial), scale
+
+    def _settle_projection(self, layer: int, k: Tensor) -> None:
+        """At a managed layer's first prompt chunk: its projection to the widest calibrated columns the
+        device budget holds (with the storage, at the first layer's)."""
+        state = self.layers[layer]
+        if not state.managed or state.projection is not None:
+            return
         if self._cap is None:
             self._settle_storage(k.element_size())
-        if state.projection is None:
-            skew = self.skew()
-            if self._allocations is None:
-                self._allocations = self.config.allocations(skew, self._cap)
-            widest = self.config.widest_ratio(skew, self._cap, layer, self._allocations)
-            projection = skew.projection(layer, widest, self.config.skew)
-            state.projection = projection.to(k.device, k.dtype)
-        partial, scale = quantize(torch.matmul(k, state.projection), self._bits)
-        return state.in_store(partial), scale
+        skew = self.skew()
+        if self._allocations is None:
+            self._allocations = self.config.allocations(skew, self._cap)
+        widest = self.config.widest_ratio(skew, self._cap, layer, self._allocations)
+        state.projection = skew.projection(layer, widest, self.config.skew).to(k.device, k.dtype)
 
     def _settle_storage(self, element_size: int) -> None:
         """At the first prompt chunk: how the partial keys are stored (``InfiniGenConfig.stored_keys``;
         4-bit ones two to a byte) and the most columns the device budget holds in that form."""
         self._stored_keys = self.config.stored_keys(self.skew(), self.spec, element_size)
-        self._bits = PARTIAL_KEYS[self._stored_keys]
+        self.key_bits = PARTIAL_KEYS[self._stored_keys]
         for state in self.layers:
-            state.slots.packed = self._bits == 4
+            state.slots.packed = self.key_bits == 4
         storage = dataclasses.replace(self.config, partial_keys=self._stored_keys)
         self._cap = (storage.column_cap(self.spec, element_size), self.spec.head_dim)
 
@@ -278,20 +281,19 @@ class InfiniGenPolicy(HostPoolPolicy):
     @classmethod
     def before_attention_rows(cls, policies: list[InfiniGenPolicy], layer: int, rows: StepRows) -> None:
         """An own-query layer's choice, for an engine step's sequences: those that choose plainly
-        (:meth:`_chooses_together`) in one product per partial-key form, on the decode thread, the others
-        alone."""
+        (``together.py``) in one product per partial-key form, on the decode thread, the others alone."""
         for policy in policies:
             policy._begin_layer(layer)
         own = [r for r, policy in enumerate(policies) if layer in policy.decoding.own_query]
-        alone, together = cls._groups([policies[r] for r in own], layer, own_query=True)
+        alone, grouped = together.groups([policies[r] for r in own], layer, own_query=True)
         for r in alone:
             policies[own[r]]._choose_own(layer, *rows.of(own[r]))
-        for members in together:
+        for members in grouped:
             group = [policies[own[r]] for r in members]
             for policy in group:  # its look-ahead's rows if one ran (own_query_prefetch)
                 policy.layers[layer].prefetched = policy.take_planned(layer)
             picked = rows.pick([own[r] for r in members])
-            fetches = cls._start_fetches_together(group, layer, picked, on_demand=True)
+            fetches = together.start_fetches_together(group, layer, picked, on_demand=True)
             for policy, fetch in zip(group, fetches, strict=True):
                 policy.hold(layer, fetch)
 
@@ -322,78 +324,18 @@ class InfiniGenPolicy(HostPoolPolicy):
     @classmethod
     def plan_rows(cls, policies: list[InfiniGenPolicy], layer: int, rows: StepRows) -> None:
         """The look-ahead for ``layer``, for an engine step's sequences: those that rehearse it plainly
-        (:meth:`_chooses_together`) in one job on the worker per partial-key form
-        (``selector.choose_together``), the others alone."""
-        alone, together = cls._groups(policies, layer, own_query=False)
+        (``together.py``) in one job on the worker per partial-key form, the others alone."""
+        alone, grouped = together.groups(policies, layer, own_query=False)
         for r in alone:
             policies[r]._plan_layer(layer, *rows.of(r))
-        for members in together:
+        for members in grouped:
             group = [policies[r] for r in members]
-            started = group[0].host_pool.ahead(cls._start_fetches_together, group, layer, rows.pick(members))
+            choose = together.start_fetches_together
+            started = group[0].host_pool.ahead(choose, group, layer, rows.pick(members))
             for row, policy in enumerate(group):
                 policy.hold_planned(layer, RowOf(started, row))
         for policy in policies:
             policy._plan_next_first(layer)
-
-    @staticmethod
-    def _groups(
-        policies: list[InfiniGenPolicy], layer: int, own_query: bool
-    ) -> tuple[list[int], list[list[int]]]:
-        """Which of ``policies`` choose ``layer`` alone, and the groups of two or more that choose it
-        together: those that choose plainly (:meth:`_chooses_together`), by partial-key form."""
-        forms: dict[tuple, list[int]] = {}
-        alone = []
-        for r, policy in enumerate(policies):
-            if policy._chooses_together(layer, own_query):
-                forms.setdefault(policy.layers[layer].slots.form(), []).append(r)
-            else:
-                alone.append(r)
-        alone += [rows[0] for rows in forms.values() if len(rows) == 1]
-        return sorted(alone), [rows for rows in forms.values() if len(rows) > 1]
-
-    def _chooses_together(self, layer: int, own_query: bool) -> bool:
-        """Whether this step's choice for ``layer`` (``own_query``: an own-query layer's, by its own input;
-        else the look-ahead's, one layer ahead) is a plain token rehearsal of one unpadded sequence, which
-        the ``_rows`` class methods may run with other sequences': at a choosing step, counted by the
-        budget (no alpha counts) over a pool that evicted nothing, in one set of columns, without blocks or
-        an observer."""
-        plan, state = self.decoding, self.layers[layer]
-        if not (
-            plan is not None and state.managed and (layer in plan.own_query) == own_query and state.slots.n
-        ):
-            return False
-        alpha = plan.row_alphas[layer]
-        if not (isinstance(alpha, float) and alpha == math.inf) or plan.row_columns[layer]:
-            return False
-        if self.padded or state.slots.pos.shape[0] != 1 or self.observer is not None:
-            return False
-        return not (self.schedule.follows or self.config.block_size or state.slots.n != state.seen)
-
-    @staticmethod
-    def _start_fetches_together(
-        policies: list[InfiniGenPolicy], layer: int, rows: StepRows, on_demand: bool = False
-    ) -> list[Fetch]:
-        """:meth:`start_fetch` of ``layer`` for each of ``policies`` (sequences that choose it together,
-        :meth:`_groups`): each chooses what it would alone, in one product over their partial keys; the time
-        it takes counts in equal shares as each sequence's selector time. ``on_demand``: the copies are an
-        own-query layer's, made now (``KVPool.on_demand``)."""
-        start = time.perf_counter()
-        rehearsed = [policy._rehearsal_query(layer, *rows.of(r)) for r, policy in enumerate(policies)]
-        real_tokens = [policy._real_tokens(policy.layers[layer]) for policy in policies]
-        budgets = [
-            policy.schedule.choice_budget(real[0])[0]
-            for policy, real in zip(policies, real_tokens, strict=True)
-        ]
-        widths = [min(real[0], budget) for real, budget in zip(real_tokens, budgets, strict=True)]
-        choices = choose_together([policy.selector for policy in policies], layer, rehearsed, widths)
-        share = (time.perf_counter() - start) / len(policies)
-        fetches = []
-        for policy, choice, real in zip(policies, choices, real_tokens, strict=True):
-            policy.count_selector_time(share)
-            index, valid = policy._keep_choice(layer, choice, real, (0,))
-            with policy.host_pool.on_demand() if on_demand else contextlib.nullcontext():
-                fetches.append(policy._fetch_chosen(layer, index, valid))
-        return fetches
 
     def _plan_layer(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None) -> None:
         """This step's look-ahead for ``layer`` alone: a read again, a choice one layer ahead, or an
@@ -426,7 +368,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         index, valid = self.schedule.with_newest(state)
         state.chosen, state.chosen_valid = index, valid
         self._count_bytes(layer, index)
-        self._count_use(layer, index, step)
+        state.slots.count_use(index, step)
         self._count_offload(layer)
         widths = torch.full((), float(index.shape[2])) if valid is None else valid.sum(dim=-1).float().mean()
         state.selected.append(widths)
@@ -453,9 +395,9 @@ class InfiniGenPolicy(HostPoolPolicy):
             index = slots.view("pos").topk(min(window - 1, slots.n), dim=-1).indices
         else:
             index = None
-        return self._fetch_chosen(layer, index, valid)
+        return self.fetch_chosen(layer, index, valid)
 
-    def _fetch_chosen(self, layer: int, index: Tensor | None, valid: Tensor | None) -> Fetch:
+    def fetch_chosen(self, layer: int, index: Tensor | None, valid: Tensor | None) -> Fetch:
         """Start copying ``layer``'s slots ``index`` (None: every slot) from the pool and count them
         (``valid``: which of them each row attends to; None: all)."""
         state = self.layers[layer]
@@ -466,7 +408,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         else:
             transfer, copied = self.host_pool.fetch(layer, index, extra=1), index
         self._count_bytes(layer, copied)
-        self._count_use(layer, index, self._step)
+        state.slots.count_use(index, self._step)
         if index is not None and self.schedule.keeps_choice(state, layer in self.decoding.own_query):
             state.chosen, state.chosen_valid = index, valid  # what the next step prefetches or reads again
         self._count_offload(layer)
@@ -493,20 +435,6 @@ class InfiniGenPolicy(HostPoolPolicy):
         with self.counting:
             self._decode_h2d += self._row_bytes(layer) * rows
 
-    def _count_use(self, layer: int, index: Tensor | None, step: int) -> None:
-        """For eviction, each slot ``layer`` reads at decode step ``step`` (``index``; None: every slot): its
-        fetch count and last use. A narrower row's padding repeats a slot it reads. Nothing to count where
-        the pool never evicts by them (``SlotTable.tracks_use``)."""
-        slots = self.layers[layer].slots
-        if not slots.tracks_use:
-            return
-        if index is None:
-            slots.view("fetches").add_(1)
-            slots.view("last").fill_(step)
-            return
-        slots.fetches.scatter_add_(2, index, torch.ones_like(index))
-        slots.last.scatter_(2, index, torch.full_like(index, step))
-
     def _count_offload(self, layer: int) -> None:
         """What full offload would move for ``layer`` this step: every slot seen, K and V."""
         state = self.layers[layer]
@@ -526,7 +454,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if self.decoding is not None:
             return
         stored = [layer for layer, state in enumerate(self.layers) if state.seen]
-        real_tokens = self._real_tokens(self.layers[stored[0]]) if stored else []
+        real_tokens = self.seen_real_tokens(self.layers[stored[0]]) if stored else []
         storage = (self._stored_keys, self._cap, self._allocations)
         self.decoding = settle(self.config, self.spec, self.skew(), self.layers, real_tokens, storage)
         for layer, state in enumerate(self.layers):
@@ -545,16 +473,16 @@ class InfiniGenPolicy(HostPoolPolicy):
         shown to the observer."""
         state = self.layers[layer]
         with self.selecting():
-            query = self._rehearsal_query(layer, x, position_ids, queries)
-            real_tokens = self._real_tokens(state)
+            query = self.rehearsal_query(layer, x, position_ids, queries)
+            real_tokens = self.seen_real_tokens(state)
             budgets, follows = zip(*(self.schedule.choice_budget(n) for n in real_tokens), strict=True)
             slot_scores = self.observer is not None or self.schedule.follows  # both read scores by slot
             choice = self.selector.choose(
                 layer, query, self.decoding, real_tokens, budgets, self.spec.group_size, slot_scores
             )
-        return self._keep_choice(layer, choice, real_tokens, follows)
+        return self.keep_choice(layer, choice, real_tokens, follows)
 
-    def _keep_choice(
+    def keep_choice(
         self, layer: int, choice: Choice, real_tokens: list[int], follows: tuple[int, ...]
     ) -> tuple[Tensor, Tensor | None]:
         """``choice``'s slots and which of them each row attends to, once its statistics are kept, what the
@@ -588,9 +516,7 @@ class InfiniGenPolicy(HostPoolPolicy):
             )
         return index, valid
 
-    def _rehearsal_query(
-        self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None
-    ) -> Tensor:
+    def rehearsal_query(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None) -> Tensor:
         """``layer``'s partial query [batch, kv_heads, group, k] from the look-ahead input ``x`` (its query
         from ``queries`` where given), times the attention scale."""
         spec = self.spec
@@ -608,7 +534,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         state = self.layers[layer]
         return state.in_store(torch.matmul(query, state.projection.to(query.dtype)))
 
-    def _real_tokens(self, state: LayerState) -> list[int]:
+    def seen_real_tokens(self, state: LayerState) -> list[int]:
         """Real (not left padding) tokens each sequence has seen on a layer: its budget's context."""
         return self.real_tokens(state.seen, state.slots.pos.shape[0])
 
@@ -626,38 +552,12 @@ class InfiniGenPolicy(HostPoolPolicy):
         cls, policies: list[InfiniGenPolicy], layer: int, k_new: list[Tensor], v_new: list[Tensor]
     ) -> list[Selection]:
         """:meth:`decode` for an engine step's sequences; the partial keys of the new tokens of those whose
-        layer stores them with one projection are taken in one product (:meth:`_partial_keys_together`)."""
-        partial_keys = cls._partial_keys_together(policies, layer, k_new)
+        layer stores them with one projection are taken in one product (``together.py``)."""
+        partial_keys = together.partial_keys_together(policies, layer, k_new)
         return [
             policy._decode(layer, k, v, partial)
             for policy, k, v, partial in zip(policies, k_new, v_new, partial_keys, strict=True)
         ]
-
-    @staticmethod
-    def _partial_keys_together(
-        policies: list[InfiniGenPolicy], layer: int, k_new: list[Tensor]
-    ) -> list[tuple[Tensor, Tensor | None] | None]:
-        """Per sequence, :meth:`_partial_keys` of its new token ``k_new`` where two or more of them project
-        ``layer``'s keys with equal projections into the same storage (else None: it takes its own). The
-        product and the per-token scales are row by row those each takes alone."""
-        given: list[tuple[Tensor, Tensor | None] | None] = [None] * len(policies)
-        kinds: dict[tuple, list[int]] = {}
-        for r, policy in enumerate(policies):
-            projection = policy.layers[layer].projection
-            if policy.managed(layer) and projection is not None:
-                kinds.setdefault((projection.shape, projection.dtype, policy._bits), []).append(r)
-        for rows in kinds.values():
-            first = policies[rows[0]].layers[layer].projection
-            same = [r for r in rows if torch.equal(policies[r].layers[layer].projection, first)]
-            if len(same) < 2:
-                continue
-            partial, scale = quantize(
-                torch.matmul(torch.cat([k_new[r] for r in same]), first), policies[same[0]]._bits
-            )
-            for i, r in enumerate(same):
-                stored = policies[r].layers[layer].in_store(partial[i : i + 1])
-                given[r] = (stored, None if scale is None else scale[i : i + 1])
-        return given
 
     def _decode(
         self, layer: int, k_new: Tensor, v_new: Tensor, partial_keys: tuple[Tensor, Tensor | None] | None
@@ -736,36 +636,6 @@ class InfiniGenPolicy(HostPoolPolicy):
             partial_keys_stored=self._stored_keys,
             skew_source=None if self._skew is None else f"{self._skew.source} ({self._skew.tokens} tokens)",
         )
-        plan = self.decoding
-        if plan is None:  # no decode step yet: nothing settled
-            return out
-        alphas = plan.alphas
-        if any(alphas):
-            sources = dict.fromkeys(alpha[1] for alpha in alphas if alpha is not None)
-            out.update(
-                # per layer, None for the layers that load their full KV or their window
-                alpha_used=[None if alpha is None else alpha[0] for alpha in alphas],
-                alpha_source="; ".join(sources),
-            )
-        first = self.config.dense_layers
-        out.update(
-            # the later layers (the knob's), and every layer whose copy waits on its own query
-            own_query_layers_used=sorted(layer for layer in plan.own_query if layer >= first),
-            own_query_source=plan.own_query_source,
-            layers_by_own_query=sorted(plan.own_query),
-        )
-        if plan.ratios:
-            out.update(
-                # per sequence of the batch (by its prompt length)
-                partial_ratio_used=[ratio for ratio, _ in plan.ratios],
-                partial_ratio_source="; ".join(dict.fromkeys(source for _, source in plan.ratios)),
-                # per sequence: "alpha", or "budget (why)" where the calibrated alphas do not hold
-                count_rule_used=[rule for _, rule in plan.count_rules],
-            )
-        if any(plan.layer_ratios):
-            # per sequence, per layer: its allocated ratio (None where the layer takes the uniform one)
-            out["partial_ratio_by_layer"] = [
-                [allocated.get(layer) for layer in range(self.spec.num_layers)]
-                for allocated in plan.layer_ratios
-            ]
+        if self.decoding is not None:  # else no decode step yet: nothing settled
+            out.update(self.decoding.report(self.config.dense_layers, self.spec.num_layers))
         return out

@@ -161,6 +161,19 @@ class SlotTable:
         self.n = index.shape[2]
         self.bounds = None  # slots moved: the bounds are taken again
 
+    def count_use(self, index: Tensor | None, step: int) -> None:
+        """For eviction, each slot read at decode step ``step`` (``index``; None: every slot): its fetch
+        count and last use. A narrower row's padding repeats a slot it reads. Nothing to count where the
+        pool never evicts by them (``tracks_use``)."""
+        if not self.tracks_use:
+            return
+        if index is None:
+            self.view("fetches").add_(1)
+            self.view("last").fill_(step)
+            return
+        self.fetches.scatter_add_(2, index, torch.ones_like(index))
+        self.last.scatter_(2, index, torch.full_like(index, step))
+
     def form(self) -> tuple:
         """How the partial keys are stored (their columns, 4-bit packing, dtype, scales): tables of one form
         are scored in one product (``selector.choose_together``)."""

@@ -1,0 +1,110 @@
+"""An engine step's InfiniGen sequences that choose a layer together (the ``_rows`` class methods of
+``InfiniGenPolicy``).
+
+Each sequence of an engine step has its own policy instance. Where several of them choose a layer the
+plain way (:func:`chooses_together`: counted by the budget, over a pool that evicted nothing, in one set
+of columns, without blocks or an observer, at a choosing step), and their partial keys have one form
+(``SlotTable.form``), their rehearsals are scored in one product and picked in one pass
+(``selector.choose_together``), bit for bit what each sequence's own product gives; each then keeps its
+choice and starts its own copy as it does alone. The new tokens' partial keys of sequences with equal
+projections are projected and quantised in one product too (:func:`partial_keys_together`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..base import StepRows
+from .fetches import Fetch
+from .rehearsal import quantize
+from .selector import choose_together
+
+if TYPE_CHECKING:
+    from .policy import InfiniGenPolicy
+
+Tensor = torch.Tensor
+
+
+def chooses_together(policy: InfiniGenPolicy, layer: int, own_query: bool) -> bool:
+    """Whether ``policy``'s choice for ``layer`` at this step (``own_query``: an own-query layer's, by its
+    own input; else the look-ahead's, one layer ahead) is a plain token rehearsal of one unpadded
+    sequence, which it may make with other sequences (module docstring)."""
+    plan, state = policy.decoding, policy.layers[layer]
+    if not (plan is not None and state.managed and (layer in plan.own_query) == own_query and state.slots.n):
+        return False
+    alpha = plan.row_alphas[layer]
+    if not (isinstance(alpha, float) and alpha == math.inf) or plan.row_columns[layer]:
+        return False
+    if policy.padded or state.slots.pos.shape[0] != 1 or policy.observer is not None:
+        return False
+    return not (policy.schedule.follows or policy.config.block_size or state.slots.n != state.seen)
+
+
+def groups(policies: list[InfiniGenPolicy], layer: int, own_query: bool) -> tuple[list[int], list[list[int]]]:
+    """Which of ``policies`` choose ``layer`` alone, and the groups of two or more that choose it together:
+    those that choose plainly (:func:`chooses_together`), by partial-key form."""
+    forms: dict[tuple, list[int]] = {}
+    alone = []
+    for r, policy in enumerate(policies):
+        if chooses_together(policy, layer, own_query):
+            forms.setdefault(policy.layers[layer].slots.form(), []).append(r)
+        else:
+            alone.append(r)
+    alone += [rows[0] for rows in forms.values() if len(rows) == 1]
+    return sorted(alone), [rows for rows in forms.values() if len(rows) > 1]
+
+
+def start_fetches_together(
+    policies: list[InfiniGenPolicy], layer: int, rows: StepRows, on_demand: bool = False
+) -> list[Fetch]:
+    """``InfiniGenPolicy.start_fetch`` of ``layer`` for each of ``policies`` (a group of :func:`groups`):
+    each chooses what it would alone, in one product over their partial keys; the time it takes counts in
+    equal shares as each sequence's selector time. ``on_demand``: the copies are an own-query layer's, made
+    now (``KVPool.on_demand``)."""
+    start = time.perf_counter()
+    rehearsed = [policy.rehearsal_query(layer, *rows.of(r)) for r, policy in enumerate(policies)]
+    real_tokens = [policy.seen_real_tokens(policy.layers[layer]) for policy in policies]
+    budgets = [
+        policy.schedule.choice_budget(real[0])[0] for policy, real in zip(policies, real_tokens, strict=True)
+    ]
+    widths = [min(real[0], budget) for real, budget in zip(real_tokens, budgets, strict=True)]
+    choices = choose_together([policy.selector for policy in policies], layer, rehearsed, widths)
+    share = (time.perf_counter() - start) / len(policies)
+    fetches = []
+    for policy, choice, real in zip(policies, choices, real_tokens, strict=True):
+        policy.count_selector_time(share)
+        index, valid = policy.keep_choice(layer, choice, real, (0,))
+        with policy.host_pool.on_demand() if on_demand else contextlib.nullcontext():
+            fetches.append(policy.fetch_chosen(layer, index, valid))
+    return fetches
+
+
+def partial_keys_together(
+    policies: list[InfiniGenPolicy], layer: int, k_new: list[Tensor]
+) -> list[tuple[Tensor, Tensor | None] | None]:
+    """Per sequence, the partial keys and scale of its new token ``k_new`` where two or more of them
+    project ``layer``'s keys with equal projections into the same storage (else None: it takes its own).
+    The product and the per-token scales are row by row those each takes alone."""
+    given: list[tuple[Tensor, Tensor | None] | None] = [None] * len(policies)
+    kinds: dict[tuple, list[int]] = {}
+    for r, policy in enumerate(policies):
+        projection = policy.layers[layer].projection
+        if policy.managed(layer) and projection is not None:
+            kinds.setdefault((projection.shape, projection.dtype, policy.key_bits), []).append(r)
+    for rows in kinds.values():
+        first = policies[rows[0]].layers[layer].projection
+        same = [r for r in rows if torch.equal(policies[r].layers[layer].projection, first)]
+        if len(same) < 2:
+            continue
+        partial, scale = quantize(
+            torch.matmul(torch.cat([k_new[r] for r in same]), first), policies[same[0]].key_bits
+        )
+        for i, r in enumerate(same):
+            stored = policies[r].layers[layer].in_store(partial[i : i + 1])
+            given[r] = (stored, None if scale is None else scale[i : i + 1])
+    return given
