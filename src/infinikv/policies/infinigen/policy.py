@@ -233,7 +233,7 @@ class InfiniGenPolicy(HostPoolPolicy):
         if self._allocations is None:
             self._allocations = self.config.allocations(skew, self._cap)
         widest = self.config.widest_ratio(skew, self._cap, layer, self._allocations)
-        state.projection = skew.projection(layer, widest, self.config.skew).to(k.device, k.dtype)
+        state.projection = skew.projection(layer, widest, self.config.skew, k.device, k.dtype)
 
     def _settle_storage(self, element_size: int) -> None:
         """At the first prompt chunk: how the partial keys are stored (``InfiniGenConfig.stored_keys``;

@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -189,6 +189,8 @@ class Skew:
     scores: Tensor  # [layers, kv_heads, d]: Σ|Q̃| + Σ|K̃| per skewed column
     identity_scores: Tensor  # [layers, kv_heads, d]: Σ|Q| + Σ|K| per original column (skew=False)
     tuned: Tuned | None = None  # calibrated knobs (``calibration.tune``); None: none of this version
+    # projections made so far, by (layer, ratio, skewed, device, dtype): see ``projection``
+    _projections: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def columns(self, layer: int, ratio: float, skewed: bool = True) -> Tensor:
         """Indices [kv_heads, k] of the partial columns, k = ⌈ratio·d⌉ (paper's rule, top-k of the scores)."""
@@ -196,12 +198,27 @@ class Skew:
         k = max(1, math.ceil(round(ratio * scores.shape[-1], 6)))  # a ratio of c/d gives c columns
         return scores.topk(k, dim=-1).indices.sort(dim=-1).values
 
-    def projection(self, layer: int, ratio: float, skewed: bool = True) -> Tensor:
-        """[kv_heads, d, k]: post-RoPE q or k (d) times this gives the partial skewed columns (k)."""
-        cols = self.columns(layer, ratio, skewed)
-        kv_heads, d = cols.shape[0], self.matrices.shape[-1]
-        basis = self.matrices[layer] if skewed else torch.eye(d).expand(kv_heads, d, d)
-        return torch.gather(basis, 2, cols[:, None, :].expand(-1, d, -1))
+    def projection(
+        self,
+        layer: int,
+        ratio: float,
+        skewed: bool = True,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """[kv_heads, d, k]: post-RoPE q or k (d) times this gives the partial skewed columns (k); on
+        ``device`` in ``dtype`` where given (else float32 on the CPU). Made once per argument set and shared
+        by every caller (read-only), so the sequences of an engine step that project with one calibration
+        hold one tensor (``together.partial_keys_together``)."""
+        key = (layer, ratio, skewed, device, dtype)
+        made = self._projections.get(key)
+        if made is None:
+            cols = self.columns(layer, ratio, skewed)
+            kv_heads, d = cols.shape[0], self.matrices.shape[-1]
+            basis = self.matrices[layer] if skewed else torch.eye(d).expand(kv_heads, d, d)
+            made = torch.gather(basis, 2, cols[:, None, :].expand(-1, d, -1)).to(device=device, dtype=dtype)
+            self._projections[key] = made
+        return made
 
     def check(self, spec: ModelSpec) -> None:
         """Raise SkewError unless this calibration was made for the weights and shape of ``spec``."""
@@ -299,6 +316,24 @@ def read_skew(path: str | Path, spec: ModelSpec | None = None) -> Skew:
     return skew
 
 
+# calibrations read by cached_skew, by path, with the file's (inode, size, mtime) when read
+_READ: dict[Path, tuple[tuple[int, int, int], Skew]] = {}
+
+
+def _read_once(path: Path, spec: ModelSpec) -> Skew:
+    """``read_skew(path, spec)``, read (and its checksum verified) once while the file is unchanged: every
+    sequence of a server shares one calibration and its projections."""
+    info = path.stat()
+    stamp = (info.st_ino, info.st_size, info.st_mtime_ns)
+    known = _READ.get(path)
+    if known is not None and known[0] == stamp:
+        known[1].check(spec)
+        return known[1]
+    skew = read_skew(path, spec)
+    _READ[path] = (stamp, skew)
+    return skew
+
+
 def cached_skew(spec: ModelSpec) -> Skew | None:
     """The most recently written calibration for ``spec``'s weights, or None. A damaged file is set aside
     (renamed ``*.damaged``) with one line saying so, and the next one, or None, is returned."""
@@ -307,7 +342,7 @@ def cached_skew(spec: ModelSpec) -> Skew | None:
     files = sorted(skew_dir().glob(f"{spec.weights_id[:16]}-*.safetensors"), key=lambda p: p.stat().st_mtime)
     for path in reversed(files):
         try:
-            return read_skew(path, spec)
+            return _read_once(path, spec)
         except SkewDamaged as exc:
             print(f"infinikv: {exc}; setting it aside, calibration will run again", file=sys.stderr)
             with cache_errors(f"cannot set aside the damaged skew file {path.name}"):

@@ -6,8 +6,8 @@ plain way (:func:`chooses_together`: counted by the budget, over a pool that evi
 of columns, without blocks or an observer, at a choosing step), and their partial keys have one form
 (``SlotTable.form``), their rehearsals are scored in one product and picked in one pass
 (``selector.choose_together``), bit for bit what each sequence's own product gives; each then keeps its
-choice and starts its own copy as it does alone. The new tokens' partial keys of sequences with equal
-projections are projected and quantised in one product too (:func:`partial_keys_together`).
+choice and starts its own copy as it does alone. The new tokens' partial keys of sequences with one
+projection are projected and quantised in one product too (:func:`partial_keys_together`).
 """
 
 from __future__ import annotations
@@ -88,23 +88,22 @@ def partial_keys_together(
     policies: list[InfiniGenPolicy], layer: int, k_new: list[Tensor]
 ) -> list[tuple[Tensor, Tensor | None] | None]:
     """Per sequence, the partial keys and scale of its new token ``k_new`` where two or more of them
-    project ``layer``'s keys with equal projections into the same storage (else None: it takes its own).
-    The product and the per-token scales are row by row those each takes alone."""
+    project ``layer``'s keys with one projection tensor into the same storage (else None: it takes its
+    own). The product and the per-token scales are row by row those each takes alone."""
     given: list[tuple[Tensor, Tensor | None] | None] = [None] * len(policies)
     kinds: dict[tuple, list[int]] = {}
     for r, policy in enumerate(policies):
         projection = policy.layers[layer].projection
-        if policy.managed(layer) and projection is not None:
-            kinds.setdefault((projection.shape, projection.dtype, policy.key_bits), []).append(r)
+        if policy.managed(layer) and projection is not None:  # one calibration: one tensor (Skew.projection)
+            kinds.setdefault((id(projection), policy.key_bits), []).append(r)
     for rows in kinds.values():
-        first = policies[rows[0]].layers[layer].projection
-        same = [r for r in rows if torch.equal(policies[r].layers[layer].projection, first)]
-        if len(same) < 2:
+        if len(rows) < 2:
             continue
+        projection = policies[rows[0]].layers[layer].projection
         partial, scale = quantize(
-            torch.matmul(torch.cat([k_new[r] for r in same]), first), policies[same[0]].key_bits
+            torch.matmul(torch.cat([k_new[r] for r in rows]), projection), policies[rows[0]].key_bits
         )
-        for i, r in enumerate(same):
+        for i, r in enumerate(rows):
             stored = policies[r].layers[layer].in_store(partial[i : i + 1])
             given[r] = (stored, None if scale is None else scale[i : i + 1])
     return given
