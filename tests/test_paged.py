@@ -86,6 +86,32 @@ def test_pools_drawing_from_one_bounded_store_reuse_each_others_blocks():
     second.close()
 
 
+def test_new_tokens_of_pools_sharing_a_store_are_written_together_as_each_alone():
+    """``KVPool.append_rows`` (an engine step's rows): each pool ends as if it had appended its own token,
+    across block boundaries, with its own length and counted bytes; a pool of its own store is written
+    apart from the others."""
+    store = BlockStore(block_tokens=4, blocks=32)
+    pools = [KVPool(2, torch.device("cpu"), overlap="none") for _ in range(3)]
+    for pool in pools[:2]:
+        pool.draw_from(store)
+    expected_k, expected_v = [], []
+    for length, pool in zip((3, 5, 2), pools, strict=True):
+        k, v = torch.randn(1, 2, length, 4), torch.randn(1, 2, length, 4)
+        pool.append(0, k, v)
+        expected_k.append(k)
+        expected_v.append(v)
+    for _ in range(6):  # the first two pools cross block boundaries at different steps
+        new_k = [torch.randn(1, 2, 1, 4) for _ in pools]
+        new_v = [torch.randn(1, 2, 1, 4) for _ in pools]
+        before = [pool.counters.bytes_d2h for pool in pools]
+        KVPool.append_rows(pools, 0, new_k, new_v)
+        for r, pool in enumerate(pools):
+            expected_k[r] = torch.cat([expected_k[r], new_k[r]], dim=2)
+            expected_v[r] = torch.cat([expected_v[r], new_v[r]], dim=2)
+            assert torch.equal(pool.keys(0), expected_k[r]) and torch.equal(pool.values(0), expected_v[r])
+            assert pool.counters.bytes_d2h - before[r] == 2 * new_k[r].numel() * 4
+
+
 def test_a_shared_block_is_adopted_without_a_copy_and_copied_before_a_slot_of_it_is_overwritten():
     """The prefix cache's way: one pool lends its blocks, another adopts them (the replayed appends write
     nothing), and an overwrite in the adopter copies the block first, leaving the lender's tokens as they

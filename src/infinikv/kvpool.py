@@ -312,6 +312,31 @@ class KVPool:
             part.length = n + q
 
     @staticmethod
+    def append_rows(pools: list[KVPool], layer: int, k: list[Tensor], v: list[Tensor]) -> None:
+        """``pools[r].append(layer, k[r], v[r])``, one new token each ([rows, kv_heads, 1, head_dim]): the
+        tokens of pools that share an arena (those of an engine step, which draw from one store) in one copy
+        per part."""
+        for name, new in (("keys", k), ("values", v)):
+            by_arena: dict[int, list[tuple[KVPool, _Part, Tensor]]] = {}
+            for pool, token in zip(pools, new, strict=True):
+                part = pool._part(layer, name, token)
+                part.cover(part.length + 1, pool._reserve_tokens)
+                if part.adopted > part.length:  # an adopted block holds it already
+                    part.length += 1
+                    continue
+                by_arena.setdefault(id(part.arena), []).append((pool, part, token))
+            for writes in by_arena.values():
+                arena = writes[0][1].arena
+                rows = torch.cat(
+                    [part.slot_rows(arena.device)[:, :, part.length].reshape(-1) for _, part, _ in writes]
+                )
+                tokens = torch.cat([token for _, _, token in writes])
+                _scatter(arena, rows, tokens.reshape(rows.shape[0], -1))
+                for pool, part, token in writes:
+                    part.length += 1
+                    pool.counters.bytes_d2h += token.numel() * token.element_size()
+
+    @staticmethod
     def _write(part: _Part, start: int, new: Tensor) -> None:
         """``new`` [rows, heads, q, width] into slots start..start+q-1 of every row: a decode step's one
         token in one copy of every row's, a prompt chunk in a copy per block."""

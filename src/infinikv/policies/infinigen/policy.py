@@ -186,6 +186,11 @@ class InfiniGenPolicy(HostPoolPolicy):
         """Most tokens the pool may hold for ``layer`` after ``seen`` tokens (``eviction.pool_limit``)."""
         return pool_limit(self.config.capacity, self.spec.sliding_window[layer], seen)
 
+    def appends(self, layer: int) -> bool:
+        """Whether ``layer``'s next token takes a new slot of the pool (else it overwrites one: eviction)."""
+        state = self.layers[layer]
+        return state.slots.n < self.limit(layer, state.seen + 1)
+
     def _eviction_keys(self, layer: int) -> Tensor:
         """``layer``'s slots in the order they are overwritten (``eviction.eviction_keys``)."""
         rule = "fifo" if self.spec.is_sliding(layer) else self.config.eviction
@@ -554,22 +559,31 @@ class InfiniGenPolicy(HostPoolPolicy):
         """:meth:`decode` for an engine step's sequences; the partial keys of the new tokens of those whose
         layer stores them with one projection are taken in one product (``together.py``)."""
         partial_keys = together.partial_keys_together(policies, layer, k_new)
+        stored = together.store_together(policies, layer, k_new, v_new)
         return [
-            policy._decode(layer, k, v, partial)
-            for policy, k, v, partial in zip(policies, k_new, v_new, partial_keys, strict=True)
+            policy._decode(layer, k, v, partial, in_pool)
+            for policy, k, v, partial, in_pool in zip(
+                policies, k_new, v_new, partial_keys, stored, strict=True
+            )
         ]
 
     def _decode(
-        self, layer: int, k_new: Tensor, v_new: Tensor, partial_keys: tuple[Tensor, Tensor | None] | None
+        self,
+        layer: int,
+        k_new: Tensor,
+        v_new: Tensor,
+        partial_keys: tuple[Tensor, Tensor | None] | None,
+        in_pool: bool = False,
     ) -> Selection:
         """:meth:`decode`; ``partial_keys``: the new token's (its partial keys and scale, as
-        :meth:`_partial_keys` gives them), taken with other sequences', or None."""
+        :meth:`_partial_keys` gives them), taken with other sequences', or None; ``in_pool``: its K/V are in
+        the pool already (written with other sequences')."""
         fetch = self.take_fetch(layer)
         positions, valid = fetch.positions, fetch.valid
         keys, values = fetch.transfer.wait()  # the selected rows plus a spare last slot for the new token
         keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
         position = self.layers[layer].seen
-        self._store(layer, k_new, v_new, position, partial_keys)
+        self._store(layer, k_new, v_new, position, partial_keys, in_pool)
         self.layers[layer].seen = position + 1
         attended = positions.shape[2] if valid is None else valid.sum(dim=-1).float().mean()
         self.record_attended(layer, attended + 1)
@@ -585,12 +599,14 @@ class InfiniGenPolicy(HostPoolPolicy):
         v: Tensor,
         position: int,
         partial_keys: tuple[Tensor, Tensor | None] | None,
+        in_pool: bool,
     ) -> None:
         state = self.layers[layer]
         slots = state.slots
         partial, scale = self._partial_keys(layer, k) if partial_keys is None else partial_keys
-        if slots.n < self.limit(layer, position + 1):
-            self.host_pool.append(layer, k, v)
+        if self.appends(layer):
+            if not in_pool:
+                self.host_pool.append(layer, k, v)
             slots.store(position, partial, self._step, scale)
             if self.schedule.follows:
                 state.newest = torch.full_like(k[:, :, :, 0], slots.n - 1, dtype=torch.long)

@@ -7,7 +7,8 @@ of columns, without blocks or an observer, at a choosing step), and their partia
 (``SlotTable.form``), their rehearsals are scored in one product and picked in one pass
 (``selector.choose_together``), bit for bit what each sequence's own product gives; each then keeps its
 choice and starts its own copy as it does alone. The new tokens' partial keys of sequences with one
-projection are projected and quantised in one product too (:func:`partial_keys_together`).
+projection are projected and quantised in one product too (:func:`partial_keys_together`), and their K/V
+written to the pool in one copy (:func:`store_together`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...kvpool import KVPool
 from ..base import StepRows
 from .fetches import Fetch
 from .rehearsal import quantize
@@ -107,3 +109,18 @@ def partial_keys_together(
             stored = policies[r].layers[layer].in_store(partial[i : i + 1])
             given[r] = (stored, None if scale is None else scale[i : i + 1])
     return given
+
+
+def store_together(
+    policies: list[InfiniGenPolicy], layer: int, k_new: list[Tensor], v_new: list[Tensor]
+) -> list[bool]:
+    """Per sequence, whether its new token's K/V went into its pool here: those of the sequences whose
+    layer takes a new slot for it (no eviction), two or more, in one copy per part
+    (``KVPool.append_rows``). The slots each one's tokens take are those it takes alone."""
+    rows = [r for r, policy in enumerate(policies) if policy.appends(layer)]
+    if len(rows) < 2:
+        return [False] * len(policies)
+    pools = [policies[r].host_pool for r in rows]
+    KVPool.append_rows(pools, layer, [k_new[r] for r in rows], [v_new[r] for r in rows])
+    stored = set(rows)
+    return [r in stored for r in range(len(policies))]
