@@ -36,6 +36,7 @@ from transformers.cache_utils import Cache
 
 from .cache import InfinikvCache
 from .clock import now
+from .invariant import install, rows_alone
 from .models import LoadedModel
 
 Tensor = torch.Tensor
@@ -341,4 +342,6 @@ def decode_rows(
     No mask is passed: each row's cache masks its own attention. ``compile``: :func:`decode_call`."""
     device = loaded.device
     input_ids, position_ids = tokens.reshape(-1, 1).to(device), positions.reshape(-1, 1).to(device)
-    return decode_call(loaded, compile)(input_ids=input_ids, position_ids=position_ids, cache=cache)
+    install(loaded.model)
+    with rows_alone():  # each row's projections as alone, whatever the other rows (invariant.py)
+        return decode_call(loaded, compile)(input_ids=input_ids, position_ids=position_ids, cache=cache)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from .invariant import rows_alone
+
 Tensor = torch.Tensor
 
 # layer -> a row's post-RoPE query of that layer [1, heads, 1, d] from the input a look-ahead was handed
@@ -98,7 +100,8 @@ class SharedQueries:
             with self._projecting:
                 query = self._projected.get(layer)
                 if query is None:
-                    query = self._spec.query(layer, self._x, self._position_ids)
+                    with rows_alone():  # each row's as alone (invariant.py), as the step's own projections
+                        query = self._spec.query(layer, self._x, self._position_ids)
                     self._projected[layer] = query
         return query[row : row + 1]
 

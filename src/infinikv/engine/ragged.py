@@ -5,14 +5,14 @@ position) and MLPs are one batched computation. Attention is per sequence: :clas
 each row's normalised input, new K/V and query to that sequence's own ``InfinikvCache``, which asks its
 policy as it would with the sequence alone, and stacks the rows' outputs. No row is padded to another's
 length, and a row's selection, its copies and its attention follow its own sequence alone, by the same
-rules and in the same order. Their inputs come from the batched projections, which may round a row's
-values differently from a one-row pass (on a CPU, a 576-wide linear layer over eight rows does); the tests
-hold each row's greedy tokens to its tokens alone. A look-ahead that projects its input to a layer's
-query (InfiniGen's rehearsal) gets its row of one projection of every row (``spec.SharedQueries``), so
-the layer's query weights are read once a step, not once per row. A layer's own work, look-ahead and
-decode reach each policy class once for all its rows (``Policy.before_attention_rows``, ``plan_rows``,
-``decode_rows``): a class may take its rows together where each still gets what it gets alone (InfiniGen
-scores them in one product); a row whose layer waits for its query decodes through its own cache.
+rules and in the same order. Their inputs come from the batched projections, which give each row what a
+one-row pass gives, bit for bit (``invariant.rows_alone``, inside ``forward.decode_rows``). A look-ahead
+that projects its input to a layer's query (InfiniGen's rehearsal) gets its row of one projection of
+every row (``spec.SharedQueries``), so the layer's query weights are read once a step, not once per row.
+A layer's own work, look-ahead and decode reach each policy class once for all its rows
+(``Policy.before_attention_rows``, ``plan_rows``, ``decode_rows``): a class may take its rows together
+where each still gets what it gets alone (InfiniGen scores them in one product); a row whose layer waits
+for its query decodes through its own cache.
 
 The model's own decode mask spans the longest row; it is not used. A row needs no mask on a full-attention
 layer (it attends to what its policy selected) and its own window on a sliding layer, built here.

@@ -1,0 +1,117 @@
+"""Linear layers whose rows do not depend on their batchmates, for the engine's decode steps.
+
+A BLAS picks its kernel by the shape of a product, and kernels add up in different orders. On the CPU
+this project is measured on (MKL, float32), one row (a matrix-vector product), 2 to 15 rows and 16 or more
+rows take three kernels whose results differ in the last bits, while within one of them a row's result
+depends neither on the other rows nor on its place among them. So an engine step's projections, over all
+its decode rows, would give a row other bits than the same request alone (one row); in a quantised or
+selective cache such a bit can change what is kept, and then a token.
+
+Inside :func:`rows_alone` (the engine's decode step, ``forward.decode_rows``, and its rows' shared query
+projections, ``spec.SharedQueries``) each ``nn.Linear`` of a model :func:`install` has prepared runs its
+rows in groups whose size lies in one such class: the class of two rows, found for each weight shape,
+device and dtype by a probe (:func:`invariant_rows`). A lone row is padded to the class's smallest size;
+more rows than its largest go in several products. Outside it, and while compiling, a linear layer is
+the plain one.
+
+The cost: a step with more rows than the class holds (16 or more here) makes several products where one
+would do, and the two-row kernel is slower per row than the one for 16 or more; a lone row's padded
+product costs about what one row costs.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+PROBE_ROWS = 32  # most rows a probe tries (and so most rows in one product)
+PROBE_OUTPUTS = 1024  # output features a probe computes (the weight's first ones)
+
+_state = threading.local()  # .active: on this thread, linear layers run their rows as alone
+_classes: dict[tuple, tuple[int, int]] = {}
+_probing = threading.Lock()
+
+
+@contextmanager
+def rows_alone() -> Iterator[None]:
+    """On this thread, the linear layers of installed models give each row what it gets alone."""
+    previous = getattr(_state, "active", False)
+    _state.active = True
+    try:
+        yield
+    finally:
+        _state.active = previous
+
+
+def install(model: torch.nn.Module) -> None:
+    """Let ``model``'s linear layers follow :func:`rows_alone` (once per model)."""
+    if getattr(model, "_infinikv_rows_alone", False):
+        return
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.forward = functools.partial(_forward, module)
+    model._infinikv_rows_alone = True
+
+
+def _forward(module: torch.nn.Linear, x: Tensor) -> Tensor:
+    if not torch.compiler.is_compiling() and getattr(_state, "active", False):
+        return linear_rows_alone(x, module.weight, module.bias)
+    return F.linear(x, module.weight, module.bias)
+
+
+def linear_rows_alone(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``, each row of ``x`` [..., in] computed as it is alone."""
+    rows = x.numel() // x.shape[-1]
+    low, high = invariant_rows(weight)
+    if low <= rows <= high:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    parts = []
+    for start in range(0, rows, high):
+        group = flat[start : start + high]
+        count = group.shape[0]
+        if count < low:  # padded with copies of its first row
+            group = torch.cat([group, group[:1].expand(low - count, -1)])
+        parts.append(F.linear(group, weight, bias)[:count])
+    return torch.cat(parts).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def invariant_rows(weight: Tensor) -> tuple[int, int]:
+    """The smallest and largest number of rows (``low``, ``high``) of a product with ``weight`` [out, in]
+    within which a row's result is the same whatever the other rows and its place among them, and the
+    same as with two rows; measured once per shape, device and dtype (``low`` is 1 where one row agrees,
+    and ``high`` at most :data:`PROBE_ROWS`). Where even two rows do not agree, (1, 1): one row at a time."""
+    key = (tuple(weight.shape), weight.device, weight.dtype)
+    found = _classes.get(key)
+    if found is None:
+        with _probing:
+            found = _classes.get(key) or _probe(weight)
+            _classes[key] = found
+    return found
+
+
+@torch.inference_mode()
+def _probe(weight: Tensor) -> tuple[int, int]:
+    w = weight[:PROBE_OUTPUTS]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+    two = F.linear(x[:2], w)
+
+    def agrees(rows: int) -> bool:  # rows 0 and 1, first and last, as with two rows
+        forward = F.linear(x[:rows], w)
+        backward = F.linear(x[:rows].flip(0), w)
+        return torch.equal(forward[:2], two) and torch.equal(backward[-2:].flip(0), two)
+
+    if not agrees(2):
+        return 1, 1
+    low = 1 if torch.equal(F.linear(x[:1], w), two[:1]) else 2
+    high = 2
+    while high < PROBE_ROWS and agrees(high + 1):
+        high += 1
+    return low, high

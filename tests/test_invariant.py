@@ -1,0 +1,43 @@
+"""Linear layers whose rows do not depend on their batchmates (``infinikv.invariant``), and the engine's
+decode rows that use them."""
+
+from __future__ import annotations
+
+import torch
+
+from infinikv.invariant import install, invariant_rows, linear_rows_alone, rows_alone
+from infinikv.testing import tiny_model
+
+
+def test_each_row_of_a_product_is_what_it_is_alone_whatever_the_rows_beside_it():
+    """A row's result is the same (bit for bit) alone, among a few rows, among more than one product
+    holds, and first or last among them. (Plain products fail this on a CPU whose one-row kernel differs
+    from its many-row ones, as MKL's float32 kernels do.)"""
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(384, 96, generator=generator).to(dtype)
+        bias = torch.randn(384, generator=generator).to(dtype)
+        rows = torch.randn(40, 1, 96, generator=generator).to(dtype)
+        low, high = invariant_rows(weight)
+        assert 1 <= low <= 2 <= high or (low, high) == (1, 1)
+        alone = linear_rows_alone(rows[:1], weight, bias)
+        for count in (1, 2, 3, 15, 16, 17, 33, 40):
+            for place in (0, count - 1):
+                batch = torch.cat([rows[1:count][:place], rows[:1], rows[1:count][place:]])
+                assert torch.equal(linear_rows_alone(batch, weight, bias)[place], alone[0]), (dtype, count)
+
+
+def test_an_installed_models_linear_layers_run_rows_alone_only_when_asked():
+    loaded = tiny_model("llama")
+    install(loaded.model)
+    install(loaded.model)  # once is enough; a second time changes nothing
+    projection = loaded.model.model.layers[0].self_attn.q_proj
+    rows = torch.randn(20, 1, projection.in_features)
+    plain = torch.nn.functional.linear(rows, projection.weight)
+    with torch.inference_mode():
+        assert torch.equal(projection(rows), plain)
+        with rows_alone():
+            each = projection(rows)
+            one = projection(rows[5:6])
+    assert torch.equal(each[5], one[0])
+    assert torch.equal(each, linear_rows_alone(rows, projection.weight))
