@@ -71,15 +71,21 @@ def linear_rows_alone(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     low, high = invariant_rows(weight)
     if low <= rows <= high:
         return F.linear(x, weight, bias)
+    if rows < low:  # a lone row: padded with copies of itself
+        padded = torch.cat([x.reshape(1, -1)] * low) if rows == 1 else _padded(x.reshape(rows, -1), low)
+        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
     flat = x.reshape(rows, x.shape[-1])
-    parts = []
-    for start in range(0, rows, high):
-        group = flat[start : start + high]
-        count = group.shape[0]
-        if count < low:  # padded with copies of its first row
-            group = torch.cat([group, group[:1].expand(low - count, -1)])
-        parts.append(F.linear(group, weight, bias)[:count])
-    return torch.cat(parts).reshape(*x.shape[:-1], weight.shape[0])
+    parts = [
+        F.linear(_padded(flat[start : start + high], low), weight, bias) for start in range(0, rows, high)
+    ]
+    return torch.cat(parts)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _padded(rows: Tensor, low: int) -> Tensor:
+    """``rows`` [n, in], padded to at least ``low`` rows with copies of its first (the padding goes last)."""
+    if rows.shape[0] >= low:
+        return rows
+    return torch.cat([rows, rows[:1].expand(low - rows.shape[0], -1)])
 
 
 def invariant_rows(weight: Tensor) -> tuple[int, int]:
