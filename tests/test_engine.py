@@ -395,15 +395,19 @@ def test_a_step_that_brings_two_stop_strings_cuts_at_the_earliest():
     assert seq.finish == "stop" and seq.text == "x"
 
 
-def test_a_preempted_prompt_is_counted_once_by_the_prefix_cache(tiny):
-    """A preempted sequence reads its prompt again (from the blocks it cached, or by prefilling); the
-    prefix cache's hit and miss counters, and the request's own hits, count each prompt token once."""
+@pytest.mark.parametrize("step_tokens", [CHUNK, 256], ids=["a-chunk-a-step", "whole-prompts"])
+def test_a_preempted_prompt_is_counted_once_by_the_prefix_cache(tiny, step_tokens):
+    """A preempted sequence reads its prompt again (from the blocks it cached, or by prefilling), whether
+    it was preempted while decoding or while its prompt was still being read; the prefix cache's hit and
+    miss counters, and the request's own hits, count each prompt token once."""
     document = ids(tiny, "copper river lantern " * 4)
-    prompts = [document + ids(tiny, "First?"), document + ids(tiny, "And the second one?")]
+    # the second prompt is long enough to be still read, a chunk a step, when the first needs a block
+    prompts = [document + ids(tiny, "First?"), document * 3 + ids(tiny, "And the second one?")]
     new = 40
     per_block = block_bytes(tiny.spec, next(tiny.model.parameters()).dtype, BLOCK)
     admitted = sum(-(-(len(p) + 1) // BLOCK) for p in prompts)
-    config = EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=(admitted + 1) * per_block)
+    memory = (admitted + 1) * per_block
+    config = EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, step_tokens=step_tokens, kv_memory=memory)
     engine = Engine(tiny, config)
     sampling = GenerationConfig(max_new_tokens=new)
     results = run(engine, [(p, make_config("dense"), sampling) for p in prompts], join_at=[0, 2])

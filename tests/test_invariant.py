@@ -41,3 +41,14 @@ def test_an_installed_models_linear_layers_run_rows_alone_only_when_asked():
             one = projection(rows[5:6])
     assert torch.equal(each[5], one[0])
     assert torch.equal(each, linear_rows_alone(rows, projection.weight))
+
+
+def test_rows_laid_out_any_way_are_computed_as_alone():
+    """Rows whose strides do not flatten (a transposed view) and no rows at all."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 48, generator=generator)
+    stored = torch.randn(1, 10, 48, generator=generator)
+    rows = stored.transpose(0, 1)[:3]  # [3, 1, 48], not contiguous
+    alone = linear_rows_alone(rows[1:2].contiguous(), weight)
+    assert torch.equal(linear_rows_alone(rows, weight)[1], alone[0])
+    assert linear_rows_alone(rows[:0], weight).shape == (0, 1, 64)

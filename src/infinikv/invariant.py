@@ -50,7 +50,8 @@ def rows_alone() -> Iterator[None]:
 
 
 def install(model: torch.nn.Module) -> None:
-    """Let ``model``'s linear layers follow :func:`rows_alone` (once per model)."""
+    """Let ``model``'s linear layers follow :func:`rows_alone` (once per model; each module's ``forward``
+    is replaced, an instance-level wrapper set before included)."""
     if getattr(model, "_infinikv_rows_alone", False):
         return
     for module in model.modules():
@@ -59,40 +60,42 @@ def install(model: torch.nn.Module) -> None:
     model._infinikv_rows_alone = True
 
 
-def _forward(module: torch.nn.Linear, x: Tensor) -> Tensor:
+def _forward(module: torch.nn.Linear, input: Tensor) -> Tensor:  # noqa: A002 (nn.Linear.forward's name)
     if not torch.compiler.is_compiling() and getattr(_state, "active", False):
-        return linear_rows_alone(x, module.weight, module.bias)
-    return F.linear(x, module.weight, module.bias)
+        return linear_rows_alone(input, module.weight, module.bias)
+    return F.linear(input, module.weight, module.bias)
 
 
 def linear_rows_alone(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``, each row of ``x`` [..., in] computed as it is alone."""
+    """``F.linear(x, weight, bias)``, each row of ``x`` [..., in] computed as it is alone (as a product of
+    the rows laid out one after the other, whatever ``x``'s strides)."""
     rows = x.numel() // x.shape[-1]
     low, high = invariant_rows(weight)
-    if low <= rows <= high:
-        return F.linear(x, weight, bias)
-    if rows < low:  # a lone row: padded with copies of itself
-        padded = torch.cat([x.reshape(1, -1)] * low) if rows == 1 else _padded(x.reshape(rows, -1), low)
-        return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
     flat = x.reshape(rows, x.shape[-1])
-    parts = [
-        F.linear(_padded(flat[start : start + high], low), weight, bias) for start in range(0, rows, high)
-    ]
-    return torch.cat(parts)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    if low <= rows <= high or rows == 0:
+        out = F.linear(flat, weight, bias)
+    else:  # a lone row padded with a copy of itself; more rows than a product holds, in several
+        parts = [_padded(flat[start : start + high], low) for start in range(0, rows, high)]
+        out = torch.cat([F.linear(part, weight, bias) for part in parts])[:rows]
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _padded(rows: Tensor, low: int) -> Tensor:
     """``rows`` [n, in], padded to at least ``low`` rows with copies of its first (the padding goes last)."""
     if rows.shape[0] >= low:
         return rows
-    return torch.cat([rows, rows[:1].expand(low - rows.shape[0], -1)])
+    return torch.cat([rows] + [rows[:1]] * (low - rows.shape[0]))
 
 
 def invariant_rows(weight: Tensor) -> tuple[int, int]:
     """The smallest and largest number of rows (``low``, ``high``) of a product with ``weight`` [out, in]
     within which a row's result is the same whatever the other rows and its place among them, and the
     same as with two rows; measured once per shape, device and dtype (``low`` is 1 where one row agrees,
-    and ``high`` at most :data:`PROBE_ROWS`). Where even two rows do not agree, (1, 1): one row at a time."""
+    and ``high`` at most :data:`PROBE_ROWS`). Where even two rows do not agree, (1, 1): one row at a time.
+    The probe computes the weight's first :data:`PROBE_OUTPUTS` outputs without the bias, taking the
+    kernel a BLAS picks for them as the one it picks for the whole product (so it is on this CPU's MKL, at
+    every output width tried up to 8,192; a GPU library, which may split a wide product otherwise, is
+    not checked)."""
     key = (tuple(weight.shape), weight.device, weight.dtype)
     found = _classes.get(key)
     if found is None:

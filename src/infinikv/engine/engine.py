@@ -405,12 +405,20 @@ class Engine:
         state = on_device(found[-1].state, device)
         seq.driver.restore(calls, state, seq.prefilled + restored)
         seq.prefill_s += now(device) - start
+        hits = self._newly_read(seq, seq.prefilled + restored)
+        seq.prefix_hit_tokens += hits
+        self.prefixes.hit_tokens += hits
         seq.prefilled, seq.digest = seq.prefilled + restored, found[-1].digest
-        if not seq.preemptions:  # a prompt read again after a preemption is counted once
-            seq.prefix_hit_tokens += restored
-            self.prefixes.hit_tokens += restored
         if seq.prefilled == len(seq.prompt):
             self._prompt_read(seq, on_device(found[-1].logits, device), outputs)
+
+    @staticmethod
+    def _newly_read(seq: Sequence, end: int) -> int:
+        """Of ``seq``'s prompt tokens up to ``end``, those read for the first time: a prompt read again after
+        a preemption counts once in the prefix cache's hit and miss counters."""
+        new = max(0, end - seq.prompt_counted)
+        seq.prompt_counted = max(seq.prompt_counted, end)
+        return new
 
     def _prefill_chunk(self, seq: Sequence, outputs: list[StepOutput]) -> None:
         """Feed ``seq``'s next prompt chunk; when it completes a block, hand that block to the prefix cache
@@ -423,8 +431,8 @@ class Engine:
         logits, calls = seq.driver.extend(ids, record=record)
         seq.prefill_s += now(self.loaded.device) - start
         seq.prefilled = end
-        if self.prefixes is not None and not seq.preemptions:  # counted once, as in _restore
-            self.prefixes.miss_tokens += end - begin
+        if self.prefixes is not None:
+            self.prefixes.miss_tokens += self._newly_read(seq, end)
         block = self.config.block_tokens
         if record:
             seq.block_calls += calls

@@ -5,8 +5,8 @@ position) and MLPs are one batched computation. Attention is per sequence: :clas
 each row's normalised input, new K/V and query to that sequence's own ``InfinikvCache``, which asks its
 policy as it would with the sequence alone, and stacks the rows' outputs. No row is padded to another's
 length, and a row's selection, its copies and its attention follow its own sequence alone, by the same
-rules and in the same order. Their inputs come from the batched projections, which give each row what a
-one-row pass gives, bit for bit (``invariant.rows_alone``, inside ``forward.decode_rows``). A look-ahead
+rules and in the same order. Their inputs come from the batched projections, which give each row what
+it gets in a step alone, bit for bit (``invariant.rows_alone``, inside ``forward.decode_rows``). A look-ahead
 that projects its input to a layer's query (InfiniGen's rehearsal) gets its row of one projection of
 every row (``spec.SharedQueries``), so the layer's query weights are read once a step, not once per row.
 A layer's own work, look-ahead and decode reach each policy class once for all its rows

@@ -47,6 +47,7 @@ class Sequence:
     admitted_at: int = 0  # admission order, for choosing whom to preempt
     # what the request's statistics report
     prefix_hit_tokens: int = 0
+    prompt_counted: int = 0  # prompt tokens the prefix cache's hit and miss counters have counted
     preemptions: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0

@@ -550,37 +550,47 @@ class InfiniGenPolicy(HostPoolPolicy):
 
     # -- decode: attend and store ----------------------------------------------------------------------------
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
-        return self._decode(layer, k_new, v_new, None)
+        return self._decode(layer, k_new, v_new, self._fetched(layer), None, in_pool=False)
 
     @classmethod
     def decode_rows(
         cls, policies: list[InfiniGenPolicy], layer: int, k_new: list[Tensor], v_new: list[Tensor]
     ) -> list[Selection]:
         """:meth:`decode` for an engine step's sequences; the partial keys of the new tokens of those whose
-        layer stores them with one projection are taken in one product (``together.py``)."""
+        layer stores them with one projection are taken in one product, and the K/V of those that take a
+        new slot written in one copy (``together.py``). Every row's copy is waited for first: a look-ahead
+        still queued on a worker must not see a pool that already holds the new token."""
+        fetched = [policy._fetched(layer) for policy in policies]
         partial_keys = together.partial_keys_together(policies, layer, k_new)
         stored = together.store_together(policies, layer, k_new, v_new)
         return [
-            policy._decode(layer, k, v, partial, in_pool)
-            for policy, k, v, partial, in_pool in zip(
-                policies, k_new, v_new, partial_keys, stored, strict=True
+            policy._decode(layer, *row, in_pool=in_pool)
+            for policy, *row, in_pool in zip(
+                policies, k_new, v_new, fetched, partial_keys, stored, strict=True
             )
         ]
+
+    def _fetched(self, layer: int) -> tuple[Fetch, tuple[Tensor, Tensor]]:
+        """This step's fetch of ``layer`` and, once copied, its keys and values: the selected rows plus a
+        spare last slot for the new token."""
+        fetch = self.take_fetch(layer)
+        return fetch, fetch.transfer.wait()
 
     def _decode(
         self,
         layer: int,
         k_new: Tensor,
         v_new: Tensor,
+        fetched: tuple[Fetch, tuple[Tensor, Tensor]],
         partial_keys: tuple[Tensor, Tensor | None] | None,
-        in_pool: bool = False,
+        in_pool: bool,
     ) -> Selection:
-        """:meth:`decode`; ``partial_keys``: the new token's (its partial keys and scale, as
-        :meth:`_partial_keys` gives them), taken with other sequences', or None; ``in_pool``: its K/V are in
-        the pool already (written with other sequences')."""
-        fetch = self.take_fetch(layer)
+        """:meth:`decode` with the layer's copy ``fetched`` (:meth:`_fetched`); ``partial_keys``: the new
+        token's (its partial keys and scale, as :meth:`_partial_keys` gives them), taken with other
+        sequences', or None; ``in_pool``: its K/V are in the pool already (written with other
+        sequences')."""
+        fetch, (keys, values) = fetched
         positions, valid = fetch.positions, fetch.valid
-        keys, values = fetch.transfer.wait()  # the selected rows plus a spare last slot for the new token
         keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
         position = self.layers[layer].seen
         self._store(layer, k_new, v_new, position, partial_keys, in_pool)

@@ -323,7 +323,10 @@ _READ: dict[Path, tuple[tuple[int, int, int], Skew]] = {}
 def _read_once(path: Path, spec: ModelSpec) -> Skew:
     """``read_skew(path, spec)``, read (and its checksum verified) once while the file is unchanged: every
     sequence of a server shares one calibration and its projections."""
-    info = path.stat()
+    try:
+        info = path.stat()
+    except OSError:  # gone since it was listed: read_skew says so
+        return read_skew(path, spec)
     stamp = (info.st_ino, info.st_size, info.st_mtime_ns)
     known = _READ.get(path)
     if known is not None and known[0] == stamp:
