@@ -21,6 +21,7 @@ import pytest
 import uvicorn
 
 from infinikv import GenerationConfig, Generator
+from infinikv import generate as generate_module
 from infinikv.engine import EngineConfig
 from infinikv.serve import app as app_module
 from infinikv.serve.app import ServerSettings, create_app
@@ -249,7 +250,14 @@ BAD = {
     "a lone surrogate in the prompt": '{"prompt": "hi \\udcff"}',
     "a lone surrogate in a stop string": '{"prompt": "hi", "stop": ["\\udcff"]}',
     "an integer of 5,000 digits": '{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}",
+    # an error that quotes a lone surrogate the client sent is still a JSON answer
+    "a lone surrogate as the policy": '{"prompt": "hi", "kv_policy": "\\ud800"}',
+    "a lone surrogate as the model": '{"prompt": "hi", "model": "\\ud800"}',
+    "a lone surrogate naming a deep field": '{"\\ud800": ' + "[" * 40 + "]" * 40 + ', "prompt": "hi"}',
+    "vLLM's top_k": {"prompt": "hi", "top_k": 5},
+    "repetition_penalty": {"prompt": "hi", "repetition_penalty": 1.3},
 }
+UNKNOWN_MODEL = ("unknown model", "a lone surrogate as the model")
 BAD_CHAT = {
     "no messages": {"messages": []},
     "message without content": {"messages": [{"role": "user"}]},
@@ -279,7 +287,8 @@ def _post(url: str, path: str, body) -> httpx.Response:
 def test_bad_input_is_a_4xx_with_an_openai_error(server, path, body):
     url, _ = server
     response = _post(url, path, body)
-    assert response.status_code == (404 if "gpt-9" in str(body) else 400), response.text
+    not_found = any(body is BAD[name] for name in UNKNOWN_MODEL)
+    assert response.status_code == (404 if not_found else 400), response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"] and error["type"] == "invalid_request_error"
@@ -402,6 +411,63 @@ def test_deep_nesting_is_refused_before_parsing(server):
     assert _post(url, "/v1/completions", {"prompt": "[{" * 40, "max_tokens": 1}).status_code == 200
     array = _post(url, "/v1/completions", "[" * 100_000 + "]" * 100_000)
     assert array.status_code == 400 and array.json()["error"]["param"] is None
+
+
+def test_a_string_left_open_is_read_once_by_the_nesting_scan(server):
+    """A string that never closes runs to the end of the body: the brackets after it are inside it (before,
+    each quote in it started a scan to the end, in time quadratic in the body's length)."""
+    body = '{"prompt": "' + '\\"' * 2000 + "[" * 40
+    response = _post(server[0], "/v1/completions", body)
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_nulls_are_the_defaults(server):
+    """The OpenAI API takes null for n, stream and stream_options.include_usage."""
+    fields = {"n": None, "stream": None, "stream_options": {"include_usage": None}}
+    response = _post(server[0], "/v1/completions", {"prompt": "hi", "max_tokens": 2, **fields})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("value", [0, 10**9])
+def test_max_completion_tokens_is_named_in_its_errors(server, value):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": value}
+    response = _post(server[0], "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_completion_tokens"
+    assert error["message"].startswith("max_completion_tokens") or "you requested" in error["message"]
+
+
+def test_bench_serve_at_a_url_with_v1_is_one_line(server, capsys):
+    import signal
+
+    from infinikv.cli import main
+
+    handler = signal.getsignal(signal.SIGTERM)  # bench-serve installs its own
+    try:
+        assert main(["bench-serve", "--url", f"{server[0]}/v1", "--no-warmup"]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "HTTP 404" in err and "without /v1" in err, err
+
+
+def test_the_static_scheduler_runs_every_kv_configuration_on_one_engine(model, monkeypatch):
+    """One engine, so one memory budget, however many configurations the requests bring."""
+    engines = []
+
+    class Counted(generate_module.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(generate_module, "Engine", Counted)
+    with serving(model, settings=ServerSettings(scheduler="static")) as (url, _):
+        for budget in (8, 9, 10):
+            body = {"prompt": PROMPTS[0], "max_tokens": 2, "kv_policy": "quest", "kv_budget": budget}
+            assert _post(url, "/v1/completions", body).status_code == 200
+    assert len(engines) == 1
 
 
 def _strict_json(text: str):

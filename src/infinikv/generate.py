@@ -76,15 +76,7 @@ class Generator:
         return min(prefill_chunk, self.loaded.max_context)
 
     def _own_engine(self, chunk: int) -> Engine:
-        # A call's prompts all arrive at once: read them before decoding (no stream to keep going meanwhile)
-        config = EngineConfig(
-            block_tokens=chunk,
-            chunk_tokens=chunk,
-            step_tokens=64 * chunk,
-            prefix_cache=False,
-            compile=self.compile,
-        )
-        return Engine(self.loaded, config)
+        return batch_engine(self.loaded, chunk, self.compile)
 
     @torch.inference_mode()
     def generate(
@@ -183,3 +175,17 @@ class Generator:
                     f"the model's context of {limit} tokens"
                 )
         return ids
+
+
+def batch_engine(loaded: LoadedModel, chunk: int, compile: bool = False) -> Engine:
+    """The engine a :class:`Generator` makes for itself: a call's prompts all arrive at once, so it reads
+    them in ``chunk``-token chunks before decoding (no stream to keep going meanwhile), with no prefix cache.
+    ``chunk``: the prefill chunk, at most the model's context."""
+    config = EngineConfig(
+        block_tokens=chunk,
+        chunk_tokens=chunk,
+        step_tokens=64 * chunk,
+        prefix_cache=False,
+        compile=compile,
+    )
+    return Engine(loaded, config)

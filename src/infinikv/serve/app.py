@@ -208,10 +208,8 @@ def create_app(
             raise ApiError(
                 "this model's tokenizer has no chat template; use /v1/completions", param="messages"
             )
-        if body.max_completion_tokens is not None:
-            if body.max_tokens is not None:
-                raise ApiError("give max_tokens or max_completion_tokens, not both", param="max_tokens")
-            body.max_tokens = body.max_completion_tokens
+        if body.max_completion_tokens is not None and body.max_tokens is not None:
+            raise ApiError("give max_tokens or max_completion_tokens, not both", param="max_tokens")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt = state.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -296,7 +294,7 @@ async def _generate(
 
     meta = answer_meta(chat, state.model_id)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
         events = answers.events(job, meta, chat, len(ids), include_usage, record)
         return answers.JobStream(events, job, lambda: record(499))
     result = await answers.result(request, job, record)

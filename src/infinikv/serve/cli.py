@@ -28,8 +28,8 @@ def _gib(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of GiB, got '{text}'") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got '{text}'")
+    if not math.isfinite(value) or value * 2**30 < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB (a byte at least), got '{text}'")
     return value
 
 

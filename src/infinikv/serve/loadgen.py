@@ -812,7 +812,13 @@ async def _served_model(url: str) -> str:
             answer = await client.get(f"{url}/v1/models")
         except httpx.TransportError as exc:
             raise InputError(f"cannot reach {url}/v1/models: {exc}") from None
+    try:
         return answer.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):  # not JSON, or not the OpenAI list of models
+        hint = " (give the server's root, without /v1)" if url.rstrip("/").endswith("/v1") else ""
+        raise InputError(
+            f"no OpenAI model list at {url}/v1/models (HTTP {answer.status_code}){hint}"
+        ) from None
 
 
 def _measure(target: Target, plan: Plan, model: str) -> list[PolicyResult]:

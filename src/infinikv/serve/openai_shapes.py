@@ -37,7 +37,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every character past ASCII escaped: an error may quote what the client sent, a lone
+    surrogate included, which UTF-8 cannot encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def answer_meta(chat: bool, model: str) -> dict[str, Any]:

@@ -15,10 +15,9 @@ from ..generate import GenerationConfig, check_text
 from .openai_shapes import ApiError
 from .schemas import SamplingRequest
 
-# The request field each GenerationConfig field comes from; GenerationConfig's errors begin with the
-# field's name.
+# The request field each GenerationConfig field comes from (max_new_tokens: the request says which);
+# GenerationConfig's errors begin with the field's name.
 REQUEST_FIELDS = {
-    "max_new_tokens": "max_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
     "seed": "seed",
@@ -54,12 +53,13 @@ def sampling_config(
             param=param,
             code="context_length_exceeded",
         )
-    max_tokens = min(default_max_tokens, room) if body.max_tokens is None else body.max_tokens
+    asked, max_tokens_field = body.max_tokens_given()
+    max_tokens = min(default_max_tokens, room) if asked is None else asked
     if max_tokens > room:
         raise ApiError(
             f"this model's maximum context length is {context} tokens; you requested "
             f"{prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, {max_tokens} to generate)",
-            param="max_tokens",
+            param=max_tokens_field,
             code="context_length_exceeded",
         )
     try:
@@ -72,5 +72,5 @@ def sampling_config(
         )
     except InputError as exc:
         name, _, rest = str(exc).partition(" ")
-        field = REQUEST_FIELDS.get(name)
+        field = max_tokens_field if name == "max_new_tokens" else REQUEST_FIELDS.get(name)
         raise ApiError(f"{field} {rest}" if field else str(exc), param=field) from None

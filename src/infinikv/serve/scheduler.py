@@ -30,7 +30,7 @@ from typing import Any
 
 from ..engine import Engine, EngineConfig
 from ..errors import InfinikvError
-from ..generate import GenerationConfig, Generator, RequestResult
+from ..generate import GenerationConfig, Generator, RequestResult, batch_engine
 from ..models import LoadedModel
 from ..policies import PolicyConfig, policy_of
 from .metrics import ServerMetrics
@@ -144,7 +144,10 @@ class StaticScheduler(_QueueWorker):
         self.compile = compile  # decode steps under torch.compile (EngineConfig.compile)
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
-        self._generators: dict[PolicyConfig, Generator] = {}  # one per config: prepare() runs once
+        # One engine for every KV configuration (its memory budget is taken once), a Generator per one
+        chunk = min(GenerationConfig().prefill_chunk, loaded.max_context)
+        self._engine = batch_engine(loaded, chunk, compile)
+        self._generators: dict[PolicyConfig, Generator] = {}
         self.batches_served = 0
 
     # -- the HTTP side ------------------------------------------------------------------------------------
@@ -214,7 +217,8 @@ class StaticScheduler(_QueueWorker):
 
     def _generator(self, policy: PolicyConfig) -> Generator:
         if policy not in self._generators:
-            self._generators[policy] = Generator(self.loaded, policy, compile=self.compile)
+            generator = Generator(self.loaded, policy, engine=self._engine, compile=self.compile)
+            self._generators[policy] = generator
         return self._generators[policy]
 
     def _serve(self, batch: list[Job]) -> None:

@@ -30,6 +30,10 @@ UNSUPPORTED = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
+    # vLLM's sampling extensions, each at the value that turns it off
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
     "response_format": (None, {"type": "text"}),
 }
 
@@ -39,7 +43,9 @@ UNSUPPORTED = {
 # refused before it is parsed.
 MAX_DEPTH = 32
 # The tokens that matter for nesting: a string (skipped whole, brackets inside it do not count) or a bracket.
-_NESTING_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+# A string left open runs to the end of the body, so no match is tried again from every quote inside it
+# (which took time quadratic in the body's length); json.loads then refuses the body.
+_NESTING_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)|[\[\]{}]', re.DOTALL)
 
 
 class _Strict(BaseModel):
@@ -50,7 +56,7 @@ Body = TypeVar("Body", bound=_Strict)
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class SamplingRequest(_Strict):
@@ -60,10 +66,10 @@ class SamplingRequest(_Strict):
     max_tokens: int | None = None
     temperature: Annotated[float, Field(le=2)] | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int | None = None
     stop: Annotated[list[str], Field(max_length=4)] | str | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     kv_policy: str | None = None
 
@@ -72,8 +78,12 @@ class SamplingRequest(_Strict):
         for name, neutral in UNSUPPORTED.items():
             if name in self.model_extra and self.model_extra[name] not in neutral:
                 raise ApiError(f"'{name}' is not supported by this server", param=name)
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise ApiError(f"only n=1 is supported, got {self.n}", param="n")
+
+    def max_tokens_given(self) -> tuple[int | None, str]:
+        """The tokens to generate the client asked for (None: not said), and the field it said it in."""
+        return self.max_tokens, "max_tokens"
 
 
 class CompletionRequest(SamplingRequest):
@@ -96,6 +106,11 @@ class ChatMessage(_Strict):
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+
+    def max_tokens_given(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is None:
+            return self.max_tokens, "max_tokens"
+        return self.max_completion_tokens, "max_completion_tokens"
 
 
 def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
