@@ -22,9 +22,9 @@ import uvicorn
 
 from infinikv import GenerationConfig, Generator
 from infinikv import generate as generate_module
-from infinikv.engine import EngineConfig
+from infinikv.engine import Engine, EngineConfig
 from infinikv.serve import app as app_module
-from infinikv.serve.app import ServerSettings, create_app
+from infinikv.serve.app import GracefulServer, ServerSettings, create_app
 from infinikv.serve.kv_policy import kv_report
 from infinikv.serve.schemas import MAX_DEPTH
 from infinikv.testing import tiny_model
@@ -468,6 +468,49 @@ def test_the_static_scheduler_runs_every_kv_configuration_on_one_engine(model, m
             body = {"prompt": PROMPTS[0], "max_tokens": 2, "kv_policy": "quest", "kv_budget": budget}
             assert _post(url, "/v1/completions", body).status_code == 200
     assert len(engines) == 1
+
+
+def test_a_shutdown_ends_what_is_left_with_a_503(model, monkeypatch):
+    """Once the graceful timeout passes, a running request and waiting ones, streamed or not, each get an
+    OpenAI-shaped 503 (uvicorn alone cancelled their tasks: a plain-text 500, an empty stream)."""
+    step = Engine.step
+
+    def slow_step(self):  # so the running request outlasts the graceful timeout
+        time.sleep(0.01)
+        return step(self)
+
+    monkeypatch.setattr(Engine, "step", slow_step)
+    app = create_app(model, settings=ServerSettings(max_batch=1, max_queue=16))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = GracefulServer(app, 0.5, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    answers = {}
+
+    def ask(name: str, stream: bool) -> None:
+        body = {"prompt": "hi", "max_tokens": 300, "stream": stream}
+        answers[name] = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+
+    asking = [threading.Thread(target=ask, args=job) for job in [("running", False), ("waiting", False)]]
+    asking.append(threading.Thread(target=ask, args=("streamed", True)))
+    for thread_of_one in asking:
+        thread_of_one.start()
+        time.sleep(0.2)
+    server.should_exit = True
+    for thread_of_one in asking:
+        thread_of_one.join(30)
+    thread.join(30)
+    sock.close()
+    for name in ("running", "waiting"):
+        assert answers[name].status_code == 503, answers[name].text
+        assert answers[name].json()["error"]["message"] == "the server is shutting down"
+    events = answers["streamed"].text.strip().split("\n\n")
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["message"] == "the server is shutting down"
+    assert events[-1] == "data: [DONE]"
 
 
 def _strict_json(text: str):

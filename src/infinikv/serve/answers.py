@@ -24,7 +24,8 @@ log = logging.getLogger("infinikv.serve")
 
 async def result(request: Request, job: Job, record: Callable[[int], None]) -> RequestResult | Response:
     """The result of a non-streaming job, or the response to send instead: 499 when the client went away
-    (the job cancelled), 500 when generation failed, 504 when it ran past its deadline."""
+    (the job cancelled), 500 when generation failed, 503 when the server ended it as it stopped, 504 when it
+    ran past its deadline."""
     try:
         while True:
             try:
@@ -37,7 +38,7 @@ async def result(request: Request, job: Job, record: Callable[[int], None]) -> R
                 continue
             if kind == "done":
                 return payload
-            if kind in ("error", "timeout"):
+            if kind in ("error", "timeout", "shutdown"):
                 error = failure(kind, payload)
                 record(error.status)
                 return error.response()
@@ -76,9 +77,12 @@ async def events(
 
 
 def failure(kind: str, message: str) -> ApiError:
-    """The error of a job's last event: "timeout" (its deadline passed) or "error" (generation failed)."""
+    """The error of a job's last event: "timeout" (its deadline passed), "shutdown" (the server ended it as
+    it stopped) or "error" (generation failed)."""
     if kind == "timeout":
         return ApiError(message, 504, type="timeout_error", code="request_timeout")
+    if kind == "shutdown":
+        return ApiError(message, 503, type="server_error")
     return ApiError(message, 500, type="server_error")
 
 

@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
@@ -47,6 +48,9 @@ from .schemas import ChatRequest, CompletionRequest, SamplingRequest, parse
 log = logging.getLogger("infinikv.serve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
+# Seconds the requests a shutdown ends get to send their 503, after the graceful timeout and before uvicorn
+# cancels what is left.
+SHUTDOWN_ANSWER_S = 5.0
 
 
 @dataclass
@@ -302,3 +306,29 @@ async def _generate(
         return result
     record(200)
     return JSONResponse(completion(meta, chat, result, len(ids), kv_report(result)))
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server for an app of :func:`create_app`. Its graceful shutdown stops taking connections and
+    gives the requests in flight ``graceful_timeout`` seconds; then the app's scheduler ends what is still
+    waiting or running, each with a 503 its client receives (uvicorn alone would cancel their tasks, and
+    the clients got a plain-text 500 and the log a traceback), and uvicorn cancels what is left
+    ``SHUTDOWN_ANSWER_S`` seconds later. ``config``: the rest of ``uvicorn.Config``."""
+
+    def __init__(self, app: FastAPI, graceful_timeout: float, **config: Any):
+        timeout = graceful_timeout + SHUTDOWN_ANSWER_S
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=timeout, **config))
+        self._graceful_timeout = graceful_timeout
+        self._state: _State = app.state.infinikv
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        ending = loop.call_later(self._graceful_timeout, lambda: loop.run_in_executor(None, self._end_jobs))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
+
+    def _end_jobs(self) -> None:
+        if self._state.scheduler is not None:
+            self._state.scheduler.stop()

@@ -56,14 +56,12 @@ def _check_listen(host: str, port: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from ..cluster import spread_from_args
     from ..engine import EngineConfig
     from ..models import load
     from ..policies import make_config
     from ..policy_flags import policy_knobs
-    from .app import ServerSettings, create_app
+    from .app import GracefulServer, ServerSettings, create_app
 
     knobs = policy_knobs(args)
     make_config(args.policy, **knobs)  # a bad policy or knob fails before the model loads
@@ -114,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout or None,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
-    server: uvicorn.Server | None = None
+    server: GracefulServer | None = None
     load_error: list[str] = []
 
     def stop_on_load_error(message: str) -> None:
@@ -128,14 +126,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings=settings,
         on_load_error=stop_on_load_error,
     )
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.graceful_timeout,
+    server = GracefulServer(
+        app, args.graceful_timeout, host=args.host, port=args.port, log_level=args.log_level
     )
-    server = uvicorn.Server(config)
     server.run()
     if load_error:
         raise ModelError(load_error[0])

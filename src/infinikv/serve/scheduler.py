@@ -2,7 +2,8 @@
 
 The HTTP layer ``submit``s a :class:`Job` (a prompt's token ids, a policy config, sampling settings) and
 reads its events from an asyncio queue: ``("text", piece)`` while it streams, then ``("done",
-RequestResult)``, ``("error", message)`` or ``("timeout", message)``. A job whose client went away is
+RequestResult)``, ``("error", message)``, ``("timeout", message)`` or ``("shutdown", message)``. A job
+whose client went away is
 cancelled at the next step, and so is one still running at its deadline (``--request-timeout``).
 
 :class:`ContinuousScheduler` (the default) steps an :class:`~infinikv.engine.Engine`: a job joins the
@@ -181,7 +182,7 @@ class StaticScheduler(_QueueWorker):
             self.metrics.queue_length.set(0)
             self._lock.notify_all()
         for job in waiting:
-            job.emit("error", "the server is shutting down")
+            job.emit("shutdown", "the server is shutting down")
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -311,7 +312,7 @@ class ContinuousScheduler(_QueueWorker):
             waiting, self._inbox = list(self._inbox), deque()
             self._lock.notify_all()
         for job in waiting:
-            job.emit("error", "the server is shutting down")
+            job.emit("shutdown", "the server is shutting down")
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -341,7 +342,7 @@ class ContinuousScheduler(_QueueWorker):
                     self._done(out.seq, out.result)
             self._record_engine()
         for seq in list(self._jobs):
-            self._jobs[seq].emit("error", "the server is shutting down")
+            self._jobs[seq].emit("shutdown", "the server is shutting down")
             with contextlib.suppress(Exception):  # its cache may be the one that failed
                 self.engine.abort(seq)
         self._jobs.clear()
