@@ -109,7 +109,8 @@ def test_streaming_rerotation_equals_cache_positions(tiny):
         return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
 
     policy.reserved(0, 40, 1)  # 40 past tokens: the sink at 0, then 37 skipped, then the window 38..40
-    moved = policy.adjust_keys(0, torch.zeros(1, 1, 3, dtype=torch.long), rope(k0, 0).expand(1, 1, 3, -1))
+    moved = rope(k0, 0).expand(1, 1, 3, -1).clone()
+    policy.adjust_keys(0, torch.zeros(1, 1, 3, dtype=torch.long), moved)
     got = (rope(q0, 40) * moved[:, :, :1]).sum()
     assert torch.allclose(got, (rope(q0, 40) * rope(k0, 37)).sum(), atol=1e-4)  # sink at place 37
     assert not torch.allclose(got, (rope(q0, 40) * rope(k0, 0)).sum(), atol=1e-4)

@@ -619,9 +619,9 @@ class ScoredPolicy(HostPoolPolicy):
         units are slots unless a subclass scores blocks."""
         return index, valid
 
-    def adjust_keys(self, layer: int, index: Tensor, keys: Tensor) -> Tensor:
-        """Hook to transform the gathered past keys (StreamingLLM re-rotates its sinks)."""
-        return keys
+    def adjust_keys(self, layer: int, index: Tensor, keys: Tensor) -> None:
+        """Hook to rewrite the gathered past keys in place, a copy of the pool's own (StreamingLLM re-rotates
+        its sinks)."""
 
     def query(self, layer: int) -> Tensor:
         """``layer``'s real query of this step, [batch, heads, head_dim] (``query_aware`` policies)."""
@@ -696,10 +696,7 @@ class ScoredPolicy(HostPoolPolicy):
         keys, values = transfer.wait()  # the selected rows, then the spare slot
         self.host_pool.append(layer, k_new, v_new)
         index = index.to(k_new.device)
-        past_k = keys[:, :, :-1]
-        adjusted = self.adjust_keys(layer, index, past_k)
-        if adjusted is not past_k:
-            past_k.copy_(adjusted)
+        self.adjust_keys(layer, index, keys[:, :, :-1])
         keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
         new_position = index.new_full((*index.shape[:2], 1), n_past)
         positions = torch.cat([index, new_position], dim=2)

@@ -103,19 +103,22 @@ def quantize(x: Tensor, bits: int, dim: int, valid: Tensor | None = None) -> tup
     """Asymmetric min-max over axis ``dim`` of grouped x. Returns (uint8 codes like x, scale, minimum) with
     ``dim`` reduced to 1. ``valid`` (broadcastable to x) excludes entries from the min and max."""
     top = 2**bits - 1
-    low = x if valid is None else torch.where(valid, x, float("inf"))
-    high = x if valid is None else torch.where(valid, x, float("-inf"))
-    minimum = low.amin(dim=dim, keepdim=True)
-    maximum = high.amax(dim=dim, keepdim=True)
-    empty = ~torch.isfinite(minimum)  # a group of padding only
-    minimum, maximum = minimum.masked_fill(empty, 0), maximum.masked_fill(empty, 0)
+    if valid is None:
+        minimum, maximum = torch.aminmax(x, dim=dim, keepdim=True)
+    else:
+        minimum = torch.where(valid, x, float("inf")).amin(dim=dim, keepdim=True)
+        maximum = torch.where(valid, x, float("-inf")).amax(dim=dim, keepdim=True)
+        empty = ~torch.isfinite(minimum)  # a group of padding only
+        minimum, maximum = minimum.masked_fill(empty, 0), maximum.masked_fill(empty, 0)
     scale = ((maximum - minimum) / top).clamp(min=torch.finfo(x.dtype).tiny)
     codes = ((x - minimum) / scale).round().clamp(0, top).to(torch.uint8)
     return codes, scale, minimum
 
 
-def dequantize(codes: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
-    return codes.to(scale.dtype) * scale + minimum
+def dequantize(codes: Tensor, scale: Tensor, minimum: Tensor, out: Tensor | None = None) -> Tensor:
+    """codes * scale + minimum, in the scale's dtype (``out``: written there, a view of a larger buffer)."""
+    values = torch.mul(codes.to(scale.dtype), scale, out=out)
+    return values.add_(minimum)
 
 
 @register("quant")
@@ -188,16 +191,24 @@ class QuantPolicy(HostPoolPolicy):
         queries: QueryOf | None = None,
     ) -> tuple[int, Loading]:
         ahead = on_worker()  # a look-ahead on the pool's worker: it copies and dequantizes, beside the layer
-        first, transfer = self._start(layer, now=ahead)
-        loading = Loading(lambda: self._dequantized(transfer))
+        # slots after the copied ones: the tail, then the next token (decode writes them: no concatenation)
+        extra = self._tail_length(layer) + 1
+        first, transfer = self._start(layer, extra, now=ahead)
+        loading = Loading(lambda: self._dequantized(transfer, extra))
         if ahead:
             loading.wait()
         return first, loading
 
-    def _start(self, layer: int, whole: bool = False, now: bool = False) -> tuple[int, Transfer | None]:
+    def _tail_length(self, layer: int) -> int:
+        tail = self.tail[layer]
+        return 0 if tail is None else tail[0].shape[2]
+
+    def _start(
+        self, layer: int, extra: int, whole: bool = False, now: bool = False
+    ) -> tuple[int, Transfer | None]:
         """Begin copying what ``layer``'s next token attends to (``whole``: everything) from the pool
         (``now``: on this thread, ``KVPool.fetch``): returns (first position copied, the transfer; None
-        when nothing is quantized yet)."""
+        when nothing is quantized yet). Unquantized K/V come with ``extra`` free slots after them."""
         n = self.codes.length(layer)
         if n == 0:  # kivi: every token so far is still in the full-precision tail
             return 0, None
@@ -209,64 +220,74 @@ class QuantPolicy(HostPoolPolicy):
                 first = first // self.config.group_size * self.config.group_size
             first = min(first, n)
         names = ("keys", "values") if self.raw else ("keys", "values", *PARAMS)
+        extra = extra if self.raw else 0  # codes are dequantized into a buffer with the free slots
         if first == 0:
-            return 0, self.codes.fetch(layer, now=now, parts=dict.fromkeys(names))
+            return 0, self.codes.fetch(layer, extra=extra, now=now, parts=dict.fromkeys(names))
         batch_heads = (self.codes.rows, self.spec.num_kv_heads)
         rows = torch.arange(first, n).expand(*batch_heads, -1)
         parts = dict.fromkeys(names, rows)
         if self.kivi:  # key scales and minimums: one per group of tokens
             blocks = torch.arange(first // self.config.group_size, self.codes.length(layer, "key_scale"))
             parts["key_scale"] = parts["key_min"] = blocks.expand(*batch_heads, -1)
-        return first, self.codes.fetch(layer, now=now, parts=parts)
+        return first, self.codes.fetch(layer, extra=extra, now=now, parts=parts)
 
     def _load(
-        self, layer: int, copied: tuple[Tensor, Tensor] | None, dtype: torch.dtype
+        self, layer: int, copied: tuple[Tensor, Tensor] | None, k: Tensor, v: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """What ``layer`` attends to: the ``copied`` K/V (:meth:`_dequantized`), then the tail."""
+        """What ``layer`` attends to with the new tokens ``k``, ``v``: the ``copied`` K/V
+        (:meth:`_dequantized`), the tail, then the new tokens, written into the copy's free slots."""
         tail = self.tail[layer]
         if copied is None:  # nothing quantized yet (kivi): the tail holds every token
-            return tail[0].to(dtype), tail[1].to(dtype)
+            return torch.cat([tail[0], k], dim=2), torch.cat([tail[1], v], dim=2)
         keys, values = copied
+        at = keys.shape[2] - k.shape[2]
         if tail is not None:
-            keys, values = torch.cat([keys, tail[0]], dim=2), torch.cat([values, tail[1]], dim=2)
-        return keys.to(dtype), values.to(dtype)
+            held = tail[0].shape[2]
+            keys[:, :, at - held : at], values[:, :, at - held : at] = tail
+        keys[:, :, at:], values[:, :, at:] = k, v
+        return keys, values
 
-    def _dequantized(self, transfer: Transfer | None) -> tuple[Tensor, Tensor] | None:
-        """The K/V that ``transfer`` (:meth:`_start`'s) copies, dequantized (None: nothing was copied)."""
+    def _dequantized(self, transfer: Transfer | None, extra: int) -> tuple[Tensor, Tensor] | None:
+        """The K/V that ``transfer`` (:meth:`_start`'s) copies, dequantized, with ``extra`` free slots after
+        them (None: nothing was copied)."""
         if transfer is None:
             return None
         if self.raw:
             return transfer.wait()
         key_codes, value_codes, key_scale, key_min, value_scale, value_min = transfer.wait()
-        bits = self.config.bits
-        values = self._dequantize_tokens(value_codes, value_scale, value_min)
-        if self.kivi:
-            blocks = unpack(key_codes, bits).unflatten(2, (-1, self.config.group_size))
-            keys = dequantize(blocks, key_scale[:, :, :, None], key_min[:, :, :, None]).flatten(2, 3)
-        else:
-            keys = self._dequantize_tokens(key_codes, key_scale, key_min)
+        values = self._dequantize_tokens(value_codes, value_scale, value_min, extra)
+        if not self.kivi:
+            return self._dequantize_tokens(key_codes, key_scale, key_min, extra), values
+        keys = values.new_empty(values.shape)
+        blocks = unpack(key_codes, self.config.bits).unflatten(2, (-1, self.config.group_size))
+        into = keys[:, :, : keys.shape[2] - extra].unflatten(2, (-1, self.config.group_size))
+        dequantize(blocks, key_scale[:, :, :, None], key_min[:, :, :, None], out=into)
         return keys, values
 
-    def _dequantize_tokens(self, packed: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    def _dequantize_tokens(self, packed: Tensor, scale: Tensor, minimum: Tensor, extra: int) -> Tensor:
         codes = unpack(packed, self.config.bits).unflatten(-1, (-1, self.width))
-        return dequantize(codes, scale[..., None], minimum[..., None]).flatten(-2)
+        batch, heads, count, groups, width = codes.shape
+        out = scale.new_empty(batch, heads, count + extra, groups * width)
+        into = out[:, :, :count].unflatten(-1, (groups, width))
+        dequantize(codes, scale[..., None], minimum[..., None], out=into)
+        return out
 
     # -- the seam ------------------------------------------------------------------------------------------
     def prefill(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if self.seq_length(layer) == 0:
             self._store(layer, k, v)
             return k, v
-        _, transfer = self._start(layer, whole=True)  # the prompt's mask spans every position
-        past_k, past_v = self._load(layer, self._dequantized(transfer), k.dtype)
+        extra = self._tail_length(layer) + k.shape[2]
+        _, transfer = self._start(layer, extra, whole=True)  # the prompt's mask spans every position
+        keys, values = self._load(layer, self._dequantized(transfer, extra), k, v)
         self._store(layer, k, v)
-        return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        return keys, values
 
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
         first, loading = self.take_fetch(layer)
-        past_k, past_v = self._load(layer, loading.wait(), k_new.dtype)
+        keys, values = self._load(layer, loading.wait(), k_new, v_new)
         n_past = self.seq_length(layer)
         self._store(layer, k_new, v_new)
-        keys, values = torch.cat([past_k, k_new], dim=2), torch.cat([past_v, v_new], dim=2)
         self.record_attended(layer, keys.shape[2])
         if first == 0:
             return Selection(keys, values)

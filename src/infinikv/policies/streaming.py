@@ -68,11 +68,11 @@ class StreamingPolicy(ScoredPolicy):
     def score(self, layer: int, n_past: int, batch: int) -> None:
         return None  # the sinks and the window are the whole pick
 
-    def adjust_keys(self, layer: int, index: Tensor, keys: Tensor) -> Tensor:
+    def adjust_keys(self, layer: int, index: Tensor, keys: Tensor) -> None:
         skipped = self._skipped.pop(layer, None)
         sinks = min(self.config.n_sink, keys.shape[2])
         if skipped is None or sinks == 0 or not any(skipped):
-            return keys
+            return
         skipped = torch.tensor(skipped, device=keys.device)
         # R(delta) on post-RoPE keys: the same rotation RoPE applies at position delta (scaling divided out).
         rope = self.spec.rope
@@ -80,4 +80,4 @@ class StreamingPolicy(ScoredPolicy):
         scale, _ = rope(layer, keys, torch.zeros_like(skipped[:, None]))
         cos, sin = (cos / scale[..., :1]).unsqueeze(1), (sin / scale[..., :1]).unsqueeze(1)
         head = keys[:, :, :sinks]
-        return torch.cat([head * cos + rotate_half(head) * sin, keys[:, :, sinks:]], dim=2)
+        keys[:, :, :sinks] = head * cos + rotate_half(head) * sin
