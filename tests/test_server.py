@@ -470,7 +470,8 @@ def test_the_static_scheduler_runs_every_kv_configuration_on_one_engine(model, m
     assert len(engines) == 1
 
 
-def test_a_shutdown_ends_what_is_left_with_a_503(model, monkeypatch):
+@pytest.mark.parametrize("scheduler", ["continuous", "static"])
+def test_a_shutdown_ends_what_is_left_with_a_503(model, monkeypatch, scheduler):
     """Once the graceful timeout passes, a running request and waiting ones, streamed or not, each get an
     OpenAI-shaped 503 (uvicorn alone cancelled their tasks: a plain-text 500, an empty stream)."""
     step = Engine.step
@@ -480,7 +481,7 @@ def test_a_shutdown_ends_what_is_left_with_a_503(model, monkeypatch):
         return step(self)
 
     monkeypatch.setattr(Engine, "step", slow_step)
-    app = create_app(model, settings=ServerSettings(max_batch=1, max_queue=16))
+    app = create_app(model, settings=ServerSettings(max_batch=1, max_queue=16, scheduler=scheduler))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -492,14 +493,17 @@ def test_a_shutdown_ends_what_is_left_with_a_503(model, monkeypatch):
     answers = {}
 
     def ask(name: str, stream: bool) -> None:
-        body = {"prompt": "hi", "max_tokens": 300, "stream": stream}
+        body = {"prompt": "hi", "max_tokens": 300, "temperature": 0, "stream": stream}  # no EOS in 300
         answers[name] = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
 
     asking = [threading.Thread(target=ask, args=job) for job in [("running", False), ("waiting", False)]]
     asking.append(threading.Thread(target=ask, args=("streamed", True)))
     for thread_of_one in asking:
         thread_of_one.start()
-        time.sleep(0.2)
+        time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while app.state.infinikv.scheduler.in_flight < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
     server.should_exit = True
     for thread_of_one in asking:
         thread_of_one.join(30)

@@ -696,7 +696,8 @@ class ScoredPolicy(HostPoolPolicy):
         keys, values = transfer.wait()  # the selected rows, then the spare slot
         self.host_pool.append(layer, k_new, v_new)
         index = index.to(k_new.device)
-        self.adjust_keys(layer, index, keys[:, :, :-1])
+        if self.adjust_keys(layer, index, keys[:, :, :-1]) is not None:
+            raise TypeError(f"{type(self).__name__}.adjust_keys rewrites the keys in place and returns None")
         keys[:, :, -1:], values[:, :, -1:] = k_new, v_new
         new_position = index.new_full((*index.shape[:2], 1), n_past)
         positions = torch.cat([index, new_position], dim=2)

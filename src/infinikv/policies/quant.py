@@ -108,8 +108,8 @@ def quantize(x: Tensor, bits: int, dim: int, valid: Tensor | None = None) -> tup
     else:
         minimum = torch.where(valid, x, float("inf")).amin(dim=dim, keepdim=True)
         maximum = torch.where(valid, x, float("-inf")).amax(dim=dim, keepdim=True)
-        empty = ~torch.isfinite(minimum)  # a group of padding only
-        minimum, maximum = minimum.masked_fill(empty, 0), maximum.masked_fill(empty, 0)
+    empty = ~torch.isfinite(minimum)  # a group of padding only (or of values that are not finite)
+    minimum, maximum = minimum.masked_fill(empty, 0), maximum.masked_fill(empty, 0)
     scale = ((maximum - minimum) / top).clamp(min=torch.finfo(x.dtype).tiny)
     codes = ((x - minimum) / scale).round().clamp(0, top).to(torch.uint8)
     return codes, scale, minimum
@@ -277,6 +277,11 @@ class QuantPolicy(HostPoolPolicy):
         if self.seq_length(layer) == 0:
             self._store(layer, k, v)
             return k, v
+        if self.raw:  # K/V copied as stored: free slots in the copy would each be a slot gathered for nothing
+            _, transfer = self._start(layer, 0, whole=True)
+            past_k, past_v = transfer.wait()
+            self._store(layer, k, v)
+            return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
         extra = self._tail_length(layer) + k.shape[2]
         _, transfer = self._start(layer, extra, whole=True)  # the prompt's mask spans every position
         keys, values = self._load(layer, self._dequantized(transfer, extra), k, v)

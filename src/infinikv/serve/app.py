@@ -279,7 +279,7 @@ async def _generate(
     extra = body.model_extra or {}
     policy_name, policy = resolve_policy(body.kv_policy, extra, state.defaults, state.loaded.spec)
     try:
-        job = state.scheduler.submit(ids, policy, sampling, stream=body.stream)
+        job = state.scheduler.submit(ids, policy, sampling, stream=bool(body.stream))
     except QueueFull:
         raise ApiError(
             f"the queue is full ({state.settings.max_queue} requests waiting); retry shortly",

@@ -2,8 +2,8 @@
 
 The HTTP layer ``submit``s a :class:`Job` (a prompt's token ids, a policy config, sampling settings) and
 reads its events from an asyncio queue: ``("text", piece)`` while it streams, then ``("done",
-RequestResult)``, ``("error", message)``, ``("timeout", message)`` or ``("shutdown", message)``. A job
-whose client went away is
+RequestResult)``, ``("error", message)``, ``("timeout", message)`` or ``("shutdown", message)``. A job whose
+client went away is
 cancelled at the next step, and so is one still running at its deadline (``--request-timeout``).
 
 :class:`ContinuousScheduler` (the default) steps an :class:`~infinikv.engine.Engine`: a job joins the
@@ -244,6 +244,10 @@ class StaticScheduler(_QueueWorker):
             )
         except Exception as exc:  # a failed batch must not stop the server
             log.exception("generation failed for a batch of %d", len(batch))
+            # Rows it left in the shared engine would be stepped with every later batch's.
+            for seq in [seq.id for seq in (*self._engine.running, *self._engine.waiting)]:
+                with contextlib.suppress(Exception):  # its cache may be the one that failed
+                    self._engine.abort(seq)
             for job in batch:
                 job.emit("error", f"generation failed: {exc}")
             return
@@ -259,7 +263,9 @@ class StaticScheduler(_QueueWorker):
         self.batches_served += 1
         log.info("batch of %d (%s) done in %.2f s", len(batch), name, time.perf_counter() - started)
         for job, result in zip(batch, results, strict=True):
-            if result.finish_reason == "cancelled" and job.overdue() and not job.cancelled.is_set():
+            if result.finish_reason == "cancelled" and self._stopping:  # stop() cut it short
+                job.emit("shutdown", "the server is shutting down")
+            elif result.finish_reason == "cancelled" and job.overdue() and not job.cancelled.is_set():
                 job.emit_timeout(len(result.token_ids))
             else:
                 job.emit("done", result)
