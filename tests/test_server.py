@@ -454,7 +454,8 @@ def test_bench_serve_at_a_url_with_v1_is_one_line(server, capsys):
 
 
 def test_the_static_scheduler_runs_every_kv_configuration_on_one_engine(model, monkeypatch):
-    """One engine, so one memory budget, however many configurations the requests bring."""
+    """One engine, so one memory budget (``--kv-memory``'s), however many configurations the requests
+    bring."""
     engines = []
 
     class Counted(generate_module.Engine):
@@ -463,11 +464,14 @@ def test_the_static_scheduler_runs_every_kv_configuration_on_one_engine(model, m
             engines.append(self)
 
     monkeypatch.setattr(generate_module, "Engine", Counted)
-    with serving(model, settings=ServerSettings(scheduler="static")) as (url, _):
+    memory = 64 * 2**20
+    settings = ServerSettings(scheduler="static", engine=EngineConfig(kv_memory=memory))
+    with serving(model, settings=settings) as (url, _):
         for budget in (8, 9, 10):
             body = {"prompt": PROMPTS[0], "max_tokens": 2, "kv_policy": "quest", "kv_budget": budget}
             assert _post(url, "/v1/completions", body).status_code == 200
     assert len(engines) == 1
+    assert engines[0].config.kv_memory == memory
 
 
 @pytest.mark.parametrize("scheduler", ["continuous", "static"])

@@ -177,14 +177,18 @@ class Generator:
         return ids
 
 
-def batch_engine(loaded: LoadedModel, chunk: int, compile: bool = False) -> Engine:
+def batch_engine(
+    loaded: LoadedModel, chunk: int, compile: bool = False, kv_memory: int | None = None
+) -> Engine:
     """The engine a :class:`Generator` makes for itself: a call's prompts all arrive at once, so it reads
-    them in ``chunk``-token chunks before decoding (no stream to keep going meanwhile), with no prefix cache.
-    ``chunk``: the prefill chunk, at most the model's context."""
+    them in ``chunk``-token chunks before decoding (no stream to keep going meanwhile), in blocks of a chunk,
+    with no prefix cache. ``chunk``: the prefill chunk, at most the model's context; ``kv_memory``: the
+    pool's bytes (None: the engine's default, half the memory free)."""
     config = EngineConfig(
         block_tokens=chunk,
         chunk_tokens=chunk,
         step_tokens=64 * chunk,
+        kv_memory=kv_memory,
         prefix_cache=False,
         compile=compile,
     )

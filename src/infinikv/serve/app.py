@@ -60,7 +60,8 @@ class ServerSettings:
     default_max_tokens: int = 256  # chat requests without max_tokens (capped by the context left)
     served_name: str | None = None  # the model id clients send; default: the loaded model's name
     scheduler: str = "continuous"  # or "static": one batch of compatible requests at a time
-    engine: EngineConfig = field(default_factory=EngineConfig)  # the continuous scheduler's engine
+    # the continuous scheduler's engine (the static one takes its kv_memory and compile)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     # seconds from a request's arrival until it is cancelled and answered 504 (None: no deadline)
     request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT
 
@@ -91,6 +92,7 @@ class _State:
                 settings.max_queue,
                 settings.request_timeout,
                 compile=settings.engine.compile,
+                kv_memory=settings.engine.kv_memory,
             )
         else:
             engine = dataclasses.replace(settings.engine, max_running=settings.max_batch)

@@ -138,6 +138,7 @@ class StaticScheduler(_QueueWorker):
         max_queue: int = 64,
         request_timeout: float | None = None,
         compile: bool = False,
+        kv_memory: int | None = None,
     ):
         super().__init__(metrics, max_queue, request_timeout, "infinikv-generate")
         self.loaded = loaded
@@ -145,9 +146,10 @@ class StaticScheduler(_QueueWorker):
         self.compile = compile  # decode steps under torch.compile (EngineConfig.compile)
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []
-        # One engine for every KV configuration (its memory budget is taken once), a Generator per one
+        # One engine for every KV configuration (its memory budget, ``kv_memory`` bytes, is taken once), a
+        # Generator per one
         chunk = min(GenerationConfig().prefill_chunk, loaded.max_context)
-        self._engine = batch_engine(loaded, chunk, compile)
+        self._engine = batch_engine(loaded, chunk, compile, kv_memory)
         self._generators: dict[PolicyConfig, Generator] = {}
         self.batches_served = 0
 
