@@ -23,6 +23,7 @@ import torch
 import infinikv
 from infinikv import GenerationConfig, Generator, copiers
 from infinikv.cache import InfinikvCache
+from infinikv.engine import Engine, EngineConfig
 from infinikv.engine.engine import prompt_chunks
 from infinikv.forward import Driver
 from infinikv.kvpool import KVPool
@@ -647,10 +648,9 @@ HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__",
 PACKAGE = os.path.dirname(infinikv.__file__) + os.sep  # reads made by infinikv's own code
 
 
-def _decode_reads(loaded, config, monkeypatch) -> list[tuple[str, str, str]]:
-    """The host reads (what was read, by which function, in which file) infinikv's code makes in four
-    decode steps of a left-padded batch, on the decode thread or the pool's worker."""
-    prepare(config, loaded)
+def _count_reads(monkeypatch) -> tuple[threading.Event, list[tuple[str, str, str]]]:
+    """From now on in the test, the host reads (what was read, by which function, in which file)
+    infinikv's code makes, on any thread, while the event returned is set."""
     counting, reads = threading.Event(), []
 
     def counted(name: str, method: Callable) -> Callable:
@@ -662,14 +662,22 @@ def _decode_reads(loaded, config, monkeypatch) -> list[tuple[str, str, str]]:
 
         return read
 
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    return counting, reads
+
+
+def _decode_reads(loaded, config, monkeypatch) -> list[tuple[str, str, str]]:
+    """The host reads infinikv's code makes in four decode steps of a left-padded batch, on the decode
+    thread or the pool's worker."""
+    prepare(config, loaded)
     ids = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, :11] = 0  # the first row is 29 tokens, left-padded
     with Driver(loaded, InfinikvCache(loaded.model, config, device=loaded.device)) as driver:
         tokens = driver.prefill(ids, mask, chunk=16).argmax(dim=-1)
         with monkeypatch.context() as patched:
-            for name in HOST_READS:
-                patched.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+            counting, reads = _count_reads(patched)
             pool = driver.policy.pool()
             for _ in range(4):
                 counting.set()
@@ -692,6 +700,35 @@ def test_a_decode_step_reads_nothing_back(policy, setting, model, request, monke
     knobs = case(policy).tight if setting == "tight" else {}
     config = make_config(policy, **knobs)
     assert _decode_reads(request.getfixturevalue(model), config, monkeypatch) == []
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("setting", ["defaults", "tight"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_an_engine_decode_step_reads_back_only_its_new_tokens(policy, setting, model, request, monkeypatch):
+    """An engine's decode step over rows of different lengths (each through its own cache, as the server
+    runs them) makes one host read in infinikv's code, on any thread: the rows' new tokens, handed to the
+    requests. The policies' work for those rows reads nothing back."""
+    loaded = request.getfixturevalue(model)
+    config = make_config(policy, **(case(policy).tight if setting == "tight" else {}))
+    prepare(config, loaded)
+    engine = Engine(loaded, EngineConfig(block_tokens=16, chunk_tokens=16, prefix_cache=False))
+    generator = torch.Generator().manual_seed(0)
+    for length in (29, 40, 47):
+        prompt = torch.randint(3, 200, (length,), generator=generator).tolist()
+        engine.add(prompt, config, GenerationConfig(64))
+    while len(engine.step()) < 3:  # until every row decodes (a step outputs a token per decoding row)
+        pass
+    counting, reads = _count_reads(monkeypatch)
+    for _ in range(4):
+        counting.set()
+        assert len(engine.step()) == 3
+        for row in engine.running:
+            pool = row.driver.policy.pool()
+            if pool is not None:
+                pool.drain()  # the look-ahead the step queued, too
+        counting.clear()
+    assert reads == [("tolist", "_decode", "engine.py")] * 4
 
 
 @pytest.mark.parametrize("knobs", [{"alpha": 5.0}, {"alpha": 5.0, "block_size": 4}], ids=["tokens", "blocks"])
