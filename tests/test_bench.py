@@ -124,6 +124,22 @@ def test_shared_prefill_keeps_no_autograd_graph(tiny):
     assert sum(k.shape[2] for layer, k, _, _ in recorded.calls if layer == 0) == ids.shape[1]
 
 
+def test_a_flag_of_no_policy_benchmarked_is_an_error(capsys):
+    """``bench --policies dense --budget -1`` ran, the flag unchecked and unused (generate refuses it)."""
+    assert main(["bench", "--model", "dummy:tiny", "--policies", "dense,offload", "--budget", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--budget is a knob of none of the policies benchmarked (dense, offload)"), err
+
+
+def test_a_corpus_with_no_tokens_is_an_error(tiny, tmp_path):
+    """A corpus file that gives no token (here an empty one) is one error; it made prompt_ids loop
+    forever."""
+    corpus = tmp_path / "empty.txt"
+    corpus.write_text("")
+    with pytest.raises(InputError, match=f"corpus {corpus} has no text to cut prompts from"):
+        prompt_ids(tiny, 16, 2, str(corpus))
+
+
 def test_shared_prefill_builds_h2o_prompt_scores_as_its_own_prefill_does(tiny):
     # H2O scores the prompt in its attention; a shared prefill that only hands it K/V would leave no scores.
     ids, _ = prompt_ids(tiny, 40, 1, None)

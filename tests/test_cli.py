@@ -88,7 +88,11 @@ def test_bad_input_is_one_line(model_dir, capsys, extra, message):
 
 @pytest.mark.parametrize(
     "model, message",
-    [("no-such-model", "unknown model"), ("/no/such/model.gguf", "model file not found")],
+    [
+        ("no-such-model", "unknown model"),
+        ("/no/such/model.gguf", "model file not found"),
+        ("", "model must be a non-empty name or path, got ''"),
+    ],
 )
 def test_bad_models(capsys, model, message):
     assert main(["generate", "--model", model, "--prompt", "hi"]) != 0
@@ -99,7 +103,13 @@ def test_corrupt_gguf_file(tmp_path, capsys):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file at all")
     assert main(["generate", "--model", str(bad), "--prompt", "hi"]) != 0
-    assert "could not" in error_line(capsys)
+    assert f"could not load model '{bad}'" in error_line(capsys)  # the file, not its folder
+
+
+def test_a_folder_that_holds_no_model_is_named(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) != 0
+    assert error_line(capsys).endswith(f"not a model folder: {tmp_path} has no config.json")
 
 
 def test_infinigen_uses_the_calibrated_alpha_unless_a_flag_sets_it(model_dir, tmp_path, monkeypatch, capsys):

@@ -146,6 +146,25 @@ def test_bad_prompts(prompts, kwargs, message):
 
 
 @pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda g: g.generate(["hi"], None), "config must be a GenerationConfig, got NoneType"),
+        (lambda g: g.generate(None), "prompts must be a string or a list of prompts, got NoneType"),
+        (lambda g: g.generate(["hi"], on_text=5), "on_text must be callable"),
+        (lambda g: g.generate(["hi"], cancelled="no"), "cancelled must be callable"),
+        (lambda g: g.generate(["hi"], row_max_new_tokens=[]), "one limit per prompt"),
+        (lambda g: Generator(None), "loaded must be a model from infinikv.models.load, got NoneType"),
+        (lambda g: Generator("smollm2-135m"), "loaded must be a model from infinikv.models.load, got str"),
+    ],
+)
+def test_bad_arguments_are_input_errors(tiny, call, message):
+    """A wrong type for an argument is an InputError naming it, before any model work (it was an
+    AttributeError or TypeError from deep inside, or, for a callback, from the middle of a run)."""
+    with pytest.raises(InputError, match=message):
+        call(Generator(tiny, "dense"))
+
+
+@pytest.mark.parametrize(
     "kwargs", [{"max_new_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5}]
 )
 def test_bad_generation_numbers(kwargs):

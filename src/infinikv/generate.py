@@ -56,6 +56,8 @@ class Generator:
         compile: bool = False,
         **knobs: Any,
     ):
+        if not isinstance(loaded, LoadedModel):
+            raise InputError(f"loaded must be a model from infinikv.models.load, got {type(loaded).__name__}")
         if not isinstance(compile, bool):
             raise InputError(f"compile must be True or False, got {compile!r}")
         if engine is not None and compile != engine.config.compile:
@@ -95,8 +97,21 @@ class Generator:
         ``row_max_new_tokens``: each row's own limit (at most ``config.max_new_tokens``); a row that reaches
         it finishes with "length". A seeded row draws from its own generator, seeded with ``config.seed``.
         ``progress``: a progress bar of the prompt tokens read."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        limits = list(row_max_new_tokens or [config.max_new_tokens] * len(prompts))
+        if not isinstance(config, GenerationConfig):
+            raise InputError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        for name, hook in (("on_text", on_text), ("cancelled", cancelled)):
+            if hook is not None and not callable(hook):
+                raise InputError(f"{name} must be callable, got {type(hook).__name__}")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif isinstance(prompts, Sequence):
+            prompts = list(prompts)
+        else:
+            raise InputError(f"prompts must be a string or a list of prompts, got {type(prompts).__name__}")
+        if row_max_new_tokens is None:
+            limits = [config.max_new_tokens] * len(prompts)
+        else:
+            limits = list(row_max_new_tokens)
         if len(limits) != len(prompts) or not all(1 <= n <= config.max_new_tokens for n in limits):
             raise InputError(
                 f"row_max_new_tokens needs one limit per prompt, each in 1..{config.max_new_tokens}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -326,7 +327,7 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # what ``load`` t
 
 
 def load(
-    name: str = DEFAULT_MODEL,
+    name: str | os.PathLike = DEFAULT_MODEL,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
 ) -> LoadedModel:
@@ -334,6 +335,9 @@ def load(
     dtype or a name of :data:`DTYPES`): the weights' and activations'; None: float32, or a dummy model's own
     (``dummy.dummy_dtype``). In another dtype than that, the weights id names it too, so what is calibrated
     or cached for the model in one dtype (InfiniGen's skew, prefills) is not used in another."""
+    name = os.fspath(name) if isinstance(name, os.PathLike) else name
+    if not isinstance(name, str) or not name.strip():
+        raise ModelError(f"model must be a non-empty name or path, got {name!r}")
     device = resolve_device(device)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -352,8 +356,10 @@ def load(
         if not path.is_file():
             raise ModelError(f"model file not found: {path}")
         weights_id = sha256_file(path)
-        model, tokenizer = _from_pretrained(str(path.parent), dtype, gguf_file=path.name)
+        model, tokenizer = _from_pretrained(str(path.parent), dtype, gguf_file=path.name, named=str(path))
     elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"not a model folder: {path} has no config.json")
         weights_id = _hash_weight_files(path)
         model, tokenizer = _from_pretrained(str(path), dtype)
     elif "/" in name and not name.startswith((".", "/")):
@@ -407,15 +413,17 @@ def _load_converted(source: Path, dtype) -> tuple[PreTrainedModel, PreTrainedTok
     return model, tokenizer, weights_id
 
 
-def _from_pretrained(source: str, dtype, **kwargs):
+def _from_pretrained(source: str, dtype, named: str | None = None, **kwargs):
+    """The model and tokenizer at ``source``; an error names ``named`` (a GGUF file), else ``source``."""
+    named = named or source
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     except OSError as exc:
-        raise ModelError(f"could not load model '{source}': {str(exc).splitlines()[0]}") from exc
+        raise ModelError(f"could not load model '{named}': {str(exc).splitlines()[0]}") from exc
     except Exception as exc:
         raise ModelError(
-            f"could not load model '{source}': {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            f"could not load model '{named}': {type(exc).__name__}: {str(exc).splitlines()[0]}"
         ) from exc
     return model, tokenizer
 

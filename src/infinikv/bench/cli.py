@@ -45,6 +45,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         corpus=None if args.corpus == "none" else args.corpus,
         compile=args.compile,
     )
+    for knob, _ in config.knobs:  # a flag no benchmarked policy takes would go unchecked and unused
+        if not any(knob in config.policy_knobs(name) for name in config.policies):
+            benchmarked = ", ".join(config.policies) or "none"
+            raise InputError(
+                f"--{knob.replace('_', '-')} is a knob of none of the policies benchmarked ({benchmarked})"
+            )
     if args.threads is not None:
         if args.threads < 1:
             raise InputError(f"--threads must be at least 1, got {args.threads}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InfinikvError
+from ..errors import InfinikvError, InputError
 from ..models import LoadedModel
 
 Tensor = torch.Tensor
@@ -38,7 +38,9 @@ def prompt_ids(loaded: LoadedModel, tokens: int, rows: int, corpus: str | None) 
     start = 0
     while len(ids) < needed:  # encode only as much text as the grid needs (~6 characters per token)
         piece = text[start : start + max(4096, 8 * (needed - len(ids)))]
-        if not piece:
+        if not piece:  # the whole text read: from its start again, unless it gave no token at all
+            if not ids:
+                raise InputError(f"corpus {source} has no text to cut prompts from")
             start, piece = 0, text[: 8 * needed]
         ids.extend(tokenizer(piece, add_special_tokens=False)["input_ids"])
         start += len(piece)
