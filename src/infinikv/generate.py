@@ -18,7 +18,7 @@ prefix, they are the same.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -104,7 +104,7 @@ class Generator:
                 raise InputError(f"{name} must be callable, got {type(hook).__name__}")
         if isinstance(prompts, str):
             prompts = [prompts]
-        elif isinstance(prompts, Sequence):
+        elif isinstance(prompts, Iterable):
             prompts = list(prompts)
         else:
             raise InputError(f"prompts must be a string or a list of prompts, got {type(prompts).__name__}")
