@@ -149,7 +149,7 @@ def test_bad_prompts(prompts, kwargs, message):
     "call, message",
     [
         (lambda g: g.generate(["hi"], None), "config must be a GenerationConfig, got NoneType"),
-        (lambda g: g.generate(None), "prompts must be a string or a list of prompts, got NoneType"),
+        (lambda g: g.generate(None), "prompts must be a string or an iterable of prompts, got NoneType"),
         (lambda g: g.generate(["hi"], on_text=5), "on_text must be callable"),
         (lambda g: g.generate(["hi"], cancelled="no"), "cancelled must be callable"),
         (lambda g: g.generate(["hi"], row_max_new_tokens=[]), "one limit per prompt"),

@@ -107,7 +107,8 @@ class Generator:
         elif isinstance(prompts, Iterable):
             prompts = list(prompts)
         else:
-            raise InputError(f"prompts must be a string or a list of prompts, got {type(prompts).__name__}")
+            kind = type(prompts).__name__
+            raise InputError(f"prompts must be a string or an iterable of prompts, got {kind}")
         if row_max_new_tokens is None:
             limits = [config.max_new_tokens] * len(prompts)
         else:
