@@ -712,7 +712,9 @@ def test_an_engine_decode_step_reads_back_only_its_new_tokens(policy, setting, m
     loaded = request.getfixturevalue(model)
     config = make_config(policy, **(case(policy).tight if setting == "tight" else {}))
     prepare(config, loaded)
-    engine = Engine(loaded, EngineConfig(block_tokens=16, chunk_tokens=16, prefix_cache=False))
+    engine = Engine(
+        loaded, EngineConfig(block_tokens=16, chunk_tokens=16, kv_memory=2**26, prefix_cache=False)
+    )
     generator = torch.Generator().manual_seed(0)
     for length in (29, 40, 47):
         prompt = torch.randint(3, 200, (length,), generator=generator).tolist()
