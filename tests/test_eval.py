@@ -13,7 +13,10 @@ from infinikv.cli import main
 from infinikv.errors import InputError
 from infinikv.eval import ppl, report, retrieval, scoring, sweep, tasks
 from infinikv.eval.runner import DecodeRun, PrefillMemo
+from infinikv.generate import GenerationConfig, Generator
 from infinikv.policies import POLICIES, make_config
+
+from .test_policy_matrix import CASES
 
 
 def words(text: str) -> int:
@@ -205,10 +208,43 @@ def test_a_replayed_prefill_equals_the_policys_own(kind, request):
             replays = memo.replays
             replayed = logits_of(name, knobs, memo)  # four prompt chunks, recorded or replayed
             torch.testing.assert_close(replayed, own, atol=0, rtol=0, msg=f"{name} {knobs}")
-            assert memo.replays - replays == (policy.prefill_family in recorded), name
+            # each row's prompt is recorded and replayed apart
+            assert memo.replays - replays == len(prompt) * (policy.prefill_family in recorded), name
             if policy.prefill_family is not None:
                 recorded.add(policy.prefill_family)
     assert recorded == {"dense", "h2o"}
+
+
+@pytest.mark.parametrize("kind", ["tiny", "tiny_gemma"])
+@pytest.mark.parametrize("setting", ["defaults", "tight"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_the_eval_scores_what_the_engine_serves(policy, setting, kind, request):
+    """A DecodeRun runs the engine's prefill and decode step, each row alone: a row's logits beside another
+    row are its logits alone, bit for bit, and its greedy tokens are those the Generator serves for the same
+    prompt (prompt chunks of the same size), so what the eval scores is what a user is served."""
+    loaded = request.getfixturevalue(kind)
+    config = make_config(policy, **(CASES[policy].tight if setting == "tight" else {}))
+    prompts = torch.randint(3, 259, (2, 70), generator=torch.Generator().manual_seed(4))
+    new_tokens = 8
+
+    def greedy(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        with DecodeRun(loaded, config, prefill_chunk=32) as run:
+            logits, tokens = [run.prefill(prompts[rows])], []
+            for _ in range(new_tokens):
+                tokens.append(logits[-1].argmax(dim=-1))
+                logits.append(run.step(tokens[-1]))
+        return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)
+
+    tokens, logits = greedy([0, 1])
+    for row in (0, 1):
+        torch.testing.assert_close(greedy([row])[1][0], logits[row], atol=0, rtol=0, msg=f"row {row}")
+    sampling = GenerationConfig(max_new_tokens=new_tokens, prefill_chunk=32)
+    served = Generator(loaded, config).generate([p.tolist() for p in prompts], sampling)
+    for row, result in enumerate(served):
+        expected = tokens[row].tolist()
+        if result.finish_reason == "eos":  # the Generator stops at an end-of-sequence token
+            expected = expected[: len(result.token_ids)]
+        assert result.token_ids == expected, f"row {row}"
 
 
 def test_perplexity_blocks_and_dense_reference(tiny, tmp_path):
@@ -280,6 +316,20 @@ def test_sweep_resumes_without_recomputing(tiny, tmp_path, monkeypatch):
     calls.clear()
     sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
     assert calls == []
+
+    # A cell measured on the left-padded batch's decode path (no decode_path in its record) is shown marked
+    # with that difference, and the next sweep measures it again.
+    lines = log.read_text().splitlines()
+    first = json.loads(lines[0])
+    del first["result"]["decode_path"]
+    log.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    summary = report.write_outputs(config)
+    stale = [record for record in summary["cells"] if record.get("stale")]
+    assert [record["key"] for record in stale] == [first["key"]]
+    assert stale[0]["stale"] == "decode path: left-padded batch → engine"
+    sweep.run_sweep(config, loader=lambda name: tiny, progress=False)
+    assert calls == [first["key"]]
+    assert not any(record.get("stale") for record in report.write_outputs(config)["cells"])
 
 
 def test_a_sweep_whose_cells_fail_exits_1_after_writing_its_outputs(tmp_path, monkeypatch, capsys):

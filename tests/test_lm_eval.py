@@ -150,6 +150,16 @@ def test_a_small_budget_changes_the_loglikelihoods(tiny, policy):
     assert tight[0][0] != pytest.approx(dense[0][0], abs=1e-4)
 
 
+@pytest.mark.parametrize("setting", ["defaults", "tight"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_pairs_score_does_not_depend_on_its_batch(tiny, policy, setting):
+    """Each pair is scored as its own sequence on the engine's decode step (no padding, each row's
+    projections as alone): batched with pairs of other lengths, it gets its score alone, to the last bit."""
+    knobs = CASES[policy].tight if setting == "tight" else {}
+    alone = loglikelihoods(tiny, policy, knobs, batch_size=1)
+    assert loglikelihoods(tiny, policy, knobs, batch_size=3) == alone
+
+
 def test_batching_and_decode_context_do_not_change_dense_scores(tiny):
     """Dense attention is the same whether a token is prefilled or decoded, alone or beside padding."""
     reference = loglikelihoods(tiny, "dense", {})

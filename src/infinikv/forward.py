@@ -4,6 +4,8 @@
 benchmark's peers), the attention mask and the next positions. ``prefill`` feeds a prompt batch in chunks
 (:func:`chunk_bounds`) with positions taken from its padding mask, as transformers' own generate does;
 ``step`` feeds one token per row, growing the mask by one column. Both return the last position's logits.
+That left-padded batch is the benchmark's. One sequence alone is read as the engine reads it: ``extend``
+takes one prompt chunk, ``read_prompt`` a whole prompt in chunks from its start (:func:`prompt_chunks`), and
 :func:`decode_rows` is the engine's decode step over rows of different lengths. Everything around it
 stays with its user: sampling, stop strings and streaming in ``generate.Generator``, teacher forcing in
 ``eval.runner.DecodeRun`` and ``lm_eval.loglik``, timing in the benchmark.
@@ -49,6 +51,16 @@ def chunk_bounds(total: int, chunk: int) -> list[tuple[int, int]]:
     (quant) gives a row what it gives it alone. A short first chunk is still a prefill (the cache is empty);
     every later one is whole, so none looks like a decode step."""
     bounds = [0] + list(range(total % chunk or chunk, total + 1, chunk))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def prompt_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
+    """(begin, end) of each prefill chunk of a ``length``-token prompt: ``chunk`` tokens each from the start,
+    the last one shorter; a one-token tail joins the chunk before it (a lone token after others would be a
+    decode step)."""
+    bounds = list(range(0, length, chunk)) + [length]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
@@ -280,6 +292,34 @@ class Driver:
         return logits
 
     # -- one sequence, chunk by chunk (the engine) ---------------------------------------------------------
+    @torch.inference_mode()
+    def read_prompt(self, input_ids: Tensor, chunk: int, memo: PrefillMemo | None = None) -> Tensor:
+        """Read one unpadded sequence's whole prompt (``input_ids``: [1, tokens]) as the engine reads it:
+        :meth:`extend` over chunks of ``chunk`` tokens from its start (:func:`prompt_chunks`); return its
+        last position's logits [1, vocab]. With a ``memo``: replay this prompt's recording of the cache's
+        family if there is one (:meth:`restore`), else record it for the next drivers."""
+        tokens = input_ids.shape[1]
+        self.cache.reserve(tokens)
+        family = self._memo_family(memo)
+        key = None
+        if family is not None:  # chunks from the start: not the recording of a left-padded prefill
+            key = (*memo.key(self.loaded.name, family, input_ids, chunk), "from the start")
+        recorded = None if key is None else memo.get(key)
+        self.replayed = recorded
+        if recorded is not None:
+            self.restore(recorded.calls, recorded.state, tokens)
+            memo.replays += 1
+            return recorded.logits
+        calls: list[tuple[int, Tensor, Tensor, Tensor | None]] = []
+        start = now(self.loaded.device)
+        for begin, end in prompt_chunks(tokens, chunk):
+            logits, made = self.extend(input_ids[:, begin:end], record=key is not None)
+            calls += made or []
+        if key is not None:
+            forward_s = now(self.loaded.device) - start
+            memo.put(key, RecordedPrefill(calls, self.policy.prefill_state(), logits, forward_s))
+        return logits
+
     @torch.inference_mode()
     def extend(self, input_ids: Tensor, record: bool = False) -> tuple[Tensor, list | None]:
         """Feed the next prompt chunk of one unpadded sequence (``input_ids``: [1, tokens], at least two

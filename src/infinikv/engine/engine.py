@@ -42,13 +42,13 @@ import torch
 from ..cache import InfinikvCache
 from ..clock import now
 from ..errors import InputError
-from ..forward import Driver, decode_rows
+from ..forward import Driver, prompt_chunks
 from ..kvpool import KV, KVPool
 from ..models import LoadedModel
 from ..paged import BlockStore
 from ..policies import PolicyConfig, policy_of, prepare
 from .blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes, free_memory_bytes, on_device, on_host
-from .ragged import RaggedCache
+from .ragged import decode_step
 from .requests import GenerationConfig, RequestResult, sample
 from .sequence import Phase, Sequence
 
@@ -92,16 +92,6 @@ class StepOutput:
     token: int
     text: str
     result: RequestResult | None = None
-
-
-def prompt_chunks(length: int, chunk: int) -> list[tuple[int, int]]:
-    """(begin, end) of each prefill chunk of a ``length``-token prompt: ``chunk`` tokens each from the start,
-    the last one shorter; a one-token tail joins the chunk before it (a lone token after others would be a
-    decode step)."""
-    bounds = list(range(0, length, chunk)) + [length]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
-        del bounds[-2]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 WARM_UP_PROMPT_TOKENS = 8  # a compiled engine's warm-up generations (Engine._warm_up): prompt tokens
@@ -312,11 +302,10 @@ class Engine:
                 self.running.remove(seq)
 
     def _decode(self, rows: list[Sequence], outputs: list[StepOutput]) -> None:
-        past = [seq.cached_tokens for seq in rows]
-        cache = RaggedCache(self.loaded.spec, [seq.driver.cache for seq in rows], past)
+        caches, past = [seq.driver.cache for seq in rows], [seq.cached_tokens for seq in rows]
         tokens = torch.tensor([seq.next_input for seq in rows])
         start = now(self.loaded.device)
-        logits = decode_rows(self.loaded, cache, tokens, torch.tensor(past), self.config.compile)
+        logits = decode_step(self.loaded, caches, past, tokens, self.config.compile)
         elapsed = now(self.loaded.device) - start
         # each row samples on the device with its own settings; the new tokens then cross to the host in one
         # read, the step's only one (a forced row feeds its next forced token instead)

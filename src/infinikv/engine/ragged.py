@@ -23,11 +23,23 @@ from __future__ import annotations
 import torch
 
 from ..cache import InfinikvCache, PolicyLayer, in_order
+from ..forward import decode_rows
 from ..hooks import PolicyCache
+from ..models import LoadedModel
 from ..policies import Policy, StepRows
 from ..spec import ModelSpec, SharedQueries
 
 Tensor = torch.Tensor
+
+
+def decode_step(
+    loaded: LoadedModel, caches: list[InfinikvCache], past: list[int], tokens: Tensor, compile: bool = False
+) -> Tensor:
+    """The engine's decode step: row r feeds ``tokens[r]`` at position ``past[r]`` through ``caches[r]``
+    (which holds ``past[r]`` tokens); returns the next-token logits [rows, vocab]. ``compile``:
+    ``forward.decode_call``."""
+    cache = RaggedCache(loaded.spec, caches, past)
+    return decode_rows(loaded, cache, tokens, torch.tensor(past), compile)
 
 
 class RaggedCache(PolicyCache):

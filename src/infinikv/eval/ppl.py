@@ -128,6 +128,7 @@ def perplexity(
         "context": config.context,
         "prefill": config.prefill,
         "windows": config.windows,
+        "decode_path": stats["decode_path"],
         **summarise(nll, config.prefill, config.block),
         "kv_fraction": stats["kv_fraction"],
         "kv_fetched_fraction": stats["kv_fetched_fraction"],

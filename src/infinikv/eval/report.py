@@ -20,6 +20,7 @@ from typing import Any
 
 from ..policies import make_config
 from ..reporting import MISSING, fmt, write_keeping_notes
+from .runner import DECODE_PATH
 from .sweep import (
     Cell,
     SweepConfig,
@@ -30,18 +31,22 @@ from .sweep import (
     policy_variants,
 )
 
-STALE = " †"  # marks a cell shown from a measurement under other knobs (or samples) than the plan's
+STALE = " †"  # a cell shown from a measurement under other knobs, samples or decode path than planned
+EARLIER_PATH = "left-padded batch"  # the decode path of a record that names none (runner.DECODE_PATH)
 
 
 def _selected(config: SweepConfig, done: dict[str, dict]) -> tuple[list[dict], list[Cell]]:
     """The planned cells' records and the cells with none. A cell measured only under other knobs than its
-    policy's current ones (a default changed, a knob added since) or other samples is shown from its latest
-    such record, with ``stale`` naming what differs, until a sweep measures it again."""
+    policy's current ones (a default changed, a knob added since), other samples or on an earlier decode
+    path is shown from its latest such record, with ``stale`` naming what differs, until a sweep measures it
+    again."""
     latest = {record["key"]: record for record in done.values()}  # file order: the last one wins
     measured, missing = [], []
     for cell in cells(config):
         if is_measured(cell, done):
-            measured.append(done[cell.identity])
+            record = done[cell.identity]
+            path = _path_difference(record)
+            measured.append({**record, "stale": path} if path else record)
         elif cell.key in latest:
             record = latest[cell.key]
             measured.append({**record, "stale": _differences(cell, record)})
@@ -64,7 +69,14 @@ def _differences(cell: Cell, record: dict) -> str:
     samples = record["result"].get("samples")
     if cell.kind == "retrieval" and samples != cell.samples:
         changed.append(f"samples: {samples} → {cell.samples}")
+    changed += [_path_difference(record)] if _path_difference(record) else []
     return "; ".join(changed)
+
+
+def _path_difference(record: dict) -> str:
+    """ "decode path: ... → ..." for a record measured on another decode path than today's, else ""."""
+    path = record["result"].get("decode_path", EARLIER_PATH)
+    return "" if path == DECODE_PATH else f"decode path: {path} → {DECODE_PATH}"
 
 
 def _label(record: dict) -> str:
@@ -303,8 +315,7 @@ def write_report(config: SweepConfig, summary: dict[str, Any], command: str, not
         f"`{config.out}/summary.json`.",
         f"- Cells measured: {summary['measured']} of {planned} planned in this config"
         + (
-            f", {len(stale)} of them shown from a measurement under other knobs (marked{STALE}, listed at "
-            "the end)."
+            f", {len(stale)} of them shown from an earlier measurement (marked{STALE}, listed at the end)."
             if stale
             else "."
         ),
@@ -353,8 +364,13 @@ def _by_model_and_context(records: list[dict]) -> dict[tuple[str, int], list[dic
 
 STALE_TEXT = f"""
 Cells marked{STALE} were measured under other knobs than their policy's current ones (a default changed, or
-a knob was added since) and have not been measured again yet; the next sweep re-measures them. What each
-ran with differs from the plan as follows (then → now; – where a knob did not exist):
+a knob was added since), or on an earlier decode path, and have not been measured again yet; the next sweep
+re-measures them. The decode path before the engine's (`{EARLIER_PATH}`) fed every row of a left-padded batch
+through one cache and read a prompt in chunks cut back from its end; the engine's reads each row alone, in
+chunks from its start, and gives each row's projections the bits they have alone, so a figure measured there
+can differ in its last digits (a perplexity in its third decimal, a retrieval score by a sample where a
+selection tie falls the other way). What each ran with differs from the plan as follows (then → now; – where
+a knob did not exist):
 """
 
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..errors import InputError
 from ..models import LoadedModel
 from ..policies import PolicyConfig, make_config
-from .runner import COSTS, DecodeRun, PrefillMemo, policy_name
+from .runner import COSTS, DECODE_PATH, DecodeRun, PrefillMemo, policy_name
 from .scoring import score
 from .tasks import DEPTH_TASKS, TASKS, Sample, generate
 
@@ -176,6 +176,7 @@ def evaluate(
         "samples": samples,
         "chat": prompt.chat,
         "metric": batch[0].metric,
+        "decode_path": DECODE_PATH,
         "score": sum(r["score"] for r in rows) / len(rows),
         "by_depth": {d: sum(s) / len(s) for d, s in by_depth.items()},
         "kv_fraction": sum(fractions) / len(fractions) if None not in fractions else None,

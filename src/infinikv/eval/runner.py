@@ -2,8 +2,11 @@
 
 The Generator prefills a whole prompt and then samples. Evaluation needs more control: teacher forcing (feed a
 known token at every decode step, so the policy's selection decides every scored prediction) and feeding a
-question through the decode path before the answer is generated. :class:`DecodeRun` does exactly that with
-the Generator's own :class:`~infinikv.forward.Driver` over an :class:`~infinikv.cache.InfinikvCache`.
+question through the decode path before the answer is generated. :class:`DecodeRun` does exactly that on
+the engine's own prefill and decode step (:class:`~infinikv.engine.forced.ForcedRows`): each row is one
+sequence with its own cache, its prompt read in chunks from its start and each token fed through the
+engine's decode step, so a row's figures are those of its sequence served alone (prompt chunks of
+``prefill_chunk`` tokens), whatever rows run beside it.
 
 It also measures the three costs of a policy, each as a fraction of the dense KV cache: the bytes it copied
 from the host pool during decode, against what full offload would move for the same steps (every layer's
@@ -12,9 +15,9 @@ the fetch buffer); and its selector's work, the bytes it read to choose, on the 
 moved, and its share of the decode time.
 
 A :class:`~infinikv.forward.PrefillMemo` shared between runs records the first prefill of a prompt in each
-prefill family and replays it into the next runs of that family, so a sweep runs the model over each prompt
-once per family, not once per policy. The replayed cache holds exactly what the policy's own prefill would
-have built.
+prefill family and replays it into the next runs of that family (each row's prompt apart), so a sweep runs
+the model over each prompt once per family, not once per policy. The replayed cache holds exactly what the
+policy's own prefill would have built.
 """
 
 from __future__ import annotations
@@ -23,15 +26,18 @@ from typing import Any
 
 import torch
 
-from ..cache import InfinikvCache
 from ..clock import now
-from ..forward import Driver, PrefillMemo
+from ..engine.forced import ForcedRows
+from ..forward import PrefillMemo
 from ..models import LoadedModel
 from ..policies import POLICIES, Policy, PolicyConfig, prepare
 
 Tensor = torch.Tensor
 # A run's costs beside the bytes it moved (``kv_fetched_fraction``), each a fraction (DecodeRun.stats)
 COSTS = ("device_resident_fraction", "fetch_buffer_fraction", "selector_fraction", "selector_time_fraction")
+# The decode path a result was measured on (its ``decode_path``): the engine's prefill and decode step,
+# each row alone. Results without it came from a left-padded batch's Driver, whose bits can differ.
+DECODE_PATH = "engine"
 
 
 def policy_name(config: PolicyConfig) -> str:
@@ -53,11 +59,12 @@ class DecodeRun:
         memo: PrefillMemo | None = None,
     ):
         """``policy``: a config, or a policy object built for this model (then its ``prepare`` is the
-        caller's)."""
+        caller's, and it serves one row)."""
         self.loaded = loaded
         if isinstance(policy, PolicyConfig):
             prepare(policy, loaded)  # e.g. InfiniGen's calibration, once per model
-        self.driver = Driver(loaded, InfinikvCache(loaded.model, policy, device=loaded.device))
+        self.policy = policy
+        self.rows: ForcedRows | None = None  # made by prefill, one row per prompt
         self.prefill_chunk = prefill_chunk
         self.memo = memo
         self.length = 0  # tokens fed so far
@@ -79,14 +86,21 @@ class DecodeRun:
         self.close()
 
     def close(self) -> None:
-        self.driver.close()
+        if self.rows is not None:
+            self.rows.close()
 
     def prefill(self, input_ids: Tensor) -> Tensor:
-        """Feed ``input_ids`` [batch, tokens] densely (in chunks); return the last position's logits."""
+        """Read ``input_ids`` [batch, tokens] densely, each row alone (in chunks); return the last position's
+        logits [batch, vocab]. Called once."""
         self.batch, total = input_ids.shape
-        logits = self.driver.prefill(input_ids, chunk=self.prefill_chunk, memo=self.memo)
+        if isinstance(self.policy, Policy) and self.batch > 1:
+            raise ValueError("a policy object serves one row; give a config for a batch")
+        self.rows = ForcedRows(self.loaded, [self.policy] * self.batch)
+        chunk, memo = self.prefill_chunk, self.memo
+        rows = range(self.batch)
+        logits = torch.cat([self.rows.prefill(r, input_ids[r : r + 1], chunk, memo) for r in rows])
         self.length = total
-        self._h2d_after_prefill = self.driver.stats()["bytes_h2d"]
+        self._h2d_after_prefill = self.rows.stats()["bytes_h2d"]
         return logits.float()
 
     def step(self, tokens: Tensor) -> Tensor:
@@ -97,7 +111,7 @@ class DecodeRun:
         self._context_sum += sum(attendable) / len(attendable)
         self._steps += 1
         start = now(self.loaded.device)
-        logits = self.driver.step(tokens).float()
+        logits = self.rows.step(range(self.batch), tokens).float()
         self._decode_s += now(self.loaded.device) - start
         self.length += 1
         return logits
@@ -115,13 +129,14 @@ class DecodeRun:
         (one layer's fetch) on the same scale. ``selector_fraction``: bytes its selector read during decode /
         what full offload would copy; ``selector_time_fraction``: the selector's share of the decode time.
         """
-        stats = dict(self.driver.stats())
+        stats = self.rows.stats()
         moved = stats["bytes_h2d"] - self._h2d_after_prefill
         host = stats.get("kv_bytes_host", 0) > 0
         fetched = moved / self._offload_bytes if host and self._offload_bytes else None
         mean_context = self._context_sum / self._steps if self._steps else 0.0
         attended = stats.get("mean_tokens_attended", 0.0) / mean_context if mean_context else None
         stats.update(
+            decode_path=DECODE_PATH,
             decode_steps=self._steps,
             decode_bytes_h2d=moved,
             offload_equivalent_bytes=self._offload_bytes,

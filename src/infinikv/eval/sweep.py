@@ -65,7 +65,7 @@ from ..errors import InfinikvError, InputError
 from ..models import LoadedModel, load
 from ..policies import POLICIES, make_config
 from . import ppl, retrieval
-from .runner import COSTS, PrefillMemo
+from .runner import COSTS, DECODE_PATH, PrefillMemo
 from .tasks import TASKS
 
 
@@ -304,9 +304,13 @@ def is_measured(cell: Cell, done: dict[str, dict[str, Any]]) -> bool:
 
 
 def is_current(cell: Cell, done: dict[str, dict[str, Any]]) -> bool:
-    """Whether ``cell`` is measured (:func:`is_measured`) with every cost recorded (``runner.COSTS``): a cell
-    measured before the costs were is measured again by the next sweep; the report shows it until then."""
-    return is_measured(cell, done) and all(cost in done[cell.identity]["result"] for cost in COSTS)
+    """Whether ``cell`` is measured (:func:`is_measured`) with every cost recorded (``runner.COSTS``) on
+    today's decode path (``runner.DECODE_PATH``): a cell measured before the costs were, or on a left-padded
+    batch's Driver, is measured again by the next sweep; the report shows it until then."""
+    if not is_measured(cell, done):
+        return False
+    result = done[cell.identity]["result"]
+    return all(cost in result for cost in COSTS) and result.get("decode_path") == DECODE_PATH
 
 
 def run_cell(
