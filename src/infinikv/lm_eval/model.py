@@ -30,7 +30,7 @@ from ..generate import GenerationConfig, Generator
 from ..models import DEFAULT_MODEL, DTYPES, LoadedModel, load
 from ..policies import PolicyConfig, make_config
 from ..policy_flags import knob_table
-from .loglik import Pair, prefill_length, score
+from .loglik import Pair, score
 
 log = logging.getLogger(__name__)
 
@@ -196,25 +196,17 @@ class InfinikvLM(LM):
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _score(self, pairs: list[Pair], desc: str, disable_tqdm: bool) -> list[tuple[float, bool]]:
-        """Score ``pairs`` in batches of similar length; rows share a batch only where the policy's
-        ``padding_grid`` allows (their prefill lengths agree modulo it)."""
-        grid = self.generator.policy_config.padding_grid()
-        groups: dict[int, list[int]] = {}
-        for i in sorted(range(len(pairs)), key=lambda i: -len(pairs[i].context) - len(pairs[i].continuation)):
-            groups.setdefault(prefill_length(pairs[i], self.options.decode_context) % grid, []).append(i)
+        """Score ``pairs`` in batches of similar length (the longest first: a row leaves the decode steps
+        when its tokens are scored, so similar lengths keep the steps full)."""
+        rows = sorted(range(len(pairs)), key=lambda i: -len(pairs[i].context) - len(pairs[i].continuation))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
         bar = tqdm(total=len(pairs), desc=desc, disable=disable_tqdm)
-        for rows in groups.values():
-            for batch in _batches(rows, self.options.batch_size):
-                scored = score(
-                    self.generator,
-                    [pairs[i] for i in batch],
-                    self.options.decode_context,
-                    self.options.prefill_chunk,
-                )
-                for i, result in zip(batch, scored, strict=True):
-                    results[i] = result
-                bar.update(len(batch))
+        for batch in _batches(rows, self.options.batch_size):
+            chosen = [pairs[i] for i in batch]
+            scored = score(self.generator, chosen, self.options.decode_context, self.options.prefill_chunk)
+            for i, result in zip(batch, scored, strict=True):
+                results[i] = result
+            bar.update(len(batch))
         bar.close()
         return results
 

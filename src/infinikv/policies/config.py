@@ -97,13 +97,6 @@ class PolicyConfig:
         the policy is built (the server checks each request with it on arrival); most knobs fit every
         model."""
 
-    def padding_grid(self) -> int:
-        """A row of a left-padded batch gets what it gets alone only when its padding is a multiple of this
-        (1: any padding). A policy that groups token slots on the batch's shared grid (KIVI's key groups)
-        says how wide; ``Generator.generate`` then batches only rows whose lengths agree modulo it. (Prefill
-        chunks are cut back from the end of the batch, ``forward.chunk_bounds``, so they need no grid.)"""
-        return 1
-
 
 def _check_knob(name: str, kind: Any, value: Any, meta: Any) -> None:
     kind = kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))

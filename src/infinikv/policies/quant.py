@@ -12,8 +12,9 @@ step copies a layer's packed codes and scales from the host pool (prefetched whi
 runs), dequantizes them on the device (on a CPU, the look-ahead on the pool's worker dequantizes them too)
 and attends densely; bytes moved count the compressed size. Groups
 along head_dim are min(group_size, head_dim) wide. KIVI's key groups skip left padding when taking their
-minimum and maximum; they are cut on the batch's slot grid, so a batch holds only rows whose padding is a
-whole number of groups (``padding_grid``; the generator splits other batches). Gemma-3 sliding-window
+minimum and maximum; they are cut on the batch's slot grid, so in a left-padded batch (the bench's) a row
+keeps its own groups only when its padding is a whole number of groups; the engine pads nothing. Gemma-3
+sliding-window
 layers copy only what their window needs.
 """
 
@@ -74,11 +75,6 @@ class QuantConfig(PolicyConfig):
     def kivi(self) -> bool:
         """Keys quantized per channel over groups of tokens (at 16 bits nothing is quantized)."""
         return self.scheme == "kivi" and self.bits != 16
-
-    def padding_grid(self) -> int:
-        # KIVI's key groups are cut on the batch's slot grid: only padding in whole groups keeps a row's
-        # groups (and scales) those it has alone
-        return self.group_size if self.kivi else 1
 
 
 # -- codes ---------------------------------------------------------------------------------------------------
