@@ -10,8 +10,8 @@ import torch
 
 from infinikv.engine import Engine, EngineConfig, GenerationConfig
 from infinikv.engine.blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes, free_memory_bytes
-from infinikv.engine.engine import prompt_chunks
 from infinikv.errors import InputError
+from infinikv.forward import prompt_chunks
 from infinikv.policies import POLICIES, make_config
 from infinikv.testing import tiny_model
 

@@ -247,6 +247,25 @@ def test_the_eval_scores_what_the_engine_serves(policy, setting, kind, request):
         assert result.token_ids == expected, f"row {row}"
 
 
+def test_a_runs_costs_add_up_over_its_rows(tiny):
+    """Each row has its own cache: a run of two equal rows moves and holds twice what one row does (offload
+    copies every cached token each step), and attends what one row attends."""
+    prompt = torch.randint(3, 259, (1, 60), generator=torch.Generator().manual_seed(5))
+
+    def stats(rows: int) -> dict:
+        with DecodeRun(tiny, make_config("offload"), prefill_chunk=32) as run:
+            run.prefill(prompt.expand(rows, -1))
+            for _ in range(3):
+                run.step(torch.full((rows,), 7))
+            return run.stats()
+
+    one, two = stats(1), stats(2)
+    for name in ("decode_bytes_h2d", "kv_bytes_host", "offload_equivalent_bytes"):
+        assert two[name] == 2 * one[name] > 0, name
+    assert two["kv_fetched_fraction"] == one["kv_fetched_fraction"] == 1.0
+    assert two["mean_tokens_attended"] == one["mean_tokens_attended"]
+
+
 def test_perplexity_blocks_and_dense_reference(tiny, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")

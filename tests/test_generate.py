@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from infinikv import GenerationConfig, Generator, InfinikvCache, copiers
-from infinikv.engine.engine import prompt_chunks
 from infinikv.errors import InputError, PolicyError
-from infinikv.forward import chunk_bounds
+from infinikv.forward import chunk_bounds, prompt_chunks
 from infinikv.kvpool import KVPool
 from infinikv.testing import tiny_model
 

@@ -160,8 +160,19 @@ def test_a_pairs_score_does_not_depend_on_its_batch(tiny, policy, setting):
     assert loglikelihoods(tiny, policy, knobs, batch_size=3) == alone
 
 
+def test_an_empty_continuation_scores_zero_and_greedy(tiny):
+    """A continuation that adds no token (lm-eval can ask for one) has log-probability 0 and is greedy,
+    beside a pair that has tokens to score."""
+    lm = InfinikvLM(tiny, policy="dense", batch_size=2)
+    pairs = [("A context", ""), ("A", " b")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    empty, scored = lm.loglikelihood(requests)
+    assert empty == (0.0, True)
+    assert scored[0] < 0
+
+
 def test_batching_and_decode_context_do_not_change_dense_scores(tiny):
-    """Dense attention is the same whether a token is prefilled or decoded, alone or beside padding."""
+    """Dense attention is the same whether a token is prefilled or decoded, alone or batched."""
     reference = loglikelihoods(tiny, "dense", {})
     for variant in (
         loglikelihoods(tiny, "dense", {}, batch_size=1),

@@ -24,8 +24,7 @@ import infinikv
 from infinikv import GenerationConfig, Generator, copiers
 from infinikv.cache import InfinikvCache
 from infinikv.engine import Engine, EngineConfig
-from infinikv.engine.engine import prompt_chunks
-from infinikv.forward import Driver
+from infinikv.forward import Driver, prompt_chunks
 from infinikv.kvpool import KVPool
 from infinikv.policies import POLICIES, PolicyConfig, make_config, prepare
 from infinikv.policies.base import Policy

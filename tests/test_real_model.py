@@ -11,7 +11,7 @@ import pytest
 from infinikv import GenerationConfig, Generator
 from infinikv.cli import main
 from infinikv.engine import Engine, EngineConfig
-from infinikv.engine.engine import prompt_chunks
+from infinikv.forward import prompt_chunks
 from infinikv.policies import POLICIES, make_config
 
 from .test_engine import scenario

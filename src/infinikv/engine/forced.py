@@ -17,6 +17,7 @@ size), whatever rows run beside it, and rows need not share a length.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,11 @@ class ForcedRows:
     the rows' pools."""
 
     def __init__(self, loaded: LoadedModel, policies: Sequence[PolicyConfig | Policy]):
+        objects = [id(policy) for policy in policies if isinstance(policy, Policy)]
+        if not policies:
+            raise ValueError("no rows: give a policy per row")
+        if len(set(objects)) < len(objects):
+            raise ValueError("a policy object serves one row; give a config for several")
         self.loaded = loaded
         self.drivers: list[Driver] = []
         try:
@@ -61,6 +67,7 @@ class ForcedRows:
             self.close()
             raise
         self.lengths = [0] * len(self.drivers)  # tokens in each row's cache
+        self.steps = [0] * len(self.drivers)  # decode steps each row took
 
     def __enter__(self) -> ForcedRows:
         return self
@@ -69,8 +76,10 @@ class ForcedRows:
         self.close()
 
     def close(self) -> None:
-        for driver in self.drivers:
-            driver.close()
+        """Close every row's cache, each even when one before it fails (the first failure is raised)."""
+        with contextlib.ExitStack() as stack:
+            for driver in self.drivers:
+                stack.callback(driver.close)
 
     def prefill(self, row: int, input_ids: Tensor, chunk: int, memo: PrefillMemo | None = None) -> Tensor:
         """Read row ``row``'s prompt (``input_ids``: [1, tokens]) in chunks of ``chunk`` tokens; return its
@@ -86,15 +95,24 @@ class ForcedRows:
         logits = decode_step(self.loaded, [self.drivers[row].cache for row in rows], past, tokens)
         for row in rows:
             self.lengths[row] += 1
+            self.steps[row] += 1
         return logits
 
     def stats(self) -> dict[str, Any]:
-        """The rows' policy statistics together: the counters in ``SUMMED`` added up, the mean tokens
-        attended averaged; anything else (a policy's description of its choices) is the first row's."""
+        """The rows' policy statistics together: the counters in ``SUMMED`` added up, the tokens attended
+        averaged over every row's decode steps; any other value is the rows' common one, or the list of
+        each row's where they differ (a policy's description of its choices)."""
         rows = [driver.stats() for driver in self.drivers]
-        out = dict(rows[0])
-        for name in SUMMED:
-            if name in out:
-                out[name] = sum(row[name] for row in rows)
-        out["mean_tokens_attended"] = sum(row["mean_tokens_attended"] for row in rows) / len(rows)
+        if len(rows) == 1:
+            return rows[0]
+        out: dict[str, Any] = {}
+        for name in rows[0]:
+            values = [row.get(name) for row in rows]
+            if name in SUMMED:
+                out[name] = sum(values)
+            else:
+                out[name] = values[0] if all(value == values[0] for value in values) else values
+        steps = sum(self.steps)
+        attended = sum(row["mean_tokens_attended"] * n for row, n in zip(rows, self.steps, strict=True))
+        out["mean_tokens_attended"] = attended / steps if steps else 0.0
         return out

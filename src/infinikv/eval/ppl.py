@@ -4,8 +4,8 @@ Each window of ``context`` tokens is split in two: the first ``prefill`` tokens 
 every later token is then fed through the decode path one at a time, and the log-probability the model gave
 it at the step before is recorded. Every scored prediction is therefore made with the policy choosing what
 attention sees, as in generation. Windows are consecutive, non-overlapping stretches from the start of the
-text and run as one batch. Perplexity is reported overall and per block of ``block`` positions; the dense
-reference is measured on the same windows.
+text, each a row of its own (``runner.DecodeRun``). Perplexity is reported overall and per block of
+``block`` positions; the dense reference is measured on the same windows.
 
 This is the protocol of InfiniGen's perplexity experiments (Lee et al., OSDI 2024,
 https://arxiv.org/abs/2406.19707), driven token by token.
@@ -32,7 +32,7 @@ Tensor = torch.Tensor
 @dataclass(frozen=True)
 class PerplexityConfig:
     """context: tokens per window; prefill: leading tokens fed densely (not scored except the first
-    prediction after them); windows: how many windows (one batch); block: positions per reported block."""
+    prediction after them); windows: how many windows (a row each); block: positions per reported block."""
 
     text: str = "austen"
     context: int = 4096

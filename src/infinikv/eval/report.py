@@ -69,8 +69,8 @@ def _differences(cell: Cell, record: dict) -> str:
     samples = record["result"].get("samples")
     if cell.kind == "retrieval" and samples != cell.samples:
         changed.append(f"samples: {samples} → {cell.samples}")
-    changed += [_path_difference(record)] if _path_difference(record) else []
-    return "; ".join(changed)
+    path = _path_difference(record)
+    return "; ".join([*changed, path] if path else changed)
 
 
 def _path_difference(record: dict) -> str:
@@ -368,9 +368,9 @@ a knob was added since), or on an earlier decode path, and have not been measure
 re-measures them. The decode path before the engine's (`{EARLIER_PATH}`) fed every row of a left-padded batch
 through one cache and read a prompt in chunks cut back from its end; the engine's reads each row alone, in
 chunks from its start, and gives each row's projections the bits they have alone, so a figure measured there
-can differ in its last digits (a perplexity in its third decimal, a retrieval score by a sample where a
-selection tie falls the other way). What each ran with differs from the plan as follows (then → now; – where
-a knob did not exist):
+can differ: most perplexities in their third decimal or not at all, quantized KV's by a few percent (its
+codes round those small differences either way). What each ran with differs from the plan as follows (then →
+now; – where a knob did not exist):
 """
 
 

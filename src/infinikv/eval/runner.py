@@ -92,9 +92,9 @@ class DecodeRun:
     def prefill(self, input_ids: Tensor) -> Tensor:
         """Read ``input_ids`` [batch, tokens] densely, each row alone (in chunks); return the last position's
         logits [batch, vocab]. Called once."""
+        if self.rows is not None:
+            raise ValueError("a DecodeRun prefills once")
         self.batch, total = input_ids.shape
-        if isinstance(self.policy, Policy) and self.batch > 1:
-            raise ValueError("a policy object serves one row; give a config for a batch")
         self.rows = ForcedRows(self.loaded, [self.policy] * self.batch)
         chunk, memo = self.prefill_chunk, self.memo
         rows = range(self.batch)

@@ -252,6 +252,7 @@ def probe(
         "prefill": prefill,
         "scored": config.scored,
         "attend": config.attend,
+        "decode_path": stats["decode_path"],
         "knobs": policy.knobs(),
         # what the calibrated knobs (0 = calibrated) resolved to in this run
         "partial_ratio_used": policy.resolve("partial_ratio", probe_policy.skew(), tokens=prefill)[0],

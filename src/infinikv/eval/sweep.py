@@ -326,6 +326,8 @@ def run_cell(
         prefill = ppl_prefill(config, cell.context)
         ppl_config = ppl.PerplexityConfig(cell.target, cell.context, prefill, config.windows)
         reference = done.get(_dense_identity(cell), {}).get("result")
+        if reference is not None and reference.get("decode_path") != DECODE_PATH:
+            reference = None  # measured on an earlier decode path: dense is measured again beside this cell
         return ppl.perplexity(loaded, policy, ppl_config, reference=reference, progress=progress, memo=memo)
     return retrieval.evaluate(
         loaded, policy, cell.target, cell.context, cell.samples, config.depths, config.seed, config.chat,

@@ -23,8 +23,6 @@ import torch
 from ..engine.forced import ForcedRows
 from ..generate import Generator
 
-Tensor = torch.Tensor
-
 
 @dataclass(frozen=True)
 class Pair:
@@ -50,28 +48,33 @@ def score(
     position = [prefill_length(pair, decode_context) for pair in pairs]
     logprobs = [0.0] * len(pairs)
     greedy = [True] * len(pairs)
-    with ForcedRows(generator.loaded, [generator.policy_config] * len(pairs)) as rows:
+    running = [r for r in range(len(pairs)) if position[r] < len(tokens[r])]  # else nothing to score
+    if not running:
+        return list(zip(logprobs, greedy, strict=True))
+    with ForcedRows(generator.loaded, [generator.policy_config] * len(running)) as rows:
+        # row i of ``rows`` is pair running[i]
         logits = torch.cat(
             [
-                rows.prefill(r, torch.tensor([row[: position[r]]]), prefill_chunk, generator.memo)
-                for r, row in enumerate(tokens)
+                rows.prefill(i, torch.tensor([tokens[r][: position[r]]]), prefill_chunk, generator.memo)
+                for i, r in enumerate(running)
             ]
         )
-        running = list(range(len(pairs)))
+        row_of = {r: i for i, r in enumerate(running)}
         while running:
             targets = torch.tensor([tokens[r][position[r]] for r in running], device=logits.device)
             logp = torch.log_softmax(logits.float(), dim=-1)
             # one read a step: each row's target's log-probability and whether it is the argmax
-            target_logp = logp.gather(1, targets[:, None])[:, 0].tolist()
-            best = (logp.argmax(dim=-1) == targets).tolist()
+            target_logp, best = torch.stack(
+                [logp.gather(1, targets[:, None])[:, 0], (logp.argmax(dim=-1) == targets).float()]
+            ).tolist()
             for i, r in enumerate(running):
                 if position[r] >= len(pairs[r].context):  # a continuation token
                     logprobs[r] += target_logp[i]
-                    greedy[r] = greedy[r] and best[i]
+                    greedy[r] = greedy[r] and best[i] == 1.0
             running = [r for r in running if position[r] + 1 < len(tokens[r])]
             if running:
                 fed = torch.tensor([tokens[r][position[r]] for r in running])
-                logits = rows.step(running, fed)
+                logits = rows.step([row_of[r] for r in running], fed)
                 for r in running:
                     position[r] += 1
     return list(zip(logprobs, greedy, strict=True))

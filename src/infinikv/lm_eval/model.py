@@ -30,7 +30,7 @@ from ..generate import GenerationConfig, Generator
 from ..models import DEFAULT_MODEL, DTYPES, LoadedModel, load
 from ..policies import PolicyConfig, make_config
 from ..policy_flags import knob_table
-from .loglik import Pair, score
+from .loglik import Pair, prefill_length, score
 
 log = logging.getLogger(__name__)
 
@@ -196,9 +196,14 @@ class InfinikvLM(LM):
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _score(self, pairs: list[Pair], desc: str, disable_tqdm: bool) -> list[tuple[float, bool]]:
-        """Score ``pairs`` in batches of similar length (the longest first: a row leaves the decode steps
-        when its tokens are scored, so similar lengths keep the steps full)."""
-        rows = sorted(range(len(pairs)), key=lambda i: -len(pairs[i].context) - len(pairs[i].continuation))
+        """Score ``pairs`` in batches of similar decode lengths (the longest first: a row leaves the decode
+        steps when its tokens are scored, so similar lengths keep the steps full)."""
+
+        def decoded(i: int) -> int:  # tokens pair i feeds through decode steps
+            pair, skipped = pairs[i], prefill_length(pairs[i], self.options.decode_context)
+            return len(pair.context) + len(pair.continuation) - skipped
+
+        rows = sorted(range(len(pairs)), key=lambda i: -decoded(i))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
         bar = tqdm(total=len(pairs), desc=desc, disable=disable_tqdm)
         for batch in _batches(rows, self.options.batch_size):

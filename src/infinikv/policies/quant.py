@@ -14,8 +14,7 @@ and attends densely; bytes moved count the compressed size. Groups
 along head_dim are min(group_size, head_dim) wide. KIVI's key groups skip left padding when taking their
 minimum and maximum; they are cut on the batch's slot grid, so in a left-padded batch (the bench's) a row
 keeps its own groups only when its padding is a whole number of groups; the engine pads nothing. Gemma-3
-sliding-window
-layers copy only what their window needs.
+sliding-window layers copy only what their window needs.
 """
 
 from __future__ import annotations
