@@ -365,12 +365,13 @@ def _by_model_and_context(records: list[dict]) -> dict[tuple[str, int], list[dic
 STALE_TEXT = f"""
 Cells marked{STALE} were measured under other knobs than their policy's current ones (a default changed, or
 a knob was added since), or on an earlier decode path, and have not been measured again yet; the next sweep
-re-measures them. The decode path before the engine's (`{EARLIER_PATH}`) fed every row of a left-padded batch
-through one cache and read a prompt in chunks cut back from its end; the engine's reads each row alone, in
-chunks from its start, and gives each row's projections the bits they have alone, so a figure measured there
-can differ: most perplexities in their third decimal or not at all, quantized KV's by a few percent (its
-codes round those small differences either way). What each ran with differs from the plan as follows (then →
-now; – where a knob did not exist):
+re-measures them. The earlier decode path (`{EARLIER_PATH}`) fed the rows of a batch, left-padded, through
+one cache and read a prompt in chunks cut back from its end; the engine's reads each row alone, in chunks
+from its start, and gives each row's projections the bits they have alone. So a figure measured there can
+differ: most perplexities in their third decimal or not at all, quantized KV's by a few percent (its codes
+round those small differences either way), and past one prefill chunk the fetch buffer grows, since the
+prefill's largest copy sets it (read from the start, the last chunk copies the longest prefix). What each
+ran with differs from the plan as follows (then → now; – where a knob did not exist):
 """
 
 
