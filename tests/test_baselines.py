@@ -315,12 +315,14 @@ def test_pick_top_takes_reserved_entries_first_by_their_own_order(takes):
         assert torch.equal(got[1], expected[1])
 
 
+@pytest.mark.parametrize("takes", [[20, 23, 9], [9, 9, 9]], ids=["own counts", "one count"])
 @pytest.mark.parametrize("reserve", [False, True])
-def test_pick_each_gives_every_sequence_its_pick_alone(reserve):
+def test_pick_each_gives_every_sequence_its_pick_alone(reserve, takes):
     """Sequences of different lengths, padded at the end with -inf and picked in one pass: each row's first
-    ``takes[r]`` entries are its own ``pick_top`` over its slots alone, ties (half steps) included."""
+    ``takes[r]`` entries are its own ``pick_top`` over its slots alone, ties (half steps) included, whether
+    the rows take counts of their own (each cut at its count) or one count (one pass, no order)."""
     torch.manual_seed(2)
-    lengths, takes = [50, 23, 64], [20, 23, 9]
+    lengths = [50, 23, 64]
     rows = [torch.randn(1, 2, n).mul(2).round().div(2) for n in lengths]
     reserved = [torch.zeros(1, 2, n, dtype=torch.bool) for n in lengths]
     for near, n in zip(reserved, lengths, strict=True):

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import torch
+from transformers.cache_utils import Cache
 
 from infinikv.bench import BenchConfig, StepTraffic, run_bench
 from infinikv.bench.linkmodel import DEVICES, LINKS, Device, Link, crossover_bandwidth, project
-from infinikv.bench.measure import make_entries, prefill, record_shared_prefills
+from infinikv.bench.measure import make_entries, record_shared_prefills
 from infinikv.bench.prompts import prompt_ids
 from infinikv.bench.summary import add_ratios
 from infinikv.cli import main
@@ -118,7 +120,7 @@ def test_shared_prefill_keeps_no_autograd_graph(tiny):
     entries, _ = make_entries(tiny, {"dense": {}}, ())
     memo = PrefillMemo(per_config=True)
     record_shared_prefills(tiny, entries, ids, chunk=8, memo=memo)
-    recorded = memo.get(memo.key(tiny.name, "dense", ids, 8))
+    recorded = memo.get(memo.key(tiny.name, "dense", ids, 8, from_start=True))  # as the engine reads it
     tensors = [t for _, k, v, _ in recorded.calls for t in (k, v)]
     assert all(t.grad_fn is None and not t.requires_grad for t in tensors)
     assert sum(k.shape[2] for layer, k, _, _ in recorded.calls if layer == 0) == ids.shape[1]
@@ -147,16 +149,42 @@ def test_shared_prefill_builds_h2o_prompt_scores_as_its_own_prefill_does(tiny):
     memo = PrefillMemo(per_config=True)
     record_shared_prefills(tiny, entries, ids, chunk=16, memo=memo)
     h2o = entries[1]
-    with h2o.driver(tiny) as shared:
-        prefill(tiny, shared, ids, batch=2, chunk=16, memo=memo)
-        assert shared.replayed is not None  # the shared path, not a prefill of its own
-        scores = shared.policy.prefill_state()
-    with h2o.driver(tiny) as own:
-        own.prefill(ids.expand(2, -1), chunk=16)
-        reference = own.policy.prefill_state()
-    assert len(scores) == tiny.spec.num_layers and all(s is not None for s in scores)
-    for layer, (score, expected) in enumerate(zip(scores, reference, strict=True)):
-        torch.testing.assert_close(score, expected, msg=f"layer {layer}")
+    with contextlib.closing(h2o.open(tiny, 2)) as shared:
+        shared.prefill(ids, chunk=16, memo=memo)
+        assert all(driver.replayed is not None for driver in shared.rows.drivers)  # not a prefill of its own
+        scores = [cache.policy.prefill_state() for cache in shared.caches]
+    with contextlib.closing(h2o.open(tiny, 2)) as own:
+        own.prefill(ids.expand(2, -1), chunk=16, memo=None)
+        references = [cache.policy.prefill_state() for cache in own.caches]
+    for row, reference in zip(scores, references, strict=True):
+        assert len(row) == tiny.spec.num_layers and all(s is not None for s in row)
+        for layer, (score, expected) in enumerate(zip(row, reference, strict=True)):
+            torch.testing.assert_close(score, expected, msg=f"layer {layer}")
+
+
+def test_a_policy_is_timed_on_the_engines_decode_step(tiny):
+    """A policy's batch runs as the engine serves it: each row its own sequence, its tokens those of its
+    prompt served alone by the engine's decode step (a peer's batch goes through one cache)."""
+    ids, _ = prompt_ids(tiny, 24, 2, None)
+    entries, _ = make_entries(tiny, {"h2o": {"budget": 0.5}}, ("hf-dynamic",))
+    policy, peer = entries
+    with contextlib.closing(policy.open(tiny, 2)) as rows:
+        assert len({id(cache.policy) for cache in rows.caches}) == 2
+        tokens, _, _ = rows.prefill(ids, chunk=16, memo=None)
+        served = [tokens]
+        for _ in range(3):
+            served.append(rows.step(served[-1]))
+    for row in range(2):
+        with contextlib.closing(policy.open(tiny, 1)) as one:
+            first, _, _ = one.prefill(ids[row : row + 1], chunk=16, memo=None)
+            alone = [first]
+            for _ in range(3):
+                alone.append(one.step(alone[-1]))
+        assert [int(t[row]) for t in served] == [int(t[0]) for t in alone]
+    with contextlib.closing(peer.open(tiny, 2)) as batch:
+        assert isinstance(batch.driver.cache, Cache)
+        tokens, _, _ = batch.prefill(ids, chunk=16, memo=None)
+        assert tokens.shape == (2,)
 
 
 def test_only_policies_that_prefetch_are_projected_as_overlapped(tiny):

@@ -90,8 +90,11 @@ class PrefillMemo:
         self.replays = 0
 
     @staticmethod
-    def key(model: str, family: Hashable, input_ids: Tensor, chunk: int) -> tuple:
-        return model, family, chunk, tuple(input_ids.shape), input_ids.cpu().numpy().tobytes()
+    def key(model: str, family: Hashable, input_ids: Tensor, chunk: int, from_start: bool = False) -> tuple:
+        """A prompt's key: ``from_start``, read as the engine reads it (``Driver.read_prompt``), which is
+        not the recording of a left-padded batch's prefill (``Driver.prefill``)."""
+        key = model, family, chunk, tuple(input_ids.shape), input_ids.cpu().numpy().tobytes()
+        return (*key, "from the start") if from_start else key
 
     def get(self, key: tuple) -> RecordedPrefill | None:
         return self._recorded.get(key)
@@ -302,8 +305,8 @@ class Driver:
         self.cache.reserve(tokens)
         family = self._memo_family(memo)
         key = None
-        if family is not None:  # chunks from the start: not the recording of a left-padded prefill
-            key = (*memo.key(self.loaded.name, family, input_ids, chunk), "from the start")
+        if family is not None:
+            key = memo.key(self.loaded.name, family, input_ids, chunk, from_start=True)
         recorded = None if key is None else memo.get(key)
         self.replayed = recorded
         if recorded is not None:

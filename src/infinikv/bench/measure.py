@@ -1,17 +1,23 @@
-"""One benchmark run: build a cache, prefill it through a :class:`~infinikv.forward.Driver`, time each
-decode step, and read what the policy moved and held. Greedy decoding, real tokens.
+"""One benchmark run: build a batch, prefill it, time each greedy decode step, and read what the policy moved
+and held. Real tokens.
+
+An infinikv policy runs as the engine serves it (:class:`PolicyBatch`, on ``engine.ForcedRows``): each row
+is one sequence with its own cache and policy instance, its prompt read in chunks from its start, and every
+decode step is the engine's (``engine.ragged.decode_step``: no padding, each row's attention and selection
+its own). A transformers peer has no such engine: its cache takes the batch whole through one
+:class:`~infinikv.forward.Driver` (:class:`PeerBatch`), as transformers runs it.
 
 Prefill modes (``BenchConfig.prefill``):
 
 * ``shared``: :func:`record_shared_prefills` runs each context's prompt once at batch 1 through the real
   prefill path of one cache per prefill family (``Policy.prefill_family``; a policy of no family is a
-  family of its own configuration), recorded by a :class:`~infinikv.forward.PrefillMemo`. Every run then
-  replays its family's recording repeated over the batch, through the same ``Cache.update`` calls the
-  model makes, with the state prefill leaves besides the K/V (H2O's prompt scores), so long cells do not pay
-  one full prefill per cache, batch row and repeat. TTFT is then an estimate: the recorded batch-1 forward
-  time x batch + the measured replay time. The transformers peers replay the dense family's recording.
-* ``per-run``: every run prefills its batch through the model with its own cache (distinct rows), and TTFT
-  is measured.
+  family of its own configuration), recorded by a :class:`~infinikv.forward.PrefillMemo`: a policy's as
+  the engine reads a prompt (``Driver.read_prompt``), the peers' through the dense family's batch prefill.
+  Every run then replays its family's recording into each row, through the same ``Cache.update`` calls the
+  model makes, with the state prefill leaves besides the K/V (H2O's prompt scores), so long cells do not
+  pay one full prefill per row and repeat. TTFT is then an estimate: the recorded batch-1 forward time x
+  batch + the measured replay time.
+* ``per-run``: every run prefills each row's own prompt through the model, and TTFT is measured.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from transformers.cache_utils import Cache
 
 from ..cache import InfinikvCache
 from ..clock import now
+from ..engine.forced import ForcedRows
 from ..errors import InfinikvError
 from ..forward import Driver, PrefillMemo
 from ..models import LoadedModel
@@ -71,7 +78,8 @@ class RunMeasurement:
     ingest_s: float  # the prefill call itself: a replay in shared mode, the forward passes per run
     stats_before: dict[str, Any]  # the policy's statistics after prefill ...
     stats_after: dict[str, Any]  # ... and after the last decode step
-    copies: int  # host pool copy calls during decode
+    copies: int  # host pool copy calls during decode, every row's
+    row_copies: list[int]  # of them, each row's cache's (one entry for a peer's batch)
     peak_rss: int
     peak_device: int | None
     kv_bytes: dict[str, int | None]
@@ -89,10 +97,94 @@ class BenchEntry:
     prefill_policy: PolicyConfig | None = None
     compile: bool = False  # decode steps under torch.compile (forward.decode_call)
 
-    def driver(self, loaded: LoadedModel) -> Driver:
-        # transformers' caches store what they are handed, so they can replay a dense-family prefill.
-        family = "dense" if self.kind == "peer" else None
-        return Driver(loaded, self.make_cache(), family=family, compile=self.compile)
+    def open(self, loaded: LoadedModel, batch: int) -> PolicyBatch | PeerBatch:
+        """An empty batch of ``batch`` rows of this cache."""
+        if self.kind == "policy":
+            caches: list[InfinikvCache] = []
+            try:
+                caches += [self.make_cache() for _ in range(batch)]
+                return PolicyBatch(loaded, caches, self.compile)
+            except BaseException:
+                for cache in caches:
+                    cache.close()
+                raise
+        # transformers' caches store what they are handed, so they can replay a dense-family prefill
+        return PeerBatch(Driver(loaded, self.make_cache(), family="dense", compile=self.compile), batch)
+
+
+class PolicyBatch:
+    """An infinikv policy's rows, each one sequence as the engine serves it (``engine.ForcedRows``)."""
+
+    def __init__(self, loaded: LoadedModel, caches: list[InfinikvCache], compile: bool):
+        self.loaded = loaded
+        self.caches = caches
+        self.rows = ForcedRows(loaded, caches, compile=compile)
+
+    def prefill(self, ids: Tensor, chunk: int, memo: PrefillMemo | None) -> tuple[Tensor, float, float]:
+        """Each row's prompt, read from the start: with a ``memo``, the recording of ``ids[:1]`` replayed
+        into every row, else row r's own ``ids[r]`` through the model. Returns the first generated token of
+        each row [batch], the TTFT (an estimate when replayed) and the time of the prefill calls."""
+        batch = len(self.caches)
+        start = now(self.loaded.device)
+        logits = [
+            self.rows.prefill(row, ids[:1] if memo is not None else ids[row : row + 1], chunk, memo)
+            for row in range(batch)
+        ]
+        ingest_s = now(self.loaded.device) - start
+        recorded = self.rows.drivers[0].replayed
+        ttft_s = ingest_s if recorded is None else recorded.forward_s * batch + ingest_s
+        return torch.cat(logits).argmax(-1), ttft_s, ingest_s
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """One decode step of every row; returns the next tokens [batch]."""
+        return self.rows.step(range(len(self.caches)), tokens).argmax(-1)
+
+    def stats(self) -> tuple[dict[str, Any], list[int]]:
+        """The rows' statistics together (``ForcedRows.stats``) and each row's pool copy calls so far."""
+        pools = [cache.policy.pool() for cache in self.caches]
+        return self.rows.stats(), [pool.counters.copies if pool is not None else 0 for pool in pools]
+
+    def kv_bytes(self) -> dict[str, int | None]:
+        """The K/V bytes every row holds on the host and on the device."""
+        rows = [cache.policy.kv_bytes() for cache in self.caches]
+        return {place: sum(row[place] for row in rows) for place in ("host", "device")}
+
+    def close(self) -> None:
+        self.rows.close()
+
+
+class PeerBatch:
+    """A transformers cache's batch, whole, through one :class:`~infinikv.forward.Driver`."""
+
+    def __init__(self, driver: Driver, batch: int):
+        self.driver = driver
+        self.batch = batch
+
+    def prefill(self, ids: Tensor, chunk: int, memo: PrefillMemo | None) -> tuple[Tensor, float, float]:
+        """As :meth:`PolicyBatch.prefill`, the batch in one prefill: with a ``memo``, the recording of
+        ``ids[:1]`` repeated over the rows, else ``ids[:batch]`` through the model."""
+        device = self.driver.loaded.device
+        start = now(device)
+        if memo is not None:
+            logits = self.driver.prefill(ids[:1], chunk=chunk, memo=memo, repeat=self.batch)
+        else:
+            logits = self.driver.prefill(ids[: self.batch], chunk=chunk)
+        ingest_s = now(device) - start
+        recorded = self.driver.replayed
+        ttft_s = ingest_s if recorded is None else recorded.forward_s * self.batch + ingest_s
+        return logits.argmax(-1), ttft_s, ingest_s
+
+    def step(self, tokens: Tensor) -> Tensor:
+        return self.driver.step(tokens).argmax(-1)
+
+    def stats(self) -> tuple[dict[str, Any], list[int]]:
+        return {}, [0]
+
+    def kv_bytes(self) -> dict[str, int | None]:
+        return {"host": 0, "device": peer_kv_bytes(self.driver.cache)}
+
+    def close(self) -> None:
+        self.driver.close()
 
 
 COMPILED = "+compile"  # the name of a policy's compiled twin: "dense+compile"
@@ -142,36 +234,23 @@ def make_entries(
 def record_shared_prefills(
     loaded: LoadedModel, entries: list[BenchEntry], ids: Tensor, chunk: int, memo: PrefillMemo
 ) -> None:
-    """Run the batch-1 prompt ``ids`` [1, tokens] through the prefill of each entry's ``prefill_policy``,
-    so ``memo`` holds one recording per prefill family (later ones of a family just replay)."""
-    done: set[PolicyConfig] = set()
+    """Run the batch-1 prompt ``ids`` [1, tokens] through the prefill of each entry's ``prefill_policy``, as
+    the entry's runs read it (a policy's from its start, as the engine does; a peer's as one batch), so
+    ``memo`` holds one recording per prefill family and path (later ones just replay)."""
+    done: set[tuple[str, PolicyConfig]] = set()
     for entry in entries:
-        if entry.prefill_policy in done:
+        if (entry.kind, entry.prefill_policy) in done:
             continue
-        done.add(entry.prefill_policy)
+        done.add((entry.kind, entry.prefill_policy))
         try:
             cache = InfinikvCache(loaded.model, entry.prefill_policy, device=loaded.device)
             with Driver(loaded, cache) as driver:
-                driver.prefill(ids, chunk=chunk, memo=memo)
+                if entry.kind == "policy":
+                    driver.read_prompt(ids, chunk, memo)
+                else:
+                    driver.prefill(ids, chunk=chunk, memo=memo)
         except (InfinikvError, NotImplementedError):
             continue  # nothing recorded: the entry's own runs meet the same error and report it
-
-
-def prefill(
-    loaded: LoadedModel, driver: Driver, ids: Tensor, batch: int, chunk: int, memo: PrefillMemo | None
-) -> tuple[Tensor, float, float]:
-    """Prefill ``driver``'s cache with ``batch`` rows: with a ``memo``, the recording of ``ids[:1]``
-    replayed over the rows, else ``ids[:batch]`` through the model. Returns the first generated token
-    [batch, 1], the TTFT (an estimate when replayed) and the time of the prefill call."""
-    start = now(loaded.device)
-    if memo is not None:
-        logits = driver.prefill(ids[:1], chunk=chunk, memo=memo, repeat=batch)
-    else:
-        logits = driver.prefill(ids[:batch], chunk=chunk)
-    ingest_s = now(loaded.device) - start
-    recorded = driver.replayed
-    ttft_s = ingest_s if recorded is None else recorded.forward_s * batch + ingest_s
-    return logits.argmax(-1)[:, None], ttft_s, ingest_s
 
 
 @torch.inference_mode()
@@ -184,45 +263,38 @@ def run_once(
     steps: int,
     chunk: int,
 ) -> RunMeasurement:
-    """Prefill (see :func:`prefill`), then ``steps`` greedy decode steps, each timed on its own."""
+    """Prefill ``batch`` rows (``PolicyBatch.prefill``), then ``steps`` greedy decode steps, each timed on
+    its own."""
     device = loaded.device
     gc.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with PeakMemory() as memory:
-        driver = entry.driver(loaded)
+        rows = entry.open(loaded, batch)
         try:
-            token, ttft_s, ingest_s = prefill(loaded, driver, ids, batch, chunk, memo)
-            before, copies_before = _policy_stats(driver)
+            token, ttft_s, ingest_s = rows.prefill(ids, chunk, memo)
+            before, copies_before = rows.stats()
             times = []
             for _ in range(steps):
                 start = now(device)
-                token = driver.step(token).argmax(-1)
+                token = rows.step(token)
                 times.append(now(device) - start)
-            after, copies_after = _policy_stats(driver)
-            if driver.policy is not None:
-                kv_bytes: dict[str, int | None] = dict(driver.policy.kv_bytes())
-            else:
-                kv_bytes = {"host": 0, "device": peer_kv_bytes(driver.cache)}
+            after, copies_after = rows.stats()
+            kv_bytes = rows.kv_bytes()
         finally:
-            driver.close()
-            del driver
+            rows.close()
+            del rows
     peak_device = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    row_copies = [end - begin for begin, end in zip(copies_before, copies_after, strict=True)]
     return RunMeasurement(
         times,
         ttft_s,
         ingest_s,
         before,
         after,
-        copies_after - copies_before,
+        sum(row_copies),
+        row_copies,
         memory.peak,
         peak_device,
         kv_bytes,
     )
-
-
-def _policy_stats(driver: Driver) -> tuple[dict[str, Any], int]:
-    if driver.policy is None:
-        return {}, 0
-    pool = driver.policy.pool()
-    return driver.stats(), pool.counters.copies if pool is not None else 0

@@ -47,21 +47,32 @@ SUMMED = (
 
 
 class ForcedRows:
-    """One sequence per entry of ``policies`` (a config, or a policy object built for this model, which
-    then serves that row only). Not thread-safe; :meth:`close` (or use it as a context manager) releases
-    the rows' pools."""
+    """One sequence per entry of ``policies``: a config, or a policy object or an empty cache built for this
+    model (which then serves that row only). ``compile``: decode steps run compiled
+    (``forward.decode_call``). Not thread-safe; :meth:`close` (or use it as a context manager) releases the
+    rows' pools."""
 
-    def __init__(self, loaded: LoadedModel, policies: Sequence[PolicyConfig | Policy]):
-        objects = [id(policy) for policy in policies if isinstance(policy, Policy)]
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        policies: Sequence[PolicyConfig | Policy | InfinikvCache],
+        compile: bool = False,
+    ):
+        objects = [id(_policy_of(policy)) for policy in policies if not isinstance(policy, PolicyConfig)]
         if not policies:
             raise ValueError("no rows: give a policy per row")
         if len(set(objects)) < len(objects):
             raise ValueError("a policy object serves one row; give a config for several")
         self.loaded = loaded
+        self.compile = compile
         self.drivers: list[Driver] = []
         try:
             for policy in policies:
-                cache = InfinikvCache(loaded.model, policy, device=loaded.device)
+                cache = (
+                    policy
+                    if isinstance(policy, InfinikvCache)
+                    else InfinikvCache(loaded.model, policy, device=loaded.device)
+                )
                 self.drivers.append(Driver(loaded, cache))
         except BaseException:
             self.close()
@@ -92,7 +103,8 @@ class ForcedRows:
         """Feed ``tokens[i]`` to row ``rows[i]`` in one decode step; return the next-token logits
         [len(rows), vocab]."""
         past = [self.lengths[row] for row in rows]
-        logits = decode_step(self.loaded, [self.drivers[row].cache for row in rows], past, tokens)
+        caches = [self.drivers[row].cache for row in rows]
+        logits = decode_step(self.loaded, caches, past, tokens, self.compile)
         for row in rows:
             self.lengths[row] += 1
             self.steps[row] += 1
@@ -116,3 +128,7 @@ class ForcedRows:
         attended = sum(row["mean_tokens_attended"] * n for row, n in zip(rows, self.steps, strict=True))
         out["mean_tokens_attended"] = attended / steps if steps else 0.0
         return out
+
+
+def _policy_of(row: Policy | InfinikvCache) -> Policy:
+    return row.policy if isinstance(row, InfinikvCache) else row

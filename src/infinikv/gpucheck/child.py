@@ -58,15 +58,21 @@ def _reset_host_peak() -> None:
         torch.cuda.reset_peak_host_memory_stats()
 
 
-def _copy_timing(cache, copies: int, steps: int) -> dict[str, float | None]:
+def _copy_timing(caches, row_copies: list[int], steps: int) -> dict[str, float | None]:
     """Per decode step: the copy stream's time, the compute stream's stall on it, the hidden rest, and the
-    host time spent issuing fetches; from the CUDA events of the pool's last ``copies`` fetches."""
-    pool = cache.policy.pool()
-    timings = pool.counters.timings if pool is not None else []
-    if not timings or not copies:
+    host time spent issuing fetches; from the CUDA events of each row's pool's fetches in the decode steps
+    (``row_copies``: how many, per row of ``caches``)."""
+    pools = [cache.policy.pool() for cache in caches]
+    timings = [
+        timing
+        for pool, copies in zip(pools, row_copies, strict=True)
+        if pool is not None and copies
+        for timing in pool.counters.timings[-copies:]  # the decode steps' fetches come last
+    ]
+    if not timings:
         return {"copy_s_per_step": None, "stalled_s_per_step": None, "hidden_s_per_step": None}
     copy_s = stalled_s = issue_s = 0.0
-    for timing in timings[-copies:]:  # the decode steps' fetches come last
+    for timing in timings:
         copy, stalled = timing.seconds()
         copy_s, stalled_s, issue_s = copy_s + copy, stalled_s + stalled, issue_s + timing.issue_s
     return {
@@ -75,7 +81,8 @@ def _copy_timing(cache, copies: int, steps: int) -> dict[str, float | None]:
         "hidden_s_per_step": max(copy_s - stalled_s, 0.0) / steps,
         "hidden_fraction": max(copy_s - stalled_s, 0.0) / copy_s if copy_s else None,
         "issue_s_per_step": issue_s / steps,
-        "device_gather": pool.device_gather,  # rows read from the pinned pool by a kernel (else host-staged)
+        # rows read from the pinned pool by a kernel (else host-staged)
+        "device_gather": next(pool for pool in pools if pool is not None).device_gather,
     }
 
 
@@ -190,7 +197,7 @@ def run_context(args: argparse.Namespace) -> None:
             row.update(base)
             row["tpot_mean_s"] = sum(run.step_s) / len(run.step_s)
             row["steady_decode_tokens_per_s"] = batch / row["tpot_p50_s"] if row["tpot_p50_s"] else None
-            row.update(_copy_timing(made[-1], run.copies, plan.steps))
+            row.update(_copy_timing(made, run.row_copies, plan.steps))
             row["peak_pinned_host_bytes"] = _host_pinned()
             if row["peak_pinned_host_bytes"] and row["kv_host_bytes"]:
                 # Per byte of the batch's whole K/V, over what was pinned before the cell: a policy whose

@@ -134,6 +134,9 @@ def pick_each(scores: Tensor, takes: list[int], reserved: Tensor | None, most_re
         scores = _lift_reserved(scores, reserved, takes, most_reserved)
     batch, heads, _ = scores.shape
     width = max(takes)
+    if min(takes) == width:  # one cut for every row: the width-th best, which needs no order
+        cut = scores.topk(width, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+        return _slots_of(_earliest_at_cut(scores, cut, width), width)
     count = torch.tensor(takes, device=scores.device)[:, None, None]
     values = scores.topk(width, dim=-1).values  # sorted: each row's cut is at its own count
     cut = values.gather(-1, (count - 1).expand(batch, heads, 1))

@@ -315,22 +315,29 @@ def choose_together(
     lengths = [key.shape[-1] for key in keys]
     longest, rows, heads = max(lengths), len(keys), keys[0].shape[1]
     device = keys[0].device
-    padded_keys = keys[0].new_zeros(rows, heads, keys[0].shape[2], longest)
-    padded_scale = None if scales[0] is None else scales[0].new_ones(rows, heads, 1, longest)
     reserved = [selector.reserved(layer) for selector in selectors]
-    lifted = (
-        None if reserved[0] is None else torch.zeros(rows, heads, longest, dtype=torch.bool, device=device)
-    )
-    for row, (key, scale, near, n) in enumerate(zip(keys, scales, reserved, lengths, strict=True)):
-        padded_keys[row, ..., :n] = key[0]
-        if padded_scale is not None:
-            padded_scale[row, ..., :n] = scale[0]
-        if lifted is not None:
-            lifted[row, :, :n] = near[0]
-    real = torch.arange(longest, device=device) < torch.tensor(lengths, device=device)[:, None]
-    scores = speculative_scores(
-        torch.cat(queries), padded_keys, (), real[:, None].expand(-1, heads, -1), padded_scale
-    )
+    if min(lengths) == longest:  # nothing to pad
+        padded_keys = torch.cat(keys)
+        padded_scale = None if scales[0] is None else torch.cat(scales)
+        lifted = None if reserved[0] is None else torch.cat(reserved)
+        real = None
+    else:
+        padded_keys = keys[0].new_zeros(rows, heads, keys[0].shape[2], longest)
+        padded_scale = None if scales[0] is None else scales[0].new_ones(rows, heads, 1, longest)
+        lifted = (
+            None
+            if reserved[0] is None
+            else torch.zeros(rows, heads, longest, dtype=torch.bool, device=device)
+        )
+        for row, (key, scale, near, n) in enumerate(zip(keys, scales, reserved, lengths, strict=True)):
+            padded_keys[row, ..., :n] = key[0]
+            if padded_scale is not None:
+                padded_scale[row, ..., :n] = scale[0]
+            if lifted is not None:
+                lifted[row, :, :n] = near[0]
+        within = torch.arange(longest, device=device) < torch.tensor(lengths, device=device)[:, None]
+        real = within[:, None].expand(-1, heads, -1)
+    scores = speculative_scores(torch.cat(queries), padded_keys, (), real, padded_scale)
     most_reserved = selectors[0].config.n_sink + selectors[0].config.window
     index = pick_each(scores, widths, lifted, most_reserved)
     return [

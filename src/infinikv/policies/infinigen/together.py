@@ -69,7 +69,7 @@ def start_fetches_together(
     equal shares as each sequence's selector time. ``on_demand``: the copies are an own-query layer's, made
     now (``KVPool.on_demand``)."""
     start = time.perf_counter()
-    rehearsed = [policy.rehearsal_query(layer, *rows.of(r)) for r, policy in enumerate(policies)]
+    rehearsed = rehearsal_queries_together(policies, layer, rows)
     real_tokens = [policy.seen_real_tokens(policy.layers[layer]) for policy in policies]
     budgets = [
         policy.schedule.choice_budget(real[0])[0] for policy, real in zip(policies, real_tokens, strict=True)
@@ -84,6 +84,38 @@ def start_fetches_together(
         with policy.host_pool.on_demand() if on_demand else contextlib.nullcontext():
             fetches.append(policy.fetch_chosen(layer, index, valid))
     return fetches
+
+
+def rehearsal_queries_together(policies: list[InfiniGenPolicy], layer: int, rows: StepRows) -> list[Tensor]:
+    """Each of ``policies``' ``rehearsal_query`` of ``layer`` for its row of ``rows``: where every row has
+    its query from the step's shared projections and the sequences project onto one set of columns (one
+    calibration: one projection tensor, the same columns stored), in one product; row by row what each
+    takes alone (a batched product computes each row's block with the same kernel)."""
+    states = [policy.layers[layer] for policy in policies]
+    first = states[0]
+    shared = (
+        all(query is not None for query in rows.queries)
+        and all(state.projection is first.projection for state in states)
+        and all(
+            state.stored is first.stored
+            or (
+                state.stored is not None
+                and first.stored is not None
+                and torch.equal(state.stored, first.stored)
+            )
+            for state in states
+        )
+    )
+    if not shared:
+        return [policy.rehearsal_query(layer, *rows.of(r)) for r, policy in enumerate(policies)]
+    spec = policies[0].spec
+    query = torch.cat([queries(layer) for queries in rows.queries])  # [rows, heads, 1, d]
+    grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
+    for policy in policies:  # as rehearsal_query counts it
+        if layer not in policy.decoding.own_query:
+            policy.selector_read(spec.attention[layer].q_proj.weight)
+    partial = policies[0].partial_query(layer, grouped) * spec.scaling(layer)
+    return list(partial.split(1))
 
 
 def partial_keys_together(
