@@ -64,11 +64,8 @@ def speculative_scores(
     ``partial_keys`` (:func:`quantize`; 4-bit ones unpacked); int8 ones are multiplied in bfloat16, which
     holds them exactly and reads half the bytes of float32, the scores then rounded to bfloat16's 8 bits
     (top-k on low-precision scores); int16 ones in float32 (which holds them exactly); unquantized ones in
-    the query's dtype."""
-    if scale is None:
-        compute = partial_query.dtype
-    else:
-        compute = torch.bfloat16 if partial_keys.dtype == torch.int8 else torch.float32
+    the query's dtype (:func:`product_dtype`); keys given in that dtype already are used as they are."""
+    compute = product_dtype(partial_query.dtype, partial_keys.dtype, scale is not None)
     query = partial_query.to(compute)
     scores = torch.matmul(query, partial_keys.to(compute))  # [batch, kv_heads, group, slots]
     for rows, own in row_columns:
@@ -81,6 +78,13 @@ def speculative_scores(
     if real_slots is not None:
         scores = scores.masked_fill(~real_slots[:, :, None], -math.inf)
     return group_relative_max(scores.flatten(1, 2), partial_query.shape[2])
+
+
+def product_dtype(query_dtype: torch.dtype, key_dtype: torch.dtype, quantized: bool) -> torch.dtype:
+    """The dtype :func:`speculative_scores` multiplies a partial query and partial keys in (see there)."""
+    if not quantized:
+        return query_dtype
+    return torch.bfloat16 if key_dtype in (torch.int8, torch.bfloat16) else torch.float32
 
 
 def count_within(

@@ -26,7 +26,7 @@ from .blocks import block_scores, gather_slots
 from .config import InfiniGenConfig
 from .layer import LayerState
 from .plan import DecodePlan
-from .rehearsal import count_rule, count_within, speculative_scores, wanted_per_head
+from .rehearsal import count_rule, count_within, product_dtype, speculative_scores, wanted_per_head
 
 Tensor = torch.Tensor
 
@@ -316,8 +316,13 @@ def choose_together(
     longest, rows, heads = max(lengths), len(keys), keys[0].shape[1]
     device = keys[0].device
     reserved = [selector.reserved(layer) for selector in selectors]
-    if min(lengths) == longest:  # nothing to pad
-        padded_keys = torch.cat(keys)
+    if (
+        min(lengths) == longest
+    ):  # nothing to pad: each row's keys converted into one tensor as they are copied
+        compute = product_dtype(queries[0].dtype, keys[0].dtype, scales[0] is not None)
+        padded_keys = keys[0].new_empty((rows, *keys[0].shape[1:]), dtype=compute)
+        for row, key in enumerate(keys):
+            padded_keys[row].copy_(key[0])
         padded_scale = None if scales[0] is None else torch.cat(scales)
         lifted = None if reserved[0] is None else torch.cat(reserved)
         real = None
