@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from infinikv.cli import main
+from infinikv.engine.forced import ForcedRows
 from infinikv.errors import InputError
 from infinikv.eval import ppl, report, retrieval, scoring, sweep, tasks
 from infinikv.eval.runner import DecodeRun, PrefillMemo
@@ -264,6 +265,24 @@ def test_a_runs_costs_add_up_over_its_rows(tiny):
         assert two[name] == 2 * one[name] > 0, name
     assert two["kv_fetched_fraction"] == one["kv_fetched_fraction"] == 1.0
     assert two["mean_tokens_attended"] == one["mean_tokens_attended"]
+
+
+def test_rows_that_choose_together_count_a_shared_read_once(tiny):
+    """InfiniGen's rows of an engine step rehearse with one projection of every row's query (the query
+    weights read once a step): two equal rows count those weights once between them, and their partial
+    keys each, so their selector reads are more than one row's and less than twice."""
+    prompt = torch.randint(3, 259, (1, 60), generator=torch.Generator().manual_seed(5))
+
+    def selector_bytes(rows: int) -> int:
+        with ForcedRows(tiny, [make_config("infinigen", budget=0.3, dense_layers=1)] * rows) as forced:
+            for row in range(rows):
+                forced.prefill(row, prompt, chunk=32)
+            for _ in range(3):
+                forced.step(range(rows), torch.full((rows,), 7))
+            return forced.stats()["selector_bytes"]
+
+    one, two = selector_bytes(1), selector_bytes(2)
+    assert one < two < 2 * one
 
 
 def test_perplexity_blocks_and_dense_reference(tiny, tmp_path):

@@ -389,11 +389,12 @@ class Policy:
         self._attended_tokens = self._attended_tokens + tokens
         self._attended_calls += 1
 
-    def selector_read(self, *tensors: Tensor) -> None:
+    def selector_read(self, *tensors: Tensor, shared_by: int = 1) -> None:
         """Count ``tensors`` as read by this step's selector: a selector's work is reported beside the bytes
-        it saves moving (``stats()["selector_bytes"]``)."""
+        it saves moving (``stats()["selector_bytes"]``). ``shared_by``: one read served that many sequences
+        (an engine step's rows that chose together), each of which counts its share."""
         with self.counting:
-            self._selector_bytes += sum(t.numel() * t.element_size() for t in tensors)
+            self._selector_bytes += sum(t.numel() * t.element_size() for t in tensors) // shared_by
 
     @contextmanager
     def selecting(self) -> Iterator[None]:
