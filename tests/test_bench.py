@@ -14,9 +14,10 @@ from infinikv.bench.linkmodel import DEVICES, LINKS, Device, Link, crossover_ban
 from infinikv.bench.measure import make_entries, record_shared_prefills
 from infinikv.bench.prompts import prompt_ids
 from infinikv.bench.summary import add_ratios
+from infinikv.cache import InfinikvCache
 from infinikv.cli import main
 from infinikv.errors import InputError
-from infinikv.forward import PrefillMemo
+from infinikv.forward import Driver, PrefillMemo
 
 ROW_FIELDS = {
     "decode_tokens_per_s",
@@ -321,3 +322,12 @@ def test_fetch_with_a_spare_slot_copies_once_and_counts_only_the_cached_tokens()
     assert torch.equal(keys[:, :, :5], k) and torch.equal(values[:, :, :5], v)
     assert keys.data_ptr() != pool.keys(0).data_ptr()  # a copy, not a view of the pool
     assert pool.counters.bytes_h2d == 2 * k.numel() * 4
+
+
+def test_a_recording_repeats_over_a_peers_batch_only(tiny):
+    """A policy's rows are each a sequence of its own (the bench's PolicyBatch): a driver over one policy
+    cache refuses to repeat a prompt over rows."""
+    ids, _ = prompt_ids(tiny, 24, 1, None)
+    driver = Driver(tiny, InfinikvCache(tiny.model, "dense"))
+    with driver, pytest.raises(ValueError, match="repeat is for a transformers cache's batch"):
+        driver.prefill(ids, repeat=2)

@@ -267,6 +267,25 @@ def test_a_runs_costs_add_up_over_its_rows(tiny):
     assert two["mean_tokens_attended"] == one["mean_tokens_attended"]
 
 
+def test_rows_with_other_sinks_and_windows_choose_as_alone(tiny):
+    """InfiniGen rows that differ only in their sinks and window (requests with their own knobs) each get
+    their logits alone, bit for bit, beside each other: each keeps its own reserved slots."""
+    prompt = torch.randint(3, 259, (1, 60), generator=torch.Generator().manual_seed(6))
+    knobs = [{"n_sink": 0, "window": 0}, {}, {"n_sink": 4, "window": 4}]
+    configs = [make_config("infinigen", budget=0.1, min_tokens=0, **own) for own in knobs]
+
+    def logits(rows: list) -> torch.Tensor:
+        with ForcedRows(tiny, rows) as forced:
+            out = [torch.cat([forced.prefill(row, prompt, chunk=32) for row in range(len(rows))])]
+            for _ in range(4):
+                out.append(forced.step(range(len(rows)), out[-1].argmax(dim=-1)))
+        return torch.stack(out, dim=1)
+
+    together = logits(configs)
+    for row, config in enumerate(configs):
+        torch.testing.assert_close(logits([config])[0], together[row], atol=0, rtol=0, msg=str(knobs[row]))
+
+
 def test_rows_that_choose_together_count_a_shared_read_once(tiny):
     """InfiniGen's rows of an engine step rehearse with one projection of every row's query (the query
     weights read once a step): two equal rows count those weights once between them, and their partial

@@ -16,7 +16,8 @@ on its budget). A :class:`PrefillMemo` shared between drivers records the first 
 family (every K/V the cache was handed, in order, plus ``Policy.prefill_state``) and replays it into the
 next caches of that family through the same ``Cache.update`` calls the model makes, so the replayed cache
 holds exactly what its own prefill would have built. A recording can also be replayed repeated over the
-rows (``repeat``), which is how the benchmark fills a batch from one prompt.
+rows of a transformers cache's batch (``repeat``), which is how the benchmark fills a peer's batch from
+one prompt.
 
 A decode step can run compiled (``compile=True``, :func:`decode_call`): transformers' forward under
 ``torch.compile`` (inductor; on CUDA with CUDA graphs, as ``mode="reduce-overhead"``), with the policy's
@@ -106,17 +107,11 @@ class PrefillMemo:
         self._recorded.clear()
 
 
-def _repeat_rows(value: Any, repeat: int) -> Any:
-    """``value`` (a tensor, or lists / tuples / dicts of them, batch first) with each row repeated."""
+def _repeat_rows(value: Tensor | None, repeat: int) -> Tensor | None:
+    """``value`` (batch first) with each row repeated."""
     if repeat == 1 or value is None:
         return value
-    if isinstance(value, Tensor):
-        return value.repeat_interleave(repeat, dim=0)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_repeat_rows(v, repeat) for v in value)
-    if isinstance(value, dict):
-        return {k: _repeat_rows(v, repeat) for k, v in value.items()}
-    raise TypeError(f"cannot repeat the rows of a {type(value).__name__}")
+    return value.repeat_interleave(repeat, dim=0)
 
 
 def _logits(model: torch.nn.Module, **inputs: Any) -> Tensor:
@@ -219,7 +214,11 @@ class Driver:
         [batch * repeat, vocab].
 
         With a ``memo``: replay this prompt's recording of the cache's family if there is one (repeated
-        over the rows), else run the model and, when ``repeat`` is 1, record it for the next drivers."""
+        over the rows), else run the model and, when ``repeat`` is 1, record it for the next drivers. A
+        recording is repeated over a transformers cache's batch only (the bench's peers): a policy's rows
+        are each a sequence of its own (``engine.ForcedRows``)."""
+        if repeat > 1 and self.policy is not None:
+            raise ValueError("repeat is for a transformers cache's batch: give each policy row its own cache")
         device = self.loaded.device
         input_ids = input_ids.to(device)
         if attention_mask is None:
@@ -269,13 +268,14 @@ class Driver:
         return logits
 
     def _replay(self, recorded: RecordedPrefill, repeat: int) -> None:
-        """Hand the cache every recorded call, as the model's prefill would, without running the model."""
+        """Hand the cache every recorded call, as the model's prefill would, without running the model
+        (``repeat``: each row that many times, for a transformers cache; a policy's cache takes one row)."""
         for layer, k, v, key_valid in recorded.calls:
             if self.policy is not None:
-                self.policy.set_key_valid(_repeat_rows(key_valid, repeat))
+                self.policy.set_key_valid(key_valid)
             self.cache.update(_repeat_rows(k, repeat), _repeat_rows(v, repeat), layer)
         if self.policy is not None:
-            self.policy.restore_prefill_state(_repeat_rows(recorded.state, repeat))
+            self.policy.restore_prefill_state(recorded.state)
 
     def _forward_chunks(
         self, input_ids: Tensor, attention_mask: Tensor, chunk: int, progress: bool

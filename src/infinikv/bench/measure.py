@@ -102,7 +102,8 @@ class BenchEntry:
         if self.kind == "policy":
             caches: list[InfinikvCache] = []
             try:
-                caches += [self.make_cache() for _ in range(batch)]
+                for _ in range(batch):
+                    caches.append(self.make_cache())
                 return PolicyBatch(loaded, caches, self.compile)
             except BaseException:
                 for cache in caches:

@@ -320,12 +320,13 @@ def write_bench_report(result: dict[str, Any], path: Path) -> None:
         f"- Prefill mode `{config['prefill']}`"
         + (
             ": each context is prefilled once at batch 1 per prefill family (through the real prefill of "
-            "one cache of the family, recorded; the transformers caches take the dense one) and every run "
-            "replays that recording repeated over the batch, K/V and prefill state (H2O's prompt scores) "
-            "alike, so TTFT = recorded batch-1 forward × batch + the cache's measured replay time "
-            "(an estimate)."
+            "one cache of the family, recorded: a policy's as the engine reads a prompt, the transformers "
+            "caches' through the dense one's batch prefill) and every run replays that recording into each "
+            "row (a peer's: over its batch), K/V and prefill state (H2O's prompt scores) alike, so TTFT = "
+            "recorded batch-1 forward × batch + the cache's measured replay time (an estimate)."
             if config["prefill"] == "shared"
-            else ": every run prefills its own batch through the model; TTFT is measured."
+            else ": every run prefills each row's own prompt through the model (a policy's rows one after "
+            "the other, as the engine reads them; a peer's batch at once); TTFT is measured."
         ),
         f"- Prompts: real tokens cut from `{result['cells'][0]['prompt_source']}`.",
         *ran_where(result),

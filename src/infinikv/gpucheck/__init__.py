@@ -11,9 +11,10 @@
 3. **benchmark** (:mod:`.child`): a model of a real size with random weights (``dummy:llama-3-8b``, see
    ``infinikv.dummy``; every figure is labelled "dummy weights") over batch x context cells, each context in
    its own subprocess with a timeout. Each context is prefilled once at batch 1 and every policy ingests that
-   prompt's K/V repeated over the batch (the benchmark's shared prefill, ``infinikv.bench.measure``), then
-   decodes a few greedy steps. Per policy: decode tok/s, TPOT, bytes host -> device, the copy stream's time
-   per step and how much of it the compute stream waited for (CUDA events: hidden = copy - stalled), the host
+   prompt's K/V into each row of the batch (the benchmark's shared prefill, ``infinikv.bench.measure``; each
+   row a sequence of its own on the engine's decode step), then decodes a few greedy steps. Per policy:
+   decode tok/s, TPOT, bytes host -> device, the copy streams' time per step (every row's, summed)
+   and how much of it the compute stream waited for (CUDA events: hidden = copy - stalled), the host
    time spent issuing fetches (the row gather into pinned memory), peak device memory, peak pinned host
    memory, and the link model's projection of the same step (``infinikv.bench.linkmodel``) beside the
    measurement.

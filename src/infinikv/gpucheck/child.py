@@ -59,9 +59,10 @@ def _reset_host_peak() -> None:
 
 
 def _copy_timing(caches, row_copies: list[int], steps: int) -> dict[str, float | None]:
-    """Per decode step: the copy stream's time, the compute stream's stall on it, the hidden rest, and the
-    host time spent issuing fetches; from the CUDA events of each row's pool's fetches in the decode steps
-    (``row_copies``: how many, per row of ``caches``)."""
+    """Per decode step, summed over the rows (each row's pool has its own copy stream, so copies that
+    overlap count twice): the copy streams' time, the compute stream's stall on them, the hidden rest, and
+    the host time spent issuing fetches; from the CUDA events of each row's pool's fetches in the decode
+    steps (``row_copies``: how many, per row of ``caches``)."""
     pools = [cache.policy.pool() for cache in caches]
     timings = [
         timing

@@ -23,6 +23,9 @@ class LayerState:
     projection: Tensor | None = None
     # from the first decode step: which of the widest columns the store keeps ([kv_heads, k'], None: all)
     stored: Tensor | None = None
+    # the same columns as host integers, set with ``stored``: rows of an engine step compare them without a
+    # device read (``together.rehearsal_queries_together``)
+    stored_key: tuple[int, ...] | None = None
     # n' averaged over the batch per decode step, left on the device until stats() (no sync per step)
     selected: list[Tensor] = field(default_factory=list)
     # an own-query layer's prefetch this step (own_query_prefetch): the slots it prefetched and their copy,

@@ -165,7 +165,8 @@ def _cut_store(
     widest = skew.columns(layer, config.widest_ratio(skew, cap, layer, allocations), flag)
     stored = skew.columns(layer, ratios[-1], flag)
     if stored.shape[1] < widest.shape[1]:
-        state.stored = _positions(widest, stored).to(device)
+        columns = _positions(widest, stored)
+        state.stored, state.stored_key = columns.to(device), tuple(columns.flatten().tolist())
         state.slots.keep_columns(state.stored)
     groups = []
     for ratio in ratios[:-1]:  # the widest rows score with every stored column

@@ -49,12 +49,14 @@ def chooses_together(policy: InfiniGenPolicy, layer: int, own_query: bool) -> bo
 
 def groups(policies: list[InfiniGenPolicy], layer: int, own_query: bool) -> tuple[list[int], list[list[int]]]:
     """Which of ``policies`` choose ``layer`` alone, and the groups of two or more that choose it together:
-    those that choose plainly (:func:`chooses_together`), by partial-key form."""
+    those that choose plainly (:func:`chooses_together`), by partial-key form, sinks and window."""
     forms: dict[tuple, list[int]] = {}
     alone = []
     for r, policy in enumerate(policies):
         if chooses_together(policy, layer, own_query):
-            forms.setdefault(policy.layers[layer].slots.form(), []).append(r)
+            # the reserved slots (sinks and window) are lifted and counted for every row of a group alike
+            key = (policy.layers[layer].slots.form(), policy.config.n_sink, policy.config.window)
+            forms.setdefault(key, []).append(r)
         else:
             alone.append(r)
     alone += [rows[0] for rows in forms.values() if len(rows) == 1]
@@ -93,18 +95,8 @@ def rehearsal_queries_together(policies: list[InfiniGenPolicy], layer: int, rows
     takes alone (a batched product computes each row's block with the same kernel)."""
     states = [policy.layers[layer] for policy in policies]
     first = states[0]
-    shared = (
-        all(query is not None for query in rows.queries)
-        and all(state.projection is first.projection for state in states)
-        and all(
-            state.stored is first.stored
-            or (
-                state.stored is not None
-                and first.stored is not None
-                and torch.equal(state.stored, first.stored)
-            )
-            for state in states
-        )
+    shared = all(query is not None for query in rows.queries) and all(
+        state.projection is first.projection and state.stored_key == first.stored_key for state in states
     )
     if not shared:
         return [policy.rehearsal_query(layer, *rows.of(r)) for r, policy in enumerate(policies)]
