@@ -382,6 +382,36 @@ def test_infinigen_rows_of_a_step_are_rehearsed_together_and_choose_as_alone(tin
         assert result.token_ids == alone(tiny, prompt, config)
 
 
+@pytest.mark.parametrize("knobs", [{}, {"budget": 0.3, "min_tokens": 0, "page_size": 4}])
+def test_quest_rows_of_a_step_choose_together_and_as_alone(tiny, knobs, monkeypatch):
+    """An engine step's Quest rows score their pages in one product and pick them in one pass
+    (``ScoredPolicy.take_query_rows``); each row still gets its tokens alone, whatever its length and
+    whatever the rows beside it hold."""
+    from infinikv.policies.quest import QuestPolicy
+
+    together: Counter = Counter()
+    score_rows = QuestPolicy.score_rows.__func__
+
+    def counted(cls, policies, layer):
+        together[len(policies)] += 1
+        return score_rows(cls, policies, layer)
+
+    monkeypatch.setattr(QuestPolicy, "score_rows", classmethod(counted))
+    config = make_config("quest", **knobs)
+    texts = [
+        "The harbour lantern glowed over the copper river while the falcon watched. " * 3,
+        "A quiet orchard kept its pears until the frost came down from the hills at dusk. " * 3,
+        "Seven sailors counted the stars and argued about the tide until the bell rang. " * 3,
+    ]
+    length = min(len(ids(tiny, text)) for text in texts)
+    prompts = [ids(tiny, text)[:length] for text in texts] + [ids(tiny, texts[0])[: length // 2]]
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
+    results = run(engine, [(prompt, config, GREEDY) for prompt in prompts], join_at=[0, 0, 0, 1])
+    assert max(together, default=0) >= 3
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.token_ids == alone(tiny, prompt, config)
+
+
 def test_a_step_that_brings_two_stop_strings_cuts_at_the_earliest():
     """When one token's text completes two stop strings, the answer ends before the earlier one in the text,
     whichever the request listed first."""

@@ -100,6 +100,8 @@ class InfinikvCache(PolicyCache):
         self._selections: dict[int, Selection] = {}
         # decode steps' new K/V of layers that choose with their own query, until attend() has the query
         self._waiting: dict[int, tuple[Tensor, Tensor]] = {}
+        # layers whose query the policy took with other sequences' (Policy.take_query_rows), not attended yet
+        self._queried: set[int] = set()
         # When a list: every prefill call (layer, K, V, key_valid) is appended, for forward.PrefillMemo.
         self.prefill_log: list[tuple[int, Tensor, Tensor, Tensor | None]] | None = None
         layers = [PolicyLayer(self, i, spec.is_sliding(i)) for i in range(spec.num_layers)]
@@ -167,9 +169,19 @@ class InfinikvCache(PolicyCache):
             return self.selected(layer, self.policy.decode(layer, k, v))
         self._selections.pop(layer, None)
         self._waiting.pop(layer, None)
+        self._queried.discard(layer)
         if self.prefill_log is not None:
             self.prefill_log.append((layer, k, v, self.policy.key_valid))
         return self.policy.prefill(layer, k, v)
+
+    def waits_for_query(self, layer: int) -> bool:
+        """Whether ``layer``'s decode step waits for the layer's query (``attend`` decodes it)."""
+        return layer in self._waiting
+
+    def query_taken(self, layer: int) -> None:
+        """The policy took ``layer``'s query of this step with other sequences' (``Policy.take_query_rows``):
+        ``attend`` does not hand it again."""
+        self._queried.add(layer)
 
     def decodes_in_update(self, layer: int, q_len: int) -> bool:
         """Whether ``Cache.update`` of ``layer`` with ``q_len`` new tokens is a decode step that the policy
@@ -193,7 +205,10 @@ class InfinikvCache(PolicyCache):
     ) -> Tensor:
         waiting = self._waiting.pop(layer, None)
         if waiting is not None:
-            self.policy.take_query(layer, q[:, :, -1])
+            if layer in self._queried:
+                self._queried.discard(layer)
+            else:
+                self.policy.take_query(layer, q[:, :, -1])
             selection = self.policy.decode(layer, *waiting)
             k, v = selection.keys, selection.values
         else:

@@ -131,6 +131,17 @@ class RaggedCache(PolicyCache):
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
     ) -> Tensor:
         selected = self._selected.pop(layer)
+        # the rows whose layer waits for its query: each policy class takes its rows' queries at once
+        # (Policy.take_query_rows), then each row decodes through its own cache
+        classes: dict[type, list[int]] = {}
+        for r, row in enumerate(self.rows):
+            if row.waits_for_query(layer):
+                classes.setdefault(type(row.policy), []).append(r)
+        for policy_class, rows in classes.items():
+            policies = [self.rows[r].policy for r in rows]
+            policy_class.take_query_rows(policies, layer, [q[r : r + 1, :, -1] for r in rows])
+            for r in rows:
+                self.rows[r].query_taken(layer)
         outputs = [
             row.attend(layer, q[r : r + 1], keys, values, self._row_mask(layer, r), scaling)
             for r, (row, (keys, values)) in enumerate(zip(self.rows, selected, strict=True))

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -321,6 +321,14 @@ class Policy:
     def take_query(self, layer: int, query: Tensor) -> None:
         """``layer``'s real query of this decode step, [batch, heads, head_dim] (:meth:`chooses_with_query`
         layers only)."""
+
+    @classmethod
+    def take_query_rows(cls, policies: list[Policy], layer: int, queries: list[Tensor]) -> None:
+        """:meth:`take_query` for the rows of an engine step whose policies are of this class and whose
+        ``layer`` waits for its query (as :meth:`plan_rows`), before any of them decodes: each row alone
+        here."""
+        for policy, query in zip(policies, queries, strict=True):
+            policy.take_query(layer, query)
 
     def decode(self, layer: int, k_new: Tensor, v_new: Tensor) -> Selection:
         raise NotImplementedError
@@ -638,6 +646,66 @@ class ScoredPolicy(HostPoolPolicy):
     def take_query(self, layer: int, query: Tensor) -> None:
         self._query[layer] = query
 
+    @classmethod
+    def take_query_rows(cls, policies: list[Policy], layer: int, queries: list[Tensor]) -> None:
+        """Each row takes its query; rows that may choose ``layer`` together (the same
+        :meth:`together_key`), two or more, then choose in one pass (:meth:`score_rows`, one pick) and start
+        their copies now, each from its own pool, on demand as alone. Each row's scores and pick are those it
+        makes alone."""
+        super().take_query_rows(policies, layer, queries)
+        groups: dict[Hashable, list[ScoredPolicy]] = {}
+        for policy in policies:
+            key = policy.together_key(layer)
+            if key is not None:
+                groups.setdefault(key, []).append(policy)
+        for group in groups.values():
+            if len(group) > 1:
+                cls._choose_together(group, layer)
+
+    def together_key(self, layer: int) -> Hashable | None:
+        """Sequences whose choice of ``layer`` this step has the same key choose it together
+        (:meth:`score_rows`); None: this one chooses alone. The base: always alone; a class that can score
+        several sequences' units in one product says when it may (one unpadded row with something to leave
+        out, and what else its rows must share)."""
+        return None
+
+    @classmethod
+    def score_rows(cls, policies: list[ScoredPolicy], layer: int) -> Tensor:
+        """:meth:`score` of sequences with one :meth:`together_key`, one row each, in one product: [rows,
+        kv_heads or heads, the most units of a row], -inf after a row's own units; row by row what each
+        scores alone."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _choose_together(group: list[ScoredPolicy], layer: int) -> None:
+        """:meth:`select` and :meth:`start_fetch` of ``layer`` for ``group`` (one row each, one
+        :meth:`together_key`): the scores in one product, the picks in one pass (``pick_each``: each row's
+        is the one ``pick_top`` makes for it alone), each row's units expanded and copied as alone; the time
+        it takes counts in equal shares as each one's selector time."""
+        first, start = group[0], time.perf_counter()
+        takes, reserved = [], []
+        for policy in group:
+            n_past = policy.host_pool.length(layer)
+            real = policy.real_past(layer, n_past, 1)
+            takes.append(min(policy.takes(layer, real)[0], policy.units(layer, real)[0]))
+            reserved.append(policy.reserved(layer, n_past, 1))
+        scores = type(first).score_rows(group, layer)
+        if scores.shape[1] != first.spec.num_kv_heads:
+            scores = group_relative_max(scores, scores.shape[1] // first.spec.num_kv_heads)
+        lifted = None
+        if reserved[0] is not None:  # each row's, False after its own units
+            units = scores.shape[2]
+            lifted = torch.stack([F.pad(row[0], (0, units - row.shape[1])) for row in reserved])[:, None]
+        index = pick_each(scores, takes, lifted, first.most_reserved(layer)).to(first.device)
+        share = (time.perf_counter() - start) / len(group)
+        for r, policy in enumerate(group):
+            policy.count_selector_time(share)
+            with policy.selecting():
+                slots, valid = policy.expand(layer, index[r : r + 1, :, : takes[r]], None)
+            with policy.host_pool.on_demand():
+                transfer = policy.host_pool.fetch(layer, slots, extra=1)
+            policy.hold(layer, (slots, valid, transfer))
+
     def select(self, layer: int, n_past: int, batch: int) -> tuple[Tensor, Tensor | None]:
         """Past slots ``layer`` reads this step: (index [batch, kv_heads, m], each row's ascending, and
         which entries each row attends to, or None for all)."""
@@ -712,7 +780,7 @@ class ScoredPolicy(HostPoolPolicy):
 
     def _attended(self, n_past: int, positions: Tensor, valid: Tensor | None) -> int | Tensor:
         """Tokens attended: what each row really sees (not its left padding, nor slots it hides)."""
-        if self.key_valid is None:  # no padding: every position is real
+        if not self.padded:  # every position is real
             return positions.shape[2] if valid is None else valid.sum(dim=-1).float().mean()
         batch = positions.shape[0]
         real = self.past_valid(n_past, batch).to(positions.device)

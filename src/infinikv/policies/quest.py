@@ -23,9 +23,11 @@ first page's by j), so ties and a shorter row's missing pages fall as they do wh
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..spec import ModelSpec
 from .base import ScoredPolicy, resolve_budget
@@ -184,11 +186,8 @@ class QuestPolicy(ScoredPolicy):
         high = max(block + have for block, have in zip(first, n_pages, strict=True))
         table = self.pages[layer].bounds[:, :, low:high]
         self.selector_read(table)
-        kv_heads, dim = table.shape[1], table.shape[3] // 2
-        page_max, page_neg_min = table[:, :, None, :, :dim], table[:, :, None, :, dim:]  # [max; -min]
-        q = query.reshape(batch, kv_heads, query.shape[1] // kv_heads, 1, -1)
-        # q·min as (-q)·(-min): the same product to the last bit (rounding is symmetric in sign)
-        bound = torch.maximum(q * page_max, -q * page_neg_min).sum(dim=-1).amax(dim=2)
+        bound = page_bounds(query, table)
+        kv_heads = table.shape[1]
         at = torch.arange(most)
         if min(first) != max(first):  # rows' pages start at different blocks: each row's from its first
             start = (torch.tensor(first) - low)[:, None] + at
@@ -198,6 +197,34 @@ class QuestPolicy(ScoredPolicy):
             return bound
         real = (at < torch.tensor(n_pages)[:, None]).to(bound.device)[:, None]  # a shorter row's: -inf
         return torch.where(real, bound, float("-inf"))
+
+    def together_key(self, layer: int) -> Hashable | None:
+        """One unpadded sequence that leaves pages out: sequences of one config score their pages together
+        (:meth:`score_rows`), whatever their lengths."""
+        if self.padded or self.host_pool.rows != 1 or not self.scored(layer) or not self.n_pages[layer]:
+            return None
+        take = self.takes(layer, self.real_past(layer, self.host_pool.length(layer), 1))[0]
+        return self.config if 0 < take < self.n_pages[layer][0] else None
+
+    @classmethod
+    def score_rows(cls, policies: list[QuestPolicy], layer: int) -> Tensor:
+        tables = []
+        for policy in policies:
+            first = policy._first_blocks(layer)[0]
+            table = policy.pages[layer].bounds[:, :, first : first + policy.n_pages[layer][0]]
+            policy.selector_read(table)
+            tables.append(table)
+        pages = [table.shape[2] for table in tables]
+        most = max(pages)
+        padded = [
+            F.pad(table, (0, 0, 0, most - table.shape[2])) if table.shape[2] < most else table
+            for table in tables
+        ]
+        bound = page_bounds(torch.cat([policy.query(layer) for policy in policies]), torch.cat(padded))
+        if min(pages) == most:
+            return bound
+        real = (torch.arange(most) < torch.tensor(pages)[:, None]).to(bound.device)[:, None]
+        return torch.where(real, bound, float("-inf"))  # a shorter row's missing pages
 
     def expand(self, layer: int, index: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The tokens of the chosen pages, then each row's unfinished page (as wide as the widest one, a
@@ -229,3 +256,15 @@ class QuestPolicy(ScoredPolicy):
         """The bounds of the full pages (``BlockBounds.nbytes``) and the unfinished pages' keys."""
         held = sum(pages.nbytes() for pages in self.pages if pages is not None)
         return held + sum(keys.numel() * keys.element_size() for keys in self.partial if keys is not None)
+
+
+def page_bounds(query: Tensor, table: Tensor) -> Tensor:
+    """Each page's upper bound on the logit of any of its tokens, per KV head: [batch, kv_heads, pages], from
+    the query [batch, heads, head_dim] and the pages' bounds ``table`` [batch, kv_heads, pages, 2 * head_dim]
+    (each channel's max, then its negated min): the max over the group's query heads of
+    sum_c max(q_c * max_c, q_c * min_c)."""
+    batch, kv_heads, dim = table.shape[0], table.shape[1], table.shape[3] // 2
+    page_max, page_neg_min = table[:, :, None, :, :dim], table[:, :, None, :, dim:]
+    q = query.reshape(batch, kv_heads, query.shape[1] // kv_heads, 1, -1)
+    # q·min as (-q)·(-min): the same product to the last bit (rounding is symmetric in sign)
+    return torch.maximum(q * page_max, -q * page_neg_min).sum(dim=-1).amax(dim=2)

@@ -50,6 +50,9 @@ class StreamingPolicy(ScoredPolicy):
     def __init__(self, config: StreamingConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
         self._skipped: dict[int, list[int]] = {}  # per layer and row: tokens skipped between sinks and window
+        # the skipped counts as positions [rows, 1], and zeros as wide: one tensor object while the counts
+        # stay (a step's layers share them), so the model's rotary memo computes R(delta) once, not per layer
+        self._deltas: tuple[list[int], Tensor, Tensor] | None = None
 
     def scored(self, layer: int) -> bool:
         return not self.spec.is_sliding(layer)
@@ -73,11 +76,14 @@ class StreamingPolicy(ScoredPolicy):
         sinks = min(self.config.n_sink, keys.shape[2])
         if skipped is None or sinks == 0 or not any(skipped):
             return
-        skipped = torch.tensor(skipped, device=keys.device)
+        if self._deltas is None or self._deltas[0] != skipped or self._deltas[1].device != keys.device:
+            delta = torch.tensor(skipped, device=keys.device)[:, None]
+            self._deltas = (skipped, delta, torch.zeros_like(delta))
+        _, delta, zero = self._deltas
         # R(delta) on post-RoPE keys: the same rotation RoPE applies at position delta (scaling divided out).
         rope = self.spec.rope
-        cos, sin = rope(layer, keys, skipped[:, None])
-        scale, _ = rope(layer, keys, torch.zeros_like(skipped[:, None]))
+        cos, sin = rope(layer, keys, delta)
+        scale, _ = rope(layer, keys, zero)
         cos, sin = (cos / scale[..., :1]).unsqueeze(1), (sin / scale[..., :1]).unsqueeze(1)
         head = keys[:, :, :sinks]
         keys[:, :, :sinks] = head * cos + rotate_half(head) * sin
