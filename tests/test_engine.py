@@ -385,8 +385,8 @@ def test_infinigen_rows_of_a_step_are_rehearsed_together_and_choose_as_alone(tin
 @pytest.mark.parametrize("knobs", [{}, {"budget": 0.3, "min_tokens": 0, "page_size": 4}])
 def test_quest_rows_of_a_step_choose_together_and_as_alone(tiny, knobs, monkeypatch):
     """An engine step's Quest rows score their pages in one product and pick them in one pass
-    (``ScoredPolicy.take_query_rows``); each row still gets its tokens alone, whatever its length and
-    whatever the rows beside it hold."""
+    (``ScoredPolicy.take_query_rows``); each row still gets its tokens alone, and counts the bytes it
+    counts alone, whatever its length and whatever the rows beside it hold."""
     from infinikv.policies.quest import QuestPolicy
 
     together: Counter = Counter()
@@ -397,7 +397,7 @@ def test_quest_rows_of_a_step_choose_together_and_as_alone(tiny, knobs, monkeypa
         return score_rows(cls, policies, layer)
 
     monkeypatch.setattr(QuestPolicy, "score_rows", classmethod(counted))
-    config = make_config("quest", **knobs)
+    quest = make_config("quest", **knobs)
     texts = [
         "The harbour lantern glowed over the copper river while the falcon watched. " * 3,
         "A quiet orchard kept its pears until the frost came down from the hills at dusk. " * 3,
@@ -405,11 +405,16 @@ def test_quest_rows_of_a_step_choose_together_and_as_alone(tiny, knobs, monkeypa
     ]
     length = min(len(ids(tiny, text)) for text in texts)
     prompts = [ids(tiny, text)[:length] for text in texts] + [ids(tiny, texts[0])[: length // 2]]
-    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
-    results = run(engine, [(prompt, config, GREEDY) for prompt in prompts], join_at=[0, 0, 0, 1])
-    assert max(together, default=0) >= 3
-    for prompt, result in zip(prompts, results, strict=True):
-        assert result.token_ids == alone(tiny, prompt, config)
+    config = EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, prefix_cache=False, kv_memory=2**28)
+    wider = make_config("quest", **{**knobs, "budget": 0.5})  # another budget: chosen with the others
+    requests = [(prompt, quest, GREEDY) for prompt in prompts] + [(prompts[1], wider, GREEDY)]
+    results = run(Engine(tiny, config), requests, join_at=[0, 0, 0, 1, 0])
+    assert max(together, default=0) >= 4
+    costs = ("bytes_h2d", "bytes_h2d_on_demand", "selector_bytes", "mean_tokens_attended")
+    for request, result in zip(requests, results, strict=True):
+        by_itself = run(Engine(tiny, config), [request])[0]
+        assert result.token_ids == by_itself.token_ids
+        assert [result.stats[name] for name in costs] == [by_itself.stats[name] for name in costs]
 
 
 def test_a_step_that_brings_two_stop_strings_cuts_at_the_earliest():

@@ -14,7 +14,8 @@ The cache is called three times per layer and step (``hooks.py`` installs what c
 3. ``attend``, from the registered attention function: it fits the model's mask to the policy's selection
    and calls ``policy.attend``. A layer that chooses with its own query (``policy.chooses_with_query``:
    Quest, the oracle) is decoded here instead of in ``update``, after ``policy.take_query`` hands it the
-   query the model computed.
+   query the model computed (in an engine step, ``Policy.take_query_rows`` hands a policy class its rows'
+   queries at once, before any of them decodes: ``waits_for_query``, ``query_taken``).
 
 A forward pass is a prefill when it carries more than one token or the cache is empty; a decode step
 feeds exactly one token per sequence.
@@ -165,6 +166,7 @@ class InfinikvCache(PolicyCache):
         if self._is_decode(layer, k.shape[2]):
             if self.policy.chooses_with_query(layer):  # decoded in attend(), with the model's own query
                 self._waiting[layer] = (k, v)
+                self._queried.discard(layer)  # a step that failed before its attend() took none
                 return k, v
             return self.selected(layer, self.policy.decode(layer, k, v))
         self._selections.pop(layer, None)

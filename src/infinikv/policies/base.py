@@ -663,10 +663,11 @@ class ScoredPolicy(HostPoolPolicy):
                 cls._choose_together(group, layer)
 
     def together_key(self, layer: int) -> Hashable | None:
-        """Sequences whose choice of ``layer`` this step has the same key choose it together
-        (:meth:`score_rows`); None: this one chooses alone. The base: always alone; a class that can score
-        several sequences' units in one product says when it may (one unpadded row with something to leave
-        out, and what else its rows must share)."""
+        """Sequences of one class whose choice of ``layer`` this step has the same key choose it together
+        (:meth:`score_rows`); None: this one chooses alone. The base: always alone. A class that can score
+        several sequences' units in one product gives a key only where :meth:`select` would pick by scores:
+        one unpadded row that leaves something out but takes at least one unit, with no reserved units
+        (:meth:`reserved` None) and :meth:`score` not None; the key holds what else its rows must share."""
         return None
 
     @classmethod
@@ -683,20 +684,14 @@ class ScoredPolicy(HostPoolPolicy):
         is the one ``pick_top`` makes for it alone), each row's units expanded and copied as alone; the time
         it takes counts in equal shares as each one's selector time."""
         first, start = group[0], time.perf_counter()
-        takes, reserved = [], []
+        takes = []
         for policy in group:
-            n_past = policy.host_pool.length(layer)
-            real = policy.real_past(layer, n_past, 1)
+            real = policy.real_past(layer, policy.host_pool.length(layer), 1)
             takes.append(min(policy.takes(layer, real)[0], policy.units(layer, real)[0]))
-            reserved.append(policy.reserved(layer, n_past, 1))
         scores = type(first).score_rows(group, layer)
         if scores.shape[1] != first.spec.num_kv_heads:
             scores = group_relative_max(scores, scores.shape[1] // first.spec.num_kv_heads)
-        lifted = None
-        if reserved[0] is not None:  # each row's, False after its own units
-            units = scores.shape[2]
-            lifted = torch.stack([F.pad(row[0], (0, units - row.shape[1])) for row in reserved])[:, None]
-        index = pick_each(scores, takes, lifted, first.most_reserved(layer)).to(first.device)
+        index = pick_each(scores, takes, None, 0).to(first.device)  # no reserved units (together_key)
         share = (time.perf_counter() - start) / len(group)
         for r, policy in enumerate(group):
             policy.count_selector_time(share)

@@ -199,12 +199,12 @@ class QuestPolicy(ScoredPolicy):
         return torch.where(real, bound, float("-inf"))
 
     def together_key(self, layer: int) -> Hashable | None:
-        """One unpadded sequence that leaves pages out: sequences of one config score their pages together
-        (:meth:`score_rows`), whatever their lengths."""
+        """One unpadded sequence that leaves pages out: sequences of one page size score their pages together
+        (:meth:`score_rows`), whatever their lengths and budgets."""
         if self.padded or self.host_pool.rows != 1 or not self.scored(layer) or not self.n_pages[layer]:
             return None
         take = self.takes(layer, self.real_past(layer, self.host_pool.length(layer), 1))[0]
-        return self.config if 0 < take < self.n_pages[layer][0] else None
+        return self.config.page_size if 0 < take < self.n_pages[layer][0] else None
 
     @classmethod
     def score_rows(cls, policies: list[QuestPolicy], layer: int) -> Tensor:

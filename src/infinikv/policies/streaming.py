@@ -50,9 +50,11 @@ class StreamingPolicy(ScoredPolicy):
     def __init__(self, config: StreamingConfig, spec: ModelSpec, device: torch.device):
         super().__init__(config, spec, device)
         self._skipped: dict[int, list[int]] = {}  # per layer and row: tokens skipped between sinks and window
-        # the skipped counts as positions [rows, 1], and zeros as wide: one tensor object while the counts
-        # stay (a step's layers share them), so the model's rotary memo computes R(delta) once, not per layer
-        self._deltas: tuple[list[int], Tensor, Tensor] | None = None
+        # the skipped counts as positions [rows, 1] (one tensor object while the counts stay: a step's layers
+        # share it) and zeros as wide (while the rows stay), so the model's rotary memo computes R(delta) and
+        # R(0) once, not per layer
+        self._delta: tuple[list[int], Tensor] | None = None
+        self._zero: Tensor | None = None
 
     def scored(self, layer: int) -> bool:
         return not self.spec.is_sliding(layer)
@@ -76,10 +78,12 @@ class StreamingPolicy(ScoredPolicy):
         sinks = min(self.config.n_sink, keys.shape[2])
         if skipped is None or sinks == 0 or not any(skipped):
             return
-        if self._deltas is None or self._deltas[0] != skipped or self._deltas[1].device != keys.device:
-            delta = torch.tensor(skipped, device=keys.device)[:, None]
-            self._deltas = (skipped, delta, torch.zeros_like(delta))
-        _, delta, zero = self._deltas
+        if self._delta is None or self._delta[0] != skipped or self._delta[1].device != keys.device:
+            self._delta = (skipped, torch.tensor(skipped, device=keys.device)[:, None])
+        delta = self._delta[1]
+        if self._zero is None or self._zero.shape != delta.shape or self._zero.device != delta.device:
+            self._zero = torch.zeros_like(delta)
+        zero = self._zero
         # R(delta) on post-RoPE keys: the same rotation RoPE applies at position delta (scaling divided out).
         rope = self.spec.rope
         cos, sin = rope(layer, keys, delta)
