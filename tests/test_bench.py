@@ -189,9 +189,11 @@ def test_a_policy_is_timed_on_the_engines_decode_step(tiny):
 
 
 def test_only_policies_that_prefetch_are_projected_as_overlapped(tiny):
-    # Quest computes its query in the look-ahead hook but starts no copy: its gather is exposed.
+    # Quest copies the layers it does not score one layer ahead and the others on demand, once their query
+    # exists: projected as overlapped with its on-demand part waiting. The oracle starts no copy ahead: its
+    # gathers are exposed.
     config = BenchConfig(
-        policies=("offload", "streaming", "quest"),
+        policies=("offload", "streaming", "quest", "oracle"),
         batches=(1,),
         contexts=(24,),
         gen=3,
@@ -203,10 +205,12 @@ def test_only_policies_that_prefetch_are_projected_as_overlapped(tiny):
     )
     rows = {r["name"]: r for r in run_bench(tiny, config, progress=False)["cells"][0]["rows"]}
     assert rows["offload"]["traffic"]["overlapped"] and rows["streaming"]["traffic"]["overlapped"]
-    quest = rows["quest"]
-    assert quest["traffic"]["overlapped"] is False and quest["bytes_h2d_per_step"] > 0
-    projection = project(StepTraffic(**quest["traffic"]), LINKS["pcie3"], DEVICES["a6000"])
-    assert quest["projected_step_s"]["a6000/pcie3"] == pytest.approx(projection.link_s + projection.device_s)
+    quest = rows["quest"]["traffic"]
+    assert quest["overlapped"] and 0 < quest["bytes_on_demand"] < quest["bytes_h2d"]
+    oracle = rows["oracle"]
+    assert oracle["traffic"]["overlapped"] is False and oracle["bytes_h2d_per_step"] > 0
+    projection = project(StepTraffic(**oracle["traffic"]), LINKS["pcie3"], DEVICES["a6000"])
+    assert oracle["projected_step_s"]["a6000/pcie3"] == pytest.approx(projection.link_s + projection.device_s)
 
 
 def test_link_model_arithmetic():

@@ -573,11 +573,14 @@ class ScoredPolicy(HostPoolPolicy):
     A policy whose choice for layer i+1 does not need layer i+1's query sets ``prefetches = True`` and the
     copy starts one layer early; one that needs the layer's own query sets ``query_aware = True`` and reads
     it in :meth:`score` from ``self.query(layer)``: the model's own query, which the cache hands over
-    (``take_query``) before it calls ``decode`` from the attention function.
+    (``take_query``) before it calls ``decode`` from the attention function. Such a policy may still set
+    ``prefetches``: the layers it does not score (leading dense layers, sliding windows) are then copied
+    one layer early, the others on demand (:meth:`plan`).
     """
 
     prefill_family = "dense"
-    # True: score() reads the layer's real query of this step (self.query(layer)), so nothing is prefetched.
+    # True: score() reads the layer's real query of this step (self.query(layer)), so its scored layers are
+    # copied on demand, once that query exists
     query_aware: ClassVar[bool] = False
     # True: a unit is a token slot, and the base hides left padding from the scores itself.
     scores_slots: ClassVar[bool] = True
@@ -642,6 +645,11 @@ class ScoredPolicy(HostPoolPolicy):
     # -- the shared rules ------------------------------------------------------------------------------------
     def chooses_with_query(self, layer: int) -> bool:
         return self.query_aware and self.scored(layer)
+
+    def plan(self, layer: int, x: Tensor, position_ids: Tensor, queries: QueryOf | None = None) -> None:
+        """The look-ahead's copy of ``layer``, unless it waits for the layer's own query (then on demand)."""
+        if not self.chooses_with_query(layer):
+            super().plan(layer, x, position_ids, queries)
 
     def take_query(self, layer: int, query: Tensor) -> None:
         self._query[layer] = query

@@ -65,6 +65,7 @@ class QuestPolicy(ScoredPolicy):
 
     config_class = QuestConfig
     query_aware = True
+    prefetches = True  # the layers it does not score; those it scores, on demand
     scores_slots = False
 
     def __init__(self, config: QuestConfig, spec: ModelSpec, device: torch.device):
