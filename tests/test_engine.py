@@ -384,9 +384,9 @@ def test_infinigen_rows_of_a_step_are_rehearsed_together_and_choose_as_alone(tin
 
 @pytest.mark.parametrize("knobs", [{}, {"budget": 0.3, "min_tokens": 0, "page_size": 4}])
 def test_quest_rows_of_a_step_choose_together_and_as_alone(tiny, knobs, monkeypatch):
-    """An engine step's Quest rows score their pages in one product and pick them in one pass
-    (``ScoredPolicy.take_query_rows``); each row still gets its tokens alone, and counts the bytes it
-    counts alone, whatever its length and whatever the rows beside it hold."""
+    """An engine step's Quest rows pick their pages in one pass (``ScoredPolicy.take_query_rows``); each row
+    still gets its tokens alone, and counts the bytes it counts alone, whatever its length and budget and
+    whatever the rows beside it hold."""
     from infinikv.policies.quest import QuestPolicy
 
     together: Counter = Counter()
@@ -409,7 +409,7 @@ def test_quest_rows_of_a_step_choose_together_and_as_alone(tiny, knobs, monkeypa
     wider = make_config("quest", **{**knobs, "budget": 0.5})  # another budget: chosen with the others
     requests = [(prompt, quest, GREEDY) for prompt in prompts] + [(prompts[1], wider, GREEDY)]
     results = run(Engine(tiny, config), requests, join_at=[0, 0, 0, 1, 0])
-    assert max(together, default=0) >= 4
+    assert max(together, default=0) >= 4  # rows picked in one pass
     costs = ("bytes_h2d", "bytes_h2d_on_demand", "selector_bytes", "mean_tokens_attended")
     for request, result in zip(requests, results, strict=True):
         by_itself = run(Engine(tiny, config), [request])[0]

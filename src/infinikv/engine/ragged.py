@@ -12,8 +12,8 @@ every row (``spec.SharedQueries``), so the layer's query weights are read once a
 A layer's own work, look-ahead, decode and, for rows whose layer waits for its query, that query reach each
 policy class once for all its rows (``Policy.before_attention_rows``, ``plan_rows``, ``decode_rows``,
 ``take_query_rows``): a class may take its rows together where each still gets what it gets alone
-(InfiniGen scores them in one product, Quest its page bounds); a row whose layer waits for its query then
-decodes through its own cache.
+(InfiniGen scores them in one product, Quest picks their pages in one pass); a row whose layer waits for
+its query then decodes through its own cache.
 
 The model's own decode mask spans the longest row; it is not used. A row needs no mask on a full-attention
 layer (it attends to what its policy selected) and its own window on a sliding layer, built here.

@@ -680,15 +680,15 @@ class ScoredPolicy(HostPoolPolicy):
 
     @classmethod
     def score_rows(cls, policies: list[ScoredPolicy], layer: int) -> Tensor:
-        """:meth:`score` of sequences with one :meth:`together_key`, one row each, in one product: [rows,
+        """:meth:`score` of sequences with one :meth:`together_key`, one row each, side by side: [rows,
         kv_heads or heads, the most units of a row], -inf after a row's own units; row by row what each
-        scores alone."""
+        scores alone (in one product where that saves more than gathering the rows' inputs costs)."""
         raise NotImplementedError
 
     @staticmethod
     def _choose_together(group: list[ScoredPolicy], layer: int) -> None:
         """:meth:`select` and :meth:`start_fetch` of ``layer`` for ``group`` (one row each, one
-        :meth:`together_key`): the scores in one product, the picks in one pass (``pick_each``: each row's
+        :meth:`together_key`): the scores side by side, the picks in one pass (``pick_each``: each row's
         is the one ``pick_top`` makes for it alone), each row's units expanded and copied as alone; the time
         it takes counts in equal shares as each one's selector time."""
         first, start = group[0], time.perf_counter()

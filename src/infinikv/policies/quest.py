@@ -23,6 +23,7 @@ first page's by j), so ties and a shorter row's missing pages fall as they do wh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -200,7 +201,7 @@ class QuestPolicy(ScoredPolicy):
         return torch.where(real, bound, float("-inf"))
 
     def together_key(self, layer: int) -> Hashable | None:
-        """One unpadded sequence that leaves pages out: sequences of one page size score their pages together
+        """One unpadded sequence that leaves pages out: sequences of one page size pick their pages together
         (:meth:`score_rows`), whatever their lengths and budgets."""
         if self.padded or self.host_pool.rows != 1 or not self.scored(layer) or not self.n_pages[layer]:
             return None
@@ -209,23 +210,16 @@ class QuestPolicy(ScoredPolicy):
 
     @classmethod
     def score_rows(cls, policies: list[QuestPolicy], layer: int) -> Tensor:
-        tables = []
+        """Each row's bounds from its own page table (a view: nothing copied), one row after another, then
+        side by side, a shorter row's missing pages at -inf: the pick is what the rows share."""
+        bounds = []
         for policy in policies:
             first = policy._first_blocks(layer)[0]
             table = policy.pages[layer].bounds[:, :, first : first + policy.n_pages[layer][0]]
             policy.selector_read(table)
-            tables.append(table)
-        pages = [table.shape[2] for table in tables]
-        most = max(pages)
-        padded = [
-            F.pad(table, (0, 0, 0, most - table.shape[2])) if table.shape[2] < most else table
-            for table in tables
-        ]
-        bound = page_bounds(torch.cat([policy.query(layer) for policy in policies]), torch.cat(padded))
-        if min(pages) == most:
-            return bound
-        real = (torch.arange(most) < torch.tensor(pages)[:, None]).to(bound.device)[:, None]
-        return torch.where(real, bound, float("-inf"))  # a shorter row's missing pages
+            bounds.append(page_bounds(policy.query(layer), table))
+        most = max(bound.shape[2] for bound in bounds)
+        return torch.cat([F.pad(bound, (0, most - bound.shape[2]), value=-math.inf) for bound in bounds])
 
     def expand(self, layer: int, index: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The tokens of the chosen pages, then each row's unfinished page (as wide as the widest one, a
