@@ -673,7 +673,7 @@ class ScoredPolicy(HostPoolPolicy):
     def together_key(self, layer: int) -> Hashable | None:
         """Sequences of one class whose choice of ``layer`` this step has the same key choose it together
         (:meth:`score_rows`); None: this one chooses alone. The base: always alone. A class that can score
-        several sequences' units in one product gives a key only where :meth:`select` would pick by scores:
+        several sequences' units side by side gives a key only where :meth:`select` would pick by scores:
         one unpadded row that leaves something out but takes at least one unit, with no reserved units
         (:meth:`reserved` None) and :meth:`score` not None; the key holds what else its rows must share."""
         return None
