@@ -12,7 +12,8 @@ GQA: pages are chosen per KV head, which serves a group of query heads; a page's
 max of its query heads' bounds (a page goes in if any head of the group might need it). ``budget`` counts
 tokens (the partial page and the new token included); a fraction (<= 1) refers to each row's current context
 (its real tokens, not the batch's padded length), so 1 attends to everything. As in the paper, the first
-``dense_layers`` layers attend to everything.
+``dense_layers`` layers attend to everything; having nothing to choose, they are copied a layer ahead
+(``prefetches``), while a scored layer's pages are gathered once its query exists.
 
 Batches: a row's pages start at its own first real token (left padding is never paged), so they hold the
 tokens they hold when the row runs alone; rows with fewer pages, or a shorter budget, than their batchmates
