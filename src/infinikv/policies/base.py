@@ -681,9 +681,12 @@ class ScoredPolicy(HostPoolPolicy):
     @classmethod
     def score_rows(cls, policies: list[ScoredPolicy], layer: int) -> Tensor:
         """:meth:`score` of sequences with one :meth:`together_key`, one row each, side by side: [rows,
-        kv_heads or heads, the most units of a row], -inf after a row's own units; row by row what each
-        scores alone (in one product where that saves more than gathering the rows' inputs costs)."""
-        raise NotImplementedError
+        kv_heads or heads, the most units of a row], -inf after a row's own units. Here each row's own
+        :meth:`score` (the pick is what the rows share); a class may score them in one product where that
+        saves more than gathering the rows' inputs costs, row by row what each scores alone."""
+        scores = [policy.score(layer, policy.host_pool.length(layer), 1) for policy in policies]
+        most = max(score.shape[-1] for score in scores)
+        return torch.cat([F.pad(score, (0, most - score.shape[-1]), value=-math.inf) for score in scores])
 
     @staticmethod
     def _choose_together(group: list[ScoredPolicy], layer: int) -> None:

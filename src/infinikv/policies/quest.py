@@ -24,12 +24,10 @@ first page's by j), so ties and a shorter row's missing pages fall as they do wh
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..spec import ModelSpec
 from .base import ScoredPolicy, resolve_budget
@@ -208,19 +206,6 @@ class QuestPolicy(ScoredPolicy):
             return None
         take = self.takes(layer, self.real_past(layer, self.host_pool.length(layer), 1))[0]
         return self.config.page_size if 0 < take < self.n_pages[layer][0] else None
-
-    @classmethod
-    def score_rows(cls, policies: list[QuestPolicy], layer: int) -> Tensor:
-        """Each row's bounds from its own page table (a view: nothing copied), one row after another, then
-        side by side, a shorter row's missing pages at -inf: the pick is what the rows share."""
-        bounds = []
-        for policy in policies:
-            first = policy._first_blocks(layer)[0]
-            table = policy.pages[layer].bounds[:, :, first : first + policy.n_pages[layer][0]]
-            policy.selector_read(table)
-            bounds.append(page_bounds(policy.query(layer), table))
-        most = max(bound.shape[2] for bound in bounds)
-        return torch.cat([F.pad(bound, (0, most - bound.shape[2]), value=-math.inf) for bound in bounds])
 
     def expand(self, layer: int, index: Tensor, valid: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """The tokens of the chosen pages, then each row's unfinished page (as wide as the widest one, a
