@@ -10,6 +10,7 @@ import torch
 
 from infinikv.engine import Engine, EngineConfig, GenerationConfig
 from infinikv.engine.blocks import BlockPool, PrefixCache, PrefixEntry, block_bytes, free_memory_bytes
+from infinikv.engine.forced import ForcedRows
 from infinikv.errors import InputError
 from infinikv.forward import prompt_chunks
 from infinikv.policies import POLICIES, make_config
@@ -415,6 +416,56 @@ def test_quest_rows_of_a_step_choose_together_and_as_alone(tiny, knobs, monkeypa
         by_itself = run(Engine(tiny, config), [request])[0]
         assert result.token_ids == by_itself.token_ids
         assert [result.stats[name] for name in costs] == [by_itself.stats[name] for name in costs]
+
+
+@pytest.mark.parametrize("knobs", [{}, {"budget": 0.3, "min_tokens": 0, "heavy_ratio": 0.7}])
+def test_h2o_rows_of_a_step_attend_together_and_as_alone(tiny, knobs, monkeypatch):
+    """An engine step's H2O rows whose kept sets are as wide attend and evict as one
+    (``H2OPolicy.attend_rows``); each row's logits are still those it gets alone, bit for bit, and it
+    counts the bytes it counts alone, whatever its length, budget and tokens seen and whatever the rows
+    beside it hold."""
+    from infinikv.policies.h2o import H2OPolicy
+
+    together: Counter = Counter()
+    decode_together = H2OPolicy._decode_together.__func__
+
+    def counted(cls, policies, layer, rows, scaling):
+        together[len(policies)] += 1
+        return decode_together(cls, policies, layer, rows, scaling)
+
+    monkeypatch.setattr(H2OPolicy, "_decode_together", classmethod(counted))
+    h2o, wider = make_config("h2o", **knobs), make_config("h2o", **{**knobs, "budget": 0.5})
+    texts = [
+        "The harbour lantern glowed over the copper river while the falcon watched. " * 3,
+        "A quiet orchard kept its pears until the frost came down from the hills at dusk. " * 3,
+        "Seven sailors counted the stars and argued about the tide until the bell rang. " * 3,
+    ]
+    length = min(len(ids(tiny, text)) for text in texts)
+    prompts = [ids(tiny, text)[:length] for text in texts] + [ids(tiny, texts[0])[: length // 2]]
+    prompts.append(prompts[1])  # with another budget: another width
+    configs = [h2o, h2o, h2o, h2o, wider]
+    starts = [0, 0, 3, 1, 0]  # the third starts late: as wide as the first two, with fewer tokens seen
+    costs = ("bytes_h2d", "bytes_h2d_on_demand", "selector_bytes", "mean_tokens_attended")
+
+    def feed(rows: list[int]) -> tuple[dict[int, list[torch.Tensor]], list[list]]:
+        logits: dict[int, list[torch.Tensor]] = {r: [] for r in rows}
+        with ForcedRows(tiny, [configs[r] for r in rows]) as forced:
+            for i, r in enumerate(rows):
+                forced.prefill(i, torch.tensor([prompts[r]]), CHUNK)
+            for step in range(12):
+                now = [i for i, r in enumerate(rows) if starts[r] <= step]
+                if now:
+                    tokens = torch.tensor([[(5 * step + rows[i]) % 90 + 3] for i in now])
+                    for i, out in zip(now, forced.step(now, tokens), strict=True):
+                        logits[rows[i]].append(out)
+            return logits, [[driver.stats()[name] for name in costs] for driver in forced.drivers]
+
+    logits, counted_costs = feed(list(range(len(prompts))))
+    assert max(together, default=0) >= 3  # rows attended in one pass
+    for r in range(len(prompts)):
+        own_logits, own_costs = feed([r])
+        assert all(torch.equal(a, b) for a, b in zip(logits[r], own_logits[r], strict=True))
+        assert counted_costs[r] == own_costs[0]
 
 
 def test_a_step_that_brings_two_stop_strings_cuts_at_the_earliest():

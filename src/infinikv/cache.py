@@ -205,6 +205,14 @@ class InfinikvCache(PolicyCache):
     def attend(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
     ) -> Tensor:
+        return self.policy.attend(layer, q, *self.attention_inputs(layer, q, k, v, mask), scaling)
+
+    def attention_inputs(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The K/V and mask ``policy.attend`` gets for ``layer``'s attention with query ``q``: in a decode
+        step, the policy's selection (decoded now where the layer waited for its query) and the mask entries
+        of the positions it holds."""
         waiting = self._waiting.pop(layer, None)
         if waiting is not None:
             if layer in self._queried:
@@ -227,7 +235,7 @@ class InfinikvCache(PolicyCache):
                 mask = hidden if mask is None else mask & hidden
         elif mask is not None and q.shape[2] == 1:
             mask = mask[:, :, -1:, :]
-        return self.policy.attend(layer, q, k, v, mask, scaling)
+        return k, v, mask
 
     def stats(self) -> dict:
         return self.policy.stats()

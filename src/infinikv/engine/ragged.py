@@ -27,7 +27,7 @@ from ..cache import InfinikvCache, PolicyLayer, in_order
 from ..forward import decode_rows
 from ..hooks import PolicyCache
 from ..models import LoadedModel
-from ..policies import Policy, StepRows
+from ..policies import Policy, RowAttention, StepRows
 from ..spec import ModelSpec, SharedQueries
 
 Tensor = torch.Tensor
@@ -143,10 +143,23 @@ class RaggedCache(PolicyCache):
             policy_class.take_query_rows(policies, layer, [q[r : r + 1, :, -1] for r in rows])
             for r in rows:
                 self.rows[r].query_taken(layer)
-        outputs = [
-            row.attend(layer, q[r : r + 1], keys, values, self._row_mask(layer, r), scaling)
+        inputs = [
+            RowAttention(
+                q[r : r + 1],
+                *row.attention_inputs(layer, q[r : r + 1], keys, values, self._row_mask(layer, r)),
+            )
             for r, (row, (keys, values)) in enumerate(zip(self.rows, selected, strict=True))
         ]
+        # each policy class attends for all its rows at once (Policy.attend_rows)
+        by_class: dict[type, list[int]] = {}
+        for r, row in enumerate(self.rows):
+            by_class.setdefault(type(row.policy), []).append(r)
+        outputs: list[Tensor | None] = [None] * len(self.rows)
+        for policy_class, rows in by_class.items():
+            policies = [self.rows[r].policy for r in rows]
+            attended = policy_class.attend_rows(policies, layer, [inputs[r] for r in rows], scaling)
+            for r, out in zip(rows, attended, strict=True):
+                outputs[r] = out
         return torch.cat(outputs, dim=0)
 
     def _row_mask(self, layer: int, row: int) -> Tensor | None:

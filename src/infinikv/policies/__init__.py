@@ -5,7 +5,16 @@ other distributions declare in the ``infinikv.policies`` entry-point group (``re
 """
 
 from ..spec import ModelSpec
-from .base import HostPoolPolicy, Policy, ScoredPolicy, Selection, StepRows, pick_top, resolve_budget
+from .base import (
+    HostPoolPolicy,
+    Policy,
+    RowAttention,
+    ScoredPolicy,
+    Selection,
+    StepRows,
+    pick_top,
+    resolve_budget,
+)
 from .config import PolicyConfig, knob
 from .registry import (
     POLICIES,
@@ -53,6 +62,7 @@ __all__ = [
     "QuantPolicy",
     "QuestConfig",
     "QuestPolicy",
+    "RowAttention",
     "ScoredPolicy",
     "Selection",
     "StepRows",

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,17 @@ class Selection:
     values: Tensor
     positions: Tensor | None = None
     valid: Tensor | None = None
+
+
+class RowAttention(NamedTuple):
+    """One row's attention inputs in an engine step (``Policy.attend_rows``), as ``Policy.attend`` takes
+    them: its query [1, heads, 1, head_dim], the K/V it attends to [1, kv_heads, n, head_dim] and its mask
+    [1, 1 or kv_heads, 1, n] (None: all)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor | None
 
 
 def group_relative_max(scores: Tensor, group: int) -> Tensor:
@@ -345,6 +356,14 @@ class Policy:
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
     ) -> Tensor:
         return attention(q, k, v, mask, scaling)
+
+    @classmethod
+    def attend_rows(
+        cls, policies: list[Policy], layer: int, rows: list[RowAttention], scaling: float
+    ) -> list[Tensor]:
+        """:meth:`attend` for the rows of an engine step whose policies are of this class (as
+        :meth:`plan_rows`), each [1, 1, heads, head_dim]: each row alone here."""
+        return [policy.attend(layer, *row, scaling) for policy, row in zip(policies, rows, strict=True)]
 
     def seq_length(self, layer: int) -> int:
         """Tokens seen by ``layer`` so far (including evicted ones): positions are 0..seq_length-1."""

@@ -19,10 +19,13 @@ evicts the lowest-scoring token outside the recent window to make room for the n
   key receives). The prompt is cut down to the kept set at the first decode step.
 * GQA: one kept set per KV head; its score sums the weights of the query heads of its group.
 * Left padding has score -inf and is evicted first; Gemma-3 sliding-window layers keep just their window.
+* An engine step's rows whose kept sets are as wide attend and evict together (``attend_rows``): one
+  stacked product and softmax, and the bookkeeping in one pass, each row's result bit for bit its own.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +34,9 @@ from ..copiers import Transfer
 from ..spec import ModelSpec
 from .base import (
     HostPoolPolicy,
+    Policy,
     QueryOf,
+    RowAttention,
     Selection,
     attention,
     attention_weights,
@@ -185,7 +190,7 @@ class H2OPolicy(HostPoolPolicy):
         if score is None:
             score = torch.zeros(batch, heads, n, device=self.device)
         valid = None if window is not None else self.real_at(positions)
-        priority = self._priority(layer, score, positions, n, valid)
+        priority = _priority(score, positions, n - limits.recent, valid)
         if n > capacity:
             keep = priority.topk(capacity, dim=-1).indices.sort(dim=-1).values
             self.host_pool.keep(layer, keep)
@@ -234,33 +239,85 @@ class H2OPolicy(HostPoolPolicy):
     def _attend_decode(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
     ) -> Tensor:
-        weights = attention_weights(q, k, mask, scaling)  # [batch, heads, 1, m + 1]
+        return self._decode_together([self], layer, [RowAttention(q, k, v, mask)], scaling)[0]
+
+    @classmethod
+    def attend_rows(
+        cls, policies: list[Policy], layer: int, rows: list[RowAttention], scaling: float
+    ) -> list[Tensor]:
+        """The decode attention of rows whose kept sets are as wide, with the same capacity, runs as one
+        (:meth:`_decode_together`); any other row (a prompt chunk, another width) alone."""
+        outputs: list[Tensor | None] = [None] * len(rows)
+        alike: dict[tuple, list[int]] = {}
+        for i, (policy, row) in enumerate(zip(policies, rows, strict=True)):
+            if layer in policy._new:
+                mask = None if row.mask is None else row.mask.shape
+                alike.setdefault((row.k.shape, mask, policy.capacity[layer]), []).append(i)
+            else:
+                outputs[i] = policy.attend(layer, *row, scaling)
+        for members in alike.values():
+            together = cls._decode_together(
+                [policies[i] for i in members], layer, [rows[i] for i in members], scaling
+            )
+            for i, out in zip(members, together, strict=True):
+                outputs[i] = out
+        return outputs
+
+    @classmethod
+    def _decode_together(
+        cls, policies: list[H2OPolicy], layer: int, rows: list[RowAttention], scaling: float
+    ) -> list[Tensor]:
+        """A decode step's attention for ``rows`` of one width, one row per policy: explicit weights, which
+        then add to each row's accumulated scores and evict (:meth:`_store_new`). Stacked rows compute each
+        row's weights and output as the row alone does, bit for bit (a batched product and a softmax per
+        row); the bookkeeping is elementwise per row."""
+        q, k, v = (_stacked([getattr(row, part) for row in rows]) for part in ("q", "k", "v"))
+        mask = None if rows[0].mask is None else _stacked([row.mask for row in rows])
+        weights = attention_weights(q, k, mask, scaling)  # [rows, heads, 1, m + 1]
         group = q.shape[1] // k.shape[1]
         out = per_kv_head(weights.to(v.dtype), v).transpose(1, 2)
         batch, kv_heads = k.shape[:2]
         received = weights[:, :, 0].view(batch, kv_heads, group, -1).sum(dim=2)
-        with self.selecting():  # the accumulated scores choose which token is dropped
-            self.selector_read(self.score[layer])
-            score = torch.cat([self.score[layer], received.new_zeros(batch, kv_heads, 1)], dim=2) + received
-            self._store_new(layer, score, k, v)
-        return out
+        start = time.perf_counter()  # the accumulated scores choose which token is dropped
+        for policy in policies:
+            policy.selector_read(policy.score[layer])
+        past = _stacked([policy.score[layer] for policy in policies])
+        score = torch.cat([past, received.new_zeros(batch, kv_heads, 1)], dim=2) + received
+        cls._store_new(policies, layer, score, k, v)
+        share = (time.perf_counter() - start) / len(policies)
+        for policy in policies:
+            policy.count_selector_time(share)
+        return list(out.split([row.q.shape[0] for row in rows]))
 
-    def _store_new(self, layer: int, score: Tensor, k: Tensor, v: Tensor) -> None:
-        """Keep the new token: a row over its budget marks its lowest-priority live slot dead; the new token
-        takes a new slot while the pool has room, else a dead one (it may be itself: then nothing moves)."""
-        new = self._new.pop(layer)
-        k_new, v_new, candidates, alive = new.keys, new.values, new.positions, new.valid
-        slots, capacity = self.slot_pos[layer], self.capacity[layer]
+    @classmethod
+    def _store_new(cls, policies: list[H2OPolicy], layer: int, score: Tensor, k: Tensor, v: Tensor) -> None:
+        """Keep each row's new token: a row over its budget marks its lowest-priority live slot dead; the new
+        token takes a new slot while the pool has room, else a dead one (it may be itself: then nothing
+        moves). ``score``, ``k`` and ``v`` hold the rows stacked, one per policy; the rows share the layer's
+        capacity and width."""
+        new = [policy._new.pop(layer) for policy in policies]
+        first = policies[0]
+        capacity = first.capacity[layer]
         if capacity == 0:  # nothing is kept between steps: the new token goes at once
             return
-        over = new.alive_count > self.limits[layer].kept  # [batch, kv_heads]
-        priority = self._priority(layer, score, candidates, self.seen[layer], None)
+        candidates = _stacked([token.positions for token in new])
+        alive = _stacked([token.valid for token in new])
+        kept = _stacked([policy.limits[layer].kept for policy in policies])
+        over = _stacked([token.alive_count for token in new]) > kept  # [rows, kv_heads]
+        window = _stacked([policy.seen[layer] - policy.limits[layer].recent for policy in policies])
+        priority = _priority(score, candidates, window, None)
         victim = torch.where(alive, priority, float("inf")).argmin(dim=-1, keepdim=True)
         alive = alive.scatter(2, victim, alive.gather(2, victim) & ~over[..., None])  # a row over: dead
-        if slots.shape[2] < capacity:
-            self.host_pool.append(layer, k_new, v_new)
-            self.slot_pos[layer], self.score[layer], self.alive[layer] = candidates, score, alive
+        sizes = [token.positions.shape[0] for token in new]  # each policy's rows (one in an engine step)
+        if first.slot_pos[layer].shape[2] < capacity:
+            rows = zip(
+                policies, new, candidates.split(sizes), score.split(sizes), alive.split(sizes), strict=True
+            )
+            for policy, token, *state in rows:
+                policy.host_pool.append(layer, token.keys, token.values)
+                policy.slot_pos[layer], policy.score[layer], policy.alive[layer] = state
             return
+        slots = _stacked([policy.slot_pos[layer] for policy in policies])
         newest = candidates.shape[2] - 1
         dead = (~alive).float().argmax(dim=-1)  # every row has one: it keeps at most capacity live slots
         # A dead slot that is the new token itself: rewrite slot 0 with its own content (a no-op).
@@ -268,16 +325,28 @@ class H2OPolicy(HostPoolPolicy):
         slot = torch.where(evict_new, 0, dead)[..., None]
         source = torch.where(evict_new, 0, newest)[..., None]
         pick = source[..., None].expand(-1, -1, 1, k.shape[-1])
-        self.host_pool.write_slots(layer, slot[..., 0], k.gather(2, pick), v.gather(2, pick))
-        self.slot_pos[layer] = slots.scatter(2, slot, candidates.gather(2, source))
-        self.score[layer] = score[..., :newest].scatter(2, slot, score.gather(2, source))
-        self.alive[layer] = alive[..., :newest].scatter(2, slot, alive.gather(2, source))
+        written = (slot[..., 0], k.gather(2, pick), v.gather(2, pick))
+        state = (
+            slots.scatter(2, slot, candidates.gather(2, source)),
+            score[..., :newest].scatter(2, slot, score.gather(2, source)),
+            alive[..., :newest].scatter(2, slot, alive.gather(2, source)),
+        )
+        rows = zip(
+            policies, *(t.split(sizes) for t in written), *(t.split(sizes) for t in state), strict=True
+        )
+        for policy, slot_of, keys, values, *kept_state in rows:
+            policy.host_pool.write_slots(layer, slot_of, keys, values)
+            policy.slot_pos[layer], policy.score[layer], policy.alive[layer] = kept_state
 
-    def _priority(
-        self, layer: int, score: Tensor, positions: Tensor, seen: int, valid: Tensor | None
-    ) -> Tensor:
-        """Eviction order: the recent window (+inf) last, padding (-inf) first, the rest by score."""
-        # Between steps the window holds recent - 1 tokens: the next step's token completes it.
-        in_window = positions >= seen - self.limits[layer].recent
-        priority = torch.where(in_window, float("inf"), score)
-        return priority if valid is None else torch.where(valid, priority, float("-inf"))
+
+def _stacked(tensors: list[Tensor]) -> Tensor:
+    """Rows' tensors one above the other (a single row's as it is)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _priority(score: Tensor, positions: Tensor, window_start: Tensor, valid: Tensor | None) -> Tensor:
+    """Eviction order: the recent window (positions from ``window_start``, per row) last (+inf), padding
+    (-inf) first, the rest by score. Between steps the window holds recent - 1 tokens (``window_start`` is
+    the tokens seen less that): the next step's token completes it."""
+    priority = torch.where(positions >= window_start, float("inf"), score)
+    return priority if valid is None else torch.where(valid, priority, float("-inf"))
