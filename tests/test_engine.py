@@ -427,13 +427,13 @@ def test_h2o_rows_of_a_step_attend_together_and_as_alone(tiny, knobs, monkeypatc
     from infinikv.policies.h2o import H2OPolicy
 
     together: Counter = Counter()
-    decode_together = H2OPolicy._decode_together.__func__
+    decode_together = H2OPolicy.decode_together.__func__
 
     def counted(cls, policies, layer, rows, scaling):
         together[len(policies)] += 1
         return decode_together(cls, policies, layer, rows, scaling)
 
-    monkeypatch.setattr(H2OPolicy, "_decode_together", classmethod(counted))
+    monkeypatch.setattr(H2OPolicy, "decode_together", classmethod(counted))
     h2o, wider = make_config("h2o", **knobs), make_config("h2o", **{**knobs, "budget": 0.5})
     texts = [
         "The harbour lantern glowed over the copper river while the falcon watched. " * 3,

@@ -239,14 +239,14 @@ class H2OPolicy(HostPoolPolicy):
     def _attend_decode(
         self, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
     ) -> Tensor:
-        return self._decode_together([self], layer, [RowAttention(q, k, v, mask)], scaling)[0]
+        return self.decode_together([self], layer, [RowAttention(q, k, v, mask)], scaling)[0]
 
     @classmethod
     def attend_rows(
         cls, policies: list[Policy], layer: int, rows: list[RowAttention], scaling: float
     ) -> list[Tensor]:
         """The decode attention of rows whose kept sets are as wide, with the same capacity, runs as one
-        (:meth:`_decode_together`); any other row (a prompt chunk, another width) alone."""
+        (:meth:`decode_together`); any other row (a prompt chunk, another width) alone."""
         outputs: list[Tensor | None] = [None] * len(rows)
         alike: dict[tuple, list[int]] = {}
         for i, (policy, row) in enumerate(zip(policies, rows, strict=True)):
@@ -256,7 +256,7 @@ class H2OPolicy(HostPoolPolicy):
             else:
                 outputs[i] = policy.attend(layer, *row, scaling)
         for members in alike.values():
-            together = cls._decode_together(
+            together = cls.decode_together(
                 [policies[i] for i in members], layer, [rows[i] for i in members], scaling
             )
             for i, out in zip(members, together, strict=True):
@@ -264,7 +264,7 @@ class H2OPolicy(HostPoolPolicy):
         return outputs
 
     @classmethod
-    def _decode_together(
+    def decode_together(
         cls, policies: list[H2OPolicy], layer: int, rows: list[RowAttention], scaling: float
     ) -> list[Tensor]:
         """A decode step's attention for ``rows`` of one width, one row per policy: explicit weights, which
