@@ -55,6 +55,8 @@ class StreamingPolicy(ScoredPolicy):
         # R(0) once, not per layer
         self._delta: tuple[list[int], Tensor] | None = None
         self._zero: Tensor | None = None
+        # per rotary kind (keyed by the model's R(delta) cos, kept with it): R(delta) as the keys take it
+        self._rotations: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
     def scored(self, layer: int) -> bool:
         return not self.spec.is_sliding(layer)
@@ -80,14 +82,19 @@ class StreamingPolicy(ScoredPolicy):
             return
         if self._delta is None or self._delta[0] != skipped or self._delta[1].device != keys.device:
             self._delta = (skipped, torch.tensor(skipped, device=keys.device)[:, None])
+            self._rotations.clear()
         delta = self._delta[1]
-        if self._zero is None or self._zero.shape != delta.shape or self._zero.device != delta.device:
-            self._zero = torch.zeros_like(delta)
-        zero = self._zero
-        # R(delta) on post-RoPE keys: the same rotation RoPE applies at position delta (scaling divided out).
+        # R(delta) on post-RoPE keys: the same rotation RoPE applies at position delta (scaling divided out),
+        # made once per rotary kind while the counts stay
         rope = self.spec.rope
         cos, sin = rope(layer, keys, delta)
-        scale, _ = rope(layer, keys, zero)
-        cos, sin = (cos / scale[..., :1]).unsqueeze(1), (sin / scale[..., :1]).unsqueeze(1)
+        held = self._rotations.get(id(cos))
+        if held is None or held[0] is not cos:
+            if self._zero is None or self._zero.shape != delta.shape or self._zero.device != delta.device:
+                self._zero = torch.zeros_like(delta)
+            scale, _ = rope(layer, keys, self._zero)
+            held = (cos, (cos / scale[..., :1]).unsqueeze(1), (sin / scale[..., :1]).unsqueeze(1))
+            self._rotations[id(cos)] = held
+        _, cos, sin = held
         head = keys[:, :, :sinks]
         keys[:, :, :sinks] = head * cos + rotate_half(head) * sin
