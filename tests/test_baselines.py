@@ -17,6 +17,7 @@ from infinikv.policies.base import (
     pick_each,
     pick_top,
     reserved_first,
+    stacks_rows_exactly,
 )
 from infinikv.policies.quant import dequantize, pack, quantize, unpack
 
@@ -274,6 +275,28 @@ def test_per_kv_head_is_the_repeated_product_bit_for_bit(batch, kv_heads, group,
     repeated = keys.repeat_interleave(group, dim=1)
     assert torch.equal(per_kv_head(query, keys.transpose(-1, -2)), query @ repeated.transpose(-1, -2))
     assert torch.equal(per_kv_head(weights, keys), weights @ repeated)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_stacked_rows_attend_as_alone_where_the_helper_says_so(dtype):
+    """Where ``stacks_rows_exactly`` holds (H2O attends an engine step's rows stacked), each row's explicit
+    weights and output over stacked rows are its own, bit for bit, for the widths and row counts an engine
+    step brings; float16 on this CPU is where they are not, and the helper says no."""
+    assert stacks_rows_exactly(torch.empty(0, dtype=dtype)) == (dtype != torch.float16)
+    if not stacks_rows_exactly(torch.empty(0, dtype=dtype)):
+        return
+    generator = torch.Generator().manual_seed(0)
+    for tokens in (1, 7, 9, 16, 33, 411):
+        for rows in (2, 4, 16):
+            q = torch.randn(rows, 9, 1, 64, generator=generator).to(dtype)
+            k, v = (torch.randn(rows, 3, tokens, 64, generator=generator).to(dtype) for _ in range(2))
+            mask = torch.rand(rows, 3, 1, tokens, generator=generator) > 0.2
+            weights = attention_weights(q, k, mask, 0.125)
+            out = per_kv_head(weights.to(dtype), v)
+            for r in range(rows):
+                alone = attention_weights(q[r : r + 1], k[r : r + 1], mask[r : r + 1], 0.125)
+                assert torch.equal(weights[r : r + 1], alone)
+                assert torch.equal(out[r : r + 1], per_kv_head(alone.to(dtype), v[r : r + 1]))
 
 
 def test_pick_top_breaks_ties_at_the_cut_by_slot_alone_and_batched():

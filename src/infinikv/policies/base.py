@@ -855,6 +855,14 @@ def per_kv_head(a: Tensor, b: Tensor) -> Tensor:
     return torch.stack(products, dim=2).view(batch, heads, m, b.shape[-1])
 
 
+def stacks_rows_exactly(tensor: Tensor) -> bool:
+    """Whether products and softmaxes over rows stacked one above the other give each row the bits its own
+    gives, for ``tensor``'s dtype and device: float32 and bfloat16 on the CPU, whose kernels run each
+    matrix of a batch alike (tested); float16's CPU kernels change with the number of matrices, and a GPU
+    library's choice is not checked, so rows there are computed apart."""
+    return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.bfloat16)
+
+
 def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None, scaling: float) -> Tensor:
     """Softmax attention probabilities [batch, heads, q_len, n] (explicit, for policies that need them)."""
     group = q.shape[1] // k.shape[1]

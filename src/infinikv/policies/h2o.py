@@ -42,6 +42,7 @@ from .base import (
     attention_weights,
     per_kv_head,
     resolve_budget,
+    stacks_rows_exactly,
 )
 from .config import PolicyConfig, knob, min_tokens_knob
 from .registry import register
@@ -246,11 +247,12 @@ class H2OPolicy(HostPoolPolicy):
         cls, policies: list[Policy], layer: int, rows: list[RowAttention], scaling: float
     ) -> list[Tensor]:
         """The decode attention of rows whose kept sets are as wide, with the same capacity, runs as one
-        (:meth:`decode_together`); any other row (a prompt chunk, another width) alone."""
+        (:meth:`decode_together`) where stacked rows compute as alone (``stacks_rows_exactly``); any other
+        row (a prompt chunk, another width) alone."""
         outputs: list[Tensor | None] = [None] * len(rows)
         alike: dict[tuple, list[int]] = {}
         for i, (policy, row) in enumerate(zip(policies, rows, strict=True)):
-            if layer in policy._new:
+            if layer in policy._new and stacks_rows_exactly(row.q):
                 mask = None if row.mask is None else row.mask.shape
                 alike.setdefault((row.k.shape, mask, policy.capacity[layer]), []).append(i)
             else:
