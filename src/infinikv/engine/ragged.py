@@ -9,11 +9,12 @@ rules and in the same order. Their inputs come from the batched projections, whi
 it gets in a step alone, bit for bit (``invariant.rows_alone``, inside ``forward.decode_rows``). A look-ahead
 that projects its input to a layer's query (InfiniGen's rehearsal) gets its row of one projection of
 every row (``spec.SharedQueries``), so the layer's query weights are read once a step, not once per row.
-A layer's own work, look-ahead, decode and, for rows whose layer waits for its query, that query reach each
-policy class once for all its rows (``Policy.before_attention_rows``, ``plan_rows``, ``decode_rows``,
-``take_query_rows``): a class may take its rows together where each still gets what it gets alone
-(InfiniGen scores them in one product, Quest picks their pages in one pass); a row whose layer waits for
-its query then decodes through its own cache.
+A layer's own work, look-ahead, decode, for rows whose layer waits for its query that query, and the
+attention reach each policy class once for all its rows (``Policy.before_attention_rows``, ``plan_rows``,
+``decode_rows``, ``take_query_rows``, ``attend_rows``): a class may take its rows together where each
+still gets what it gets alone (InfiniGen scores them in one product, Quest picks their pages in one pass,
+H2O attends its rows of one width in one pass); a row whose layer waits for its query decodes through its
+own cache.
 
 The model's own decode mask spans the longest row; it is not used. A row needs no mask on a full-attention
 layer (it attends to what its policy selected) and its own window on a sliding layer, built here.
