@@ -109,10 +109,8 @@ class InfinikvCache(PolicyCache):
         super().__init__(layers=layers)
 
     def reserve(self, tokens: int) -> None:
-        """Expect prompts of about ``tokens`` tokens per row (``KVPool.reserve``: where the blocks go)."""
-        pool = self.policy.pool()
-        if pool is not None:
-            pool.reserve(tokens)
+        """Expect prompts of about ``tokens`` tokens per row (``Policy.reserve``)."""
+        self.policy.reserve(tokens)
 
     def draw_from(self, blocks: BlockStore) -> None:
         """Store the policy's host pool in ``blocks``, a block store shared with other caches (the engine's),

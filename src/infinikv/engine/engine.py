@@ -360,6 +360,7 @@ class Engine:
             self.running.append(seq)  # before its cache is built: a failure there still releases it
             cache = InfinikvCache(self.loaded.model, seq.policy, device=self.loaded.device)
             cache.draw_from(self.blocks)
+            cache.reserve(len(seq.prompt) + len(seq.generated))  # a preempted one feeds its tokens again
             seq.driver = Driver(self.loaded, cache)
             if found:
                 self._restore(seq, found, outputs)

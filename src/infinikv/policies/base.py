@@ -399,6 +399,13 @@ class Policy:
         out["bytes_h2d_on_demand"] = counters.bytes_on_demand if counters else 0
         return out
 
+    def reserve(self, tokens: int) -> None:
+        """Expect prompts of about ``tokens`` tokens per row, before the first chunk: where the pool's blocks
+        go (``KVPool.reserve``) and, in a policy that keeps tables per slot, their first size."""
+        pool = self.pool()
+        if pool is not None:
+            pool.reserve(tokens)
+
     def close(self) -> None:
         pool = self.pool()
         if pool is not None:

@@ -629,6 +629,11 @@ class InfiniGenPolicy(HostPoolPolicy):
         slots.write(victims, position, partial, self._step, scale, real_at)
         self._evicted += victims.numel()
 
+    def reserve(self, tokens: int) -> None:
+        super().reserve(tokens)
+        for state in self.layers:
+            state.slots.reserve(tokens)
+
     # -- reporting -------------------------------------------------------------------------------------------
     def device_bytes(self) -> int:
         """The partial keys (and block bounds) of every layer, and the slots kept from the step before

@@ -61,6 +61,13 @@ class SlotTable:
         self.partial: Tensor | None = None
         self.scale: Tensor | None = None  # [batch, kv_heads, 1, cap] per-token scales of quantized keys
         self.bounds: BlockBounds | None = None  # of managed layers under block speculation
+        self.expected = 0  # slots a row is expected to reach (``reserve``): the tables' first size
+
+    def reserve(self, tokens: int) -> None:
+        """Expect about ``tokens`` tokens per row: the tables are first made for them and as many again as
+        a quarter of them (at least 256) for the decode steps, so a prompt's last chunk or the first decode
+        step does not copy them into larger ones (a hint, as ``KVPool.reserve``)."""
+        self.expected = tokens + max(tokens // 4, 256)
 
     def view(self, name: str) -> Tensor:
         return getattr(self, name)[..., : self.n]
@@ -71,7 +78,7 @@ class SlotTable:
         partial = self._packed(partial)
         q = pos.shape[2]
         if self.pos is None or self.pos.shape[2] < self.n + q:
-            self._grow(pos, partial, scale, max(self.n + q, 2 * self.n, 256))
+            self._grow(pos, partial, scale, max(self.n + q, 2 * self.n, 256, self.expected))
         end = self.n + q
         self.pos[:, :, self.n : end] = pos
         self._put(slice(self.n, end), partial, step, scale)
@@ -83,7 +90,7 @@ class SlotTable:
         it."""
         stored = self._packed(partial)
         if self.pos.shape[2] <= self.n:
-            self._grow(self.pos, stored, scale, max(self.n + 1, 2 * self.n, 256))
+            self._grow(self.pos, stored, scale, max(self.n + 1, 2 * self.n, 256, self.expected))
         self.pos[:, :, self.n].fill_(pos)
         self._put(self.n, stored, step, scale)
         self.n += 1
