@@ -383,6 +383,17 @@ def test_infinigen_rows_of_a_step_are_rehearsed_together_and_choose_as_alone(tin
         assert result.token_ids == alone(tiny, prompt, config)
 
 
+def alike_prompts(tiny) -> list[list[int]]:
+    """Three prompts of one length and different text, then one half as long."""
+    texts = [
+        "The harbour lantern glowed over the copper river while the falcon watched. " * 3,
+        "A quiet orchard kept its pears until the frost came down from the hills at dusk. " * 3,
+        "Seven sailors counted the stars and argued about the tide until the bell rang. " * 3,
+    ]
+    length = min(len(ids(tiny, text)) for text in texts)
+    return [ids(tiny, text)[:length] for text in texts] + [ids(tiny, texts[0])[: length // 2]]
+
+
 @pytest.mark.parametrize("knobs", [{}, {"budget": 0.3, "min_tokens": 0, "page_size": 4}])
 def test_quest_rows_of_a_step_choose_together_and_as_alone(tiny, knobs, monkeypatch):
     """An engine step's Quest rows pick their pages in one pass (``ScoredPolicy.take_query_rows``); each row
@@ -399,13 +410,7 @@ def test_quest_rows_of_a_step_choose_together_and_as_alone(tiny, knobs, monkeypa
 
     monkeypatch.setattr(QuestPolicy, "score_rows", classmethod(counted))
     quest = make_config("quest", **knobs)
-    texts = [
-        "The harbour lantern glowed over the copper river while the falcon watched. " * 3,
-        "A quiet orchard kept its pears until the frost came down from the hills at dusk. " * 3,
-        "Seven sailors counted the stars and argued about the tide until the bell rang. " * 3,
-    ]
-    length = min(len(ids(tiny, text)) for text in texts)
-    prompts = [ids(tiny, text)[:length] for text in texts] + [ids(tiny, texts[0])[: length // 2]]
+    prompts = alike_prompts(tiny)
     config = EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, prefix_cache=False, kv_memory=2**28)
     wider = make_config("quest", **{**knobs, "budget": 0.5})  # another budget: chosen with the others
     requests = [(prompt, quest, GREEDY) for prompt in prompts] + [(prompts[1], wider, GREEDY)]
@@ -435,13 +440,7 @@ def test_h2o_rows_of_a_step_attend_together_and_as_alone(tiny, knobs, monkeypatc
 
     monkeypatch.setattr(H2OPolicy, "decode_together", classmethod(counted))
     h2o, wider = make_config("h2o", **knobs), make_config("h2o", **{**knobs, "budget": 0.5})
-    texts = [
-        "The harbour lantern glowed over the copper river while the falcon watched. " * 3,
-        "A quiet orchard kept its pears until the frost came down from the hills at dusk. " * 3,
-        "Seven sailors counted the stars and argued about the tide until the bell rang. " * 3,
-    ]
-    length = min(len(ids(tiny, text)) for text in texts)
-    prompts = [ids(tiny, text)[:length] for text in texts] + [ids(tiny, texts[0])[: length // 2]]
+    prompts = alike_prompts(tiny)
     prompts.append(prompts[1])  # with another budget: another width
     configs = [h2o, h2o, h2o, h2o, wider]
     starts = [0, 0, 3, 1, 0]  # the third starts late: as wide as the first two, with fewer tokens seen
