@@ -423,14 +423,16 @@ def test_quest_rows_of_a_step_choose_together_and_as_alone(tiny, knobs, monkeypa
         assert [result.stats[name] for name in costs] == [by_itself.stats[name] for name in costs]
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny_gemma"])
 @pytest.mark.parametrize("knobs", [{}, {"budget": 0.3, "min_tokens": 0, "heavy_ratio": 0.7}])
-def test_h2o_rows_of_a_step_attend_together_and_as_alone(tiny, knobs, monkeypatch):
+def test_h2o_rows_of_a_step_attend_together_and_as_alone(model, knobs, monkeypatch, request):
     """An engine step's H2O rows whose kept sets are as wide attend and evict as one
     (``H2OPolicy.attend_rows``); each row's logits are still those it gets alone, bit for bit, and it
     counts the bytes it counts alone, whatever its length, budget and tokens seen and whatever the rows
     beside it hold."""
     from infinikv.policies.h2o import H2OPolicy
 
+    tiny = request.getfixturevalue(model)  # Gemma-3: its sliding layers' masks stack too
     together: Counter = Counter()
     decode_together = H2OPolicy.decode_together.__func__
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from infinikv.cache import InfinikvCache
+from infinikv.engine.forced import ForcedRows
 from infinikv.errors import PolicyError
 from infinikv.forward import Driver
 from infinikv.policies import InfiniGenConfig, InfiniGenPolicy, make_config, prepare, resolve_budget
@@ -549,11 +550,28 @@ def test_counter_eviction_keeps_pool_within_capacity(tiny, calibrated, monkeypat
         newest = torch.arange(seen - slots.n // 2, seen)
         assert bool(torch.isin(newest, pos[0, 0]).all()) and bool(torch.isin(newest, pos[0, 1]).all())
         assert pos[0, 0].unique().numel() == slots.n
+        # cut to capacity, the tables grow as the pool does, not back to the prompt's reservation
+        assert slots.pos.shape[2] <= max(2 * slots.n, 256)
         if policy.managed(layer):  # evicted tokens left the partial key cache with the pool
             keys = policy.host_pool.keys(layer)
             expected = policy.partial_query(layer, keys).transpose(2, 3)  # the keys in the partial columns
             stored = rehearsal.dequantized(slots.unpacked(slots.view("partial")), slots.view("scale"))
             assert torch.allclose(stored, expected, atol=expected.abs().max().item() / 100)
+
+
+def test_a_prompts_tables_are_sized_once_for_it_and_its_decode_steps(tiny, calibrated):
+    """Reading a prompt reserves its length (``Policy.reserve``): every layer's slot tables are first made
+    for it and a quarter more (at least 256 slots), so neither its chunks nor its first decode steps copy
+    them into larger ones."""
+    prompt = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0))
+    with ForcedRows(tiny, [make_config("infinigen")]) as forced:
+        forced.prefill(0, prompt, 32)
+        policy = forced.drivers[0].cache.policy
+        tables = [state.slots.pos for state in policy.layers]
+        assert {table.shape[2] for table in tables} == {300 + 256}
+        for token in range(8):
+            forced.step([0], torch.tensor([[token + 3]]))
+        assert all(state.slots.pos is table for state, table in zip(policy.layers, tables, strict=True))
 
 
 def test_absolute_capacity(tiny, calibrated, monkeypatch):

@@ -117,12 +117,16 @@ def _probe(weight: Tensor) -> tuple[int, int]:
     w = weight[:PROBE_OUTPUTS]
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
-    two = F.linear(x[:2], w)
+    # each row's result first of a pair (its partner the next row): what the class of two gives it
+    paired = torch.cat([F.linear(x[r : r + 2], w)[:1] for r in range(PROBE_ROWS - 1)])
 
-    def agrees(rows: int) -> bool:  # rows 0 and 1, first and last, as with two rows
+    def agrees(rows: int) -> bool:
+        """Every row of a product of ``rows``, in either order, as in its pair. Every row is compared:
+        rounded to bfloat16, another kernel's sums show in some rows only."""
         forward = F.linear(x[:rows], w)
-        backward = F.linear(x[:rows].flip(0), w)
-        return torch.equal(forward[:2], two) and torch.equal(backward[-2:].flip(0), two)
+        backward = F.linear(x[:rows].flip(0), w).flip(0)
+        n = min(rows, PROBE_ROWS - 1)
+        return torch.equal(forward[:n], paired[:n]) and torch.equal(backward[:n], paired[:n])
 
     if not agrees(2):
         return 1, 1
@@ -130,7 +134,7 @@ def _probe(weight: Tensor) -> tuple[int, int]:
     # draw; rounded to bfloat16 they show in some draws only (in one of about 14 rows of a 1,536-wide
     # product here), so a lone row there is always padded.
     lone = weight.dtype in (torch.float32, torch.float64) and all(
-        torch.equal(F.linear(x[r : r + 1], w), F.linear(x[r : r + 2], w)[:1]) for r in range(PROBE_ROWS - 1)
+        torch.equal(F.linear(x[r : r + 1], w), paired[r : r + 1]) for r in range(PROBE_ROWS - 1)
     )
     low = 1 if lone else 2
     high = 2

@@ -864,9 +864,10 @@ def per_kv_head(a: Tensor, b: Tensor) -> Tensor:
 
 def stacks_rows_exactly(tensor: Tensor) -> bool:
     """Whether products and softmaxes over rows stacked one above the other give each row the bits its own
-    gives, for ``tensor``'s dtype and device: float32 and bfloat16 on the CPU, whose kernels run each
-    matrix of a batch alike (tested); float16's CPU kernels change with the number of matrices, and a GPU
-    library's choice is not checked, so rows there are computed apart."""
+    gives, for ``tensor``'s dtype and device: float32 and bfloat16 on the CPU, where a batch's kernels ran
+    each matrix alike on the machine this project is measured on (tests/test_baselines.py holds it);
+    float16's CPU kernels change with the number of matrices, and a GPU library's choice is not checked,
+    so rows there are computed apart."""
     return tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.bfloat16)
 
 

@@ -20,7 +20,8 @@ evicts the lowest-scoring token outside the recent window to make room for the n
 * GQA: one kept set per KV head; its score sums the weights of the query heads of its group.
 * Left padding has score -inf and is evicted first; Gemma-3 sliding-window layers keep just their window.
 * An engine step's rows whose kept sets are as wide attend and evict together (``attend_rows``): one
-  stacked product and softmax, and the bookkeeping in one pass, each row's result bit for bit its own.
+  stacked product and softmax, and the bookkeeping in one pass, each row's result bit for bit its own
+  (where ``stacks_rows_exactly`` holds: float32 and bfloat16 on the CPU; elsewhere each row alone).
 """
 
 from __future__ import annotations
@@ -269,10 +270,11 @@ class H2OPolicy(HostPoolPolicy):
     def decode_together(
         cls, policies: list[H2OPolicy], layer: int, rows: list[RowAttention], scaling: float
     ) -> list[Tensor]:
-        """A decode step's attention for ``rows`` of one width, one row per policy: explicit weights, which
-        then add to each row's accumulated scores and evict (:meth:`_store_new`). Stacked rows compute each
-        row's weights and output as the row alone does, bit for bit (a batched product and a softmax per
-        row); the bookkeeping is elementwise per row."""
+        """A decode step's attention for ``rows`` of one width, each a policy's (in an engine step one row
+        each; a left-padded batch's one policy: its batch): explicit weights, which then add to each row's
+        accumulated scores and evict (:meth:`_store_new`). Stacked rows compute each row's weights and
+        output as the row alone does, bit for bit (a batched product and a softmax per row); the
+        bookkeeping is elementwise per row."""
         q, k, v = (_stacked([getattr(row, part) for row in rows]) for part in ("q", "k", "v"))
         mask = None if rows[0].mask is None else _stacked([row.mask for row in rows])
         weights = attention_weights(q, k, mask, scaling)  # [rows, heads, 1, m + 1]
@@ -285,14 +287,14 @@ class H2OPolicy(HostPoolPolicy):
             policy.selector_read(policy.score[layer])
         past = _stacked([policy.score[layer] for policy in policies])
         score = torch.cat([past, received.new_zeros(batch, kv_heads, 1)], dim=2) + received
-        cls._store_new(policies, layer, score, k, v)
+        H2OPolicy._store_new(policies, layer, score, k, v)
         share = (time.perf_counter() - start) / len(policies)
         for policy in policies:
             policy.count_selector_time(share)
         return list(out.split([row.q.shape[0] for row in rows]))
 
-    @classmethod
-    def _store_new(cls, policies: list[H2OPolicy], layer: int, score: Tensor, k: Tensor, v: Tensor) -> None:
+    @staticmethod
+    def _store_new(policies: list[H2OPolicy], layer: int, score: Tensor, k: Tensor, v: Tensor) -> None:
         """Keep each row's new token: a row over its budget marks its lowest-priority live slot dead; the new
         token takes a new slot while the pool has room, else a dead one (it may be itself: then nothing
         moves). ``score``, ``k`` and ``v`` hold the rows stacked, one per policy; the rows share the layer's

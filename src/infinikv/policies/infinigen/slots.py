@@ -167,6 +167,7 @@ class SlotTable:
                 setattr(self, name, torch.gather(self.view(name), 3, columns))
         self.n = index.shape[2]
         self.bounds = None  # slots moved: the bounds are taken again
+        self.expected = 0  # the prompt is cut: its reservation no longer sizes the tables
 
     def count_use(self, index: Tensor | None, step: int) -> None:
         """For eviction, each slot read at decode step ``step`` (``index``; None: every slot): its fetch
