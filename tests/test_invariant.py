@@ -73,7 +73,7 @@ def test_rows_laid_out_any_way_are_computed_as_alone():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("policy", ["dense", "h2o"])
+@pytest.mark.parametrize("policy", ["dense", "h2o", "infinigen"])
 def test_decode_rows_in_a_rounded_dtype_are_as_alone(dtype, policy):
     """The engine's decode step in bfloat16 or float16: each row's logits are those it gets alone, bit for
     bit, at every step (a one-row kernel's sums differed from the batch's in some steps before)."""
@@ -97,3 +97,29 @@ def test_decode_rows_in_a_rounded_dtype_are_as_alone(dtype, policy):
     together = feed([0, 1, 2])
     for r in range(3):
         assert all(torch.equal(a[r], b[0]) for a, b in zip(together, feed([r]), strict=True)), r
+
+
+def test_infinigen_rows_stack_their_products_only_where_that_is_exact(monkeypatch):
+    """An engine step's InfiniGen rows rehearse in one product in float32 on the CPU, and apart in float16,
+    whose CPU kernels change with the number of matrices (``base.stacks_rows_exactly``)."""
+    from infinikv.policies.infinigen import together
+
+    stacked: list[int] = []
+    choose_together = together.choose_together
+
+    def counted(selectors, layer, queries, widths):
+        stacked.append(len(selectors))
+        return choose_together(selectors, layer, queries, widths)
+
+    monkeypatch.setattr(together, "choose_together", counted)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (1, 150), generator=generator) for _ in range(3)]
+    config = make_config("infinigen")
+    for dtype in (torch.float32, torch.float16):
+        stacked.clear()
+        with ForcedRows(tiny_model("llama", dtype=dtype), [config] * 3) as forced:
+            for row, prompt in enumerate(prompts):
+                forced.prefill(row, prompt, 32)
+            for _ in range(4):
+                forced.step([0, 1, 2], torch.full((3, 1), 7))
+        assert bool(stacked) == (dtype == torch.float32), dtype

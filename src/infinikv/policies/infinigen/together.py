@@ -8,7 +8,9 @@ of columns, without blocks or an observer, at a choosing step), and their partia
 (``selector.choose_together``), bit for bit what each sequence's own product gives; each then keeps its
 choice and starts its own copy as it does alone. The new tokens' partial keys of sequences with one
 projection are projected and quantised in one product too (:func:`partial_keys_together`), and their K/V
-written to the pool in one copy (:func:`store_together`).
+written to the pool in one copy (:func:`store_together`). Products are stacked only where that gives each
+row its own bits (``base.stacks_rows_exactly``: float32 and bfloat16 on the CPU); elsewhere each sequence
+chooses and projects alone.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...kvpool import KVPool
-from ..base import StepRows
+from ..base import StepRows, stacks_rows_exactly
 from .fetches import Fetch
 from .rehearsal import quantize
 from .selector import choose_together
@@ -35,9 +37,12 @@ Tensor = torch.Tensor
 def chooses_together(policy: InfiniGenPolicy, layer: int, own_query: bool) -> bool:
     """Whether ``policy``'s choice for ``layer`` at this step (``own_query``: an own-query layer's, by its
     own input; else the look-ahead's, one layer ahead) is a plain token rehearsal of one unpadded
-    sequence, which it may make with other sequences (module docstring)."""
+    sequence, in a dtype and on a device whose stacked products are exact, which it may make with other
+    sequences (module docstring)."""
     plan, state = policy.decoding, policy.layers[layer]
     if not (plan is not None and state.managed and (layer in plan.own_query) == own_query and state.slots.n):
+        return False
+    if state.projection is None or not stacks_rows_exactly(state.projection):
         return False
     alpha = plan.row_alphas[layer]
     if not (isinstance(alpha, float) and alpha == math.inf) or plan.row_columns[layer]:
@@ -121,7 +126,8 @@ def partial_keys_together(
     kinds: dict[tuple, list[int]] = {}
     for r, policy in enumerate(policies):
         projection = policy.layers[layer].projection
-        if policy.managed(layer) and projection is not None:  # one calibration: one tensor (Skew.projection)
+        # one calibration: one tensor (Skew.projection)
+        if policy.managed(layer) and projection is not None and stacks_rows_exactly(projection):
             kinds.setdefault((id(projection), policy.key_bits), []).append(r)
     for rows in kinds.values():
         if len(rows) < 2:
