@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from infinikv import GenerationConfig, Generator
-from infinikv.policies import make_policy
+from infinikv.engine.forced import ForcedRows
+from infinikv.policies import make_config, make_policy
 from infinikv.policies.base import (
     Policy,
     ScoredPolicy,
@@ -387,3 +388,18 @@ def test_a_policy_that_chooses_with_its_query_takes_the_models_own(tiny, policy,
     Generator(tiny, policy, budget=0.3, min_tokens=0, dense_layers=0).generate(PROMPTS, config)
     assert handed and all(handed) and not projected
     assert computed == []  # the policy projected no query itself
+
+
+def test_dense_stores_are_sized_once_for_a_prompt_and_its_decode_steps(tiny):
+    """Reading a prompt reserves its length (``Policy.reserve``): each layer's K/V store is first made for
+    it and a quarter more (at least 256 slots), so neither its chunks nor its first decode steps copy it
+    into a larger one."""
+    prompt = torch.randint(3, 200, (1, 300), generator=torch.Generator().manual_seed(0))
+    with ForcedRows(tiny, [make_config("dense")]) as forced:
+        forced.prefill(0, prompt, 32)
+        policy = forced.drivers[0].cache.policy
+        stores = [keys for keys, _ in policy.kv]
+        assert {keys.shape[2] for keys in stores} == {300 + 256}
+        for token in range(8):
+            forced.step([0], torch.tensor([[token + 3]]))
+        assert all(keys is store for (keys, _), store in zip(policy.kv, stores, strict=True))

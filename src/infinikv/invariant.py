@@ -71,12 +71,15 @@ def _forward(module: torch.nn.Linear, input: Tensor) -> Tensor:  # noqa: A002 (n
 def linear_rows_alone(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, each row of ``x`` [..., in] computed as it is alone (as a product of
     the rows laid out one after the other, whatever ``x``'s strides)."""
-    rows = x.numel() // x.shape[-1]
+    width = x.shape[-1]
+    rows = x.numel() // width
     low, high = invariant_rows(weight)
-    flat = x.reshape(rows, x.shape[-1])
+    flat = x.reshape(rows, width)
     if low <= rows <= high or rows == 0:
         out = F.linear(flat, weight, bias)
-    else:  # a lone row padded with a copy of itself; more rows than a product holds, in several
+    elif rows == 1:  # a lone row, with a copy of itself (the product lays the expanded rows out as two)
+        out = F.linear(flat.expand(low, width), weight, bias)[:1]
+    else:  # more rows than a product holds, in several; a lone last one padded with a copy of itself
         parts = [_padded(flat[start : start + high], low) for start in range(0, rows, high)]
         out = torch.cat([F.linear(part, weight, bias) for part in parts])[:rows]
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -2,7 +2,8 @@
 
 Its store is not the paged host pool: attention reads each layer's K/V in place, as one tensor, which a
 paged layout would first have to gather (a copy of the whole cache every step). So each layer's K/V is one
-tensor on the compute device that grows by a quarter when full.
+tensor on the compute device, first sized for the tokens reserved (:meth:`DensePolicy.reserve`: the prompt,
+at admission) and a quarter more, and grown by a quarter when full.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ class DensePolicy(Policy):
         # Per layer: K and V [batch, kv_heads, capacity, head_dim] on the compute device; slots in use.
         self.kv: list[tuple[Tensor, Tensor] | None] = [None] * spec.num_layers
         self.lengths = [0] * spec.num_layers
+        self._reserved = 0  # tokens expected (reserve): each layer's first store holds them
+
+    def reserve(self, tokens: int) -> None:
+        """Each layer's store is first made for ``tokens`` and a quarter more (at least 256 slots), as it
+        grows, so neither a prompt's chunks nor its first decode steps copy it into a larger one."""
+        super().reserve(tokens)
+        self._reserved = tokens
 
     def seq_length(self, layer: int) -> int:
         return self.lengths[layer]
@@ -43,7 +51,8 @@ class DensePolicy(Policy):
         n, q = self.lengths[layer], k.shape[2]
         stored = self.kv[layer]
         if stored is None or stored[0].shape[2] < n + q:
-            capacity = max(n + q, n + max(n // 4, 256))
+            expected = n if stored is not None else max(n, self._reserved)
+            capacity = max(n + q, expected + max(expected // 4, 256))
             grown = tuple(t.new_empty(*t.shape[:2], capacity, t.shape[3]) for t in (k, v))
             if stored is not None:
                 for new, old in zip(grown, stored, strict=True):
