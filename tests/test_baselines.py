@@ -403,3 +403,12 @@ def test_dense_stores_are_sized_once_for_a_prompt_and_its_decode_steps(tiny):
         for token in range(8):
             forced.step([0], torch.tensor([[token + 3]]))
         assert all(keys is store for (keys, _), store in zip(policy.kv, stores, strict=True))
+
+
+def test_a_dense_store_reserved_for_a_long_prompt_holds_it_and_a_quarter_more(tiny):
+    """Past 1,024 tokens the quarter is more than the 256-slot floor."""
+    policy = make_policy(make_config("dense"), tiny.spec, torch.device("cpu"))
+    policy.reserve(2000)
+    k = torch.randn(1, tiny.spec.num_kv_heads, 32, tiny.spec.head_dim)
+    policy.prefill(0, k, k.clone())
+    assert policy.kv[0][0].shape[2] == 2000 + 500

@@ -100,26 +100,37 @@ def test_decode_rows_in_a_rounded_dtype_are_as_alone(dtype, policy):
 
 
 def test_infinigen_rows_stack_their_products_only_where_that_is_exact(monkeypatch):
-    """An engine step's InfiniGen rows rehearse in one product in float32 on the CPU, and apart in float16,
-    whose CPU kernels change with the number of matrices (``base.stacks_rows_exactly``)."""
+    """An engine step's InfiniGen rows rehearse and project their new keys in one product where that gives
+    each row its own bits (float32 and bfloat16 on the CPU), and apart in float16, whose CPU kernels change
+    with the number of matrices (``base.stacks_rows_exactly``)."""
+    from infinikv.policies.base import stacks_rows_exactly
     from infinikv.policies.infinigen import together
 
     stacked: list[int] = []
-    choose_together = together.choose_together
+    projected: list[int] = []
+    choose_together, partial_keys_together = together.choose_together, together.partial_keys_together
 
-    def counted(selectors, layer, queries, widths):
+    def counted_choice(selectors, layer, queries, widths):
         stacked.append(len(selectors))
         return choose_together(selectors, layer, queries, widths)
 
-    monkeypatch.setattr(together, "choose_together", counted)
+    def counted_keys(policies, layer, k_new):
+        given = partial_keys_together(policies, layer, k_new)
+        projected.extend(1 for row in given if row is not None)
+        return given
+
+    monkeypatch.setattr(together, "choose_together", counted_choice)
+    monkeypatch.setattr(together, "partial_keys_together", counted_keys)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (1, 150), generator=generator) for _ in range(3)]
     config = make_config("infinigen")
-    for dtype in (torch.float32, torch.float16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         stacked.clear()
+        projected.clear()
         with ForcedRows(tiny_model("llama", dtype=dtype), [config] * 3) as forced:
             for row, prompt in enumerate(prompts):
                 forced.prefill(row, prompt, 32)
             for _ in range(4):
                 forced.step([0, 1, 2], torch.full((3, 1), 7))
-        assert bool(stacked) == (dtype == torch.float32), dtype
+        exact = stacks_rows_exactly(torch.empty(0, dtype=dtype))
+        assert bool(stacked) == exact and bool(projected) == exact, dtype

@@ -77,7 +77,7 @@ def linear_rows_alone(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     flat = x.reshape(rows, width)
     if low <= rows <= high or rows == 0:
         out = F.linear(flat, weight, bias)
-    elif rows == 1:  # a lone row, with a copy of itself (the product lays the expanded rows out as two)
+    elif rows == 1:  # a lone row, with copies of itself (the product lays the expanded rows out as ``low``)
         out = F.linear(flat.expand(low, width), weight, bias)[:1]
     else:  # more rows than a product holds, in several; a lone last one padded with a copy of itself
         parts = [_padded(flat[start : start + high], low) for start in range(0, rows, high)]

@@ -401,7 +401,8 @@ class Policy:
 
     def reserve(self, tokens: int) -> None:
         """Expect prompts of about ``tokens`` tokens per row, before the first chunk: where the pool's blocks
-        go (``KVPool.reserve``) and, in a policy that keeps tables per slot, their first size."""
+        go (``KVPool.reserve``) and, in a policy that keeps tables per slot or its K/V on the device (dense),
+        their first size."""
         pool = self.pool()
         if pool is not None:
             pool.reserve(tokens)

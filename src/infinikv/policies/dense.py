@@ -3,7 +3,7 @@
 Its store is not the paged host pool: attention reads each layer's K/V in place, as one tensor, which a
 paged layout would first have to gather (a copy of the whole cache every step). So each layer's K/V is one
 tensor on the compute device, first sized for the tokens reserved (:meth:`DensePolicy.reserve`: the prompt,
-at admission) and a quarter more, and grown by a quarter when full.
+before its first chunk) and a quarter more, and grown by a quarter when full.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class DensePolicy(Policy):
         n, q = self.lengths[layer], k.shape[2]
         stored = self.kv[layer]
         if stored is None or stored[0].shape[2] < n + q:
-            expected = n if stored is not None else max(n, self._reserved)
+            expected = n if stored is not None else self._reserved  # the first store: n is 0
             capacity = max(n + q, expected + max(expected // 4, 256))
             grown = tuple(t.new_empty(*t.shape[:2], capacity, t.shape[3]) for t in (k, v))
             if stored is not None:

@@ -557,9 +557,10 @@ class InfiniGenPolicy(HostPoolPolicy):
         cls, policies: list[InfiniGenPolicy], layer: int, k_new: list[Tensor], v_new: list[Tensor]
     ) -> list[Selection]:
         """:meth:`decode` for an engine step's sequences; the partial keys of the new tokens of those whose
-        layer stores them with one projection are taken in one product, and the K/V of those that take a
-        new slot written in one copy (``together.py``). Every row's copy is waited for first: a look-ahead
-        still queued on a worker must not see a pool that already holds the new token."""
+        layer stores them with one projection are taken in one product (where ``base.stacks_rows_exactly``
+        holds), and the K/V of those that take a new slot written in one copy (``together.py``). Every
+        row's copy is waited for first: a look-ahead still queued on a worker must not see a pool that
+        already holds the new token."""
         fetched = [policy._fetched(layer) for policy in policies]
         partial_keys = together.partial_keys_together(policies, layer, k_new)
         stored = together.store_together(policies, layer, k_new, v_new)

@@ -121,7 +121,8 @@ def partial_keys_together(
 ) -> list[tuple[Tensor, Tensor | None] | None]:
     """Per sequence, the partial keys and scale of its new token ``k_new`` where two or more of them
     project ``layer``'s keys with one projection tensor into the same storage (else None: it takes its
-    own). The product and the per-token scales are row by row those each takes alone."""
+    own), in a dtype and on a device where ``base.stacks_rows_exactly`` holds. The product and the
+    per-token scales are row by row those each takes alone."""
     given: list[tuple[Tensor, Tensor | None] | None] = [None] * len(policies)
     kinds: dict[tuple, list[int]] = {}
     for r, policy in enumerate(policies):
