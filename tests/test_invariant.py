@@ -8,7 +8,7 @@ import torch
 
 from infinikv.engine.forced import ForcedRows
 from infinikv.invariant import install, invariant_rows, linear_rows_alone, rows_alone
-from infinikv.policies import make_config
+from infinikv.policies import POLICIES, make_config
 from infinikv.testing import tiny_model
 
 
@@ -73,10 +73,11 @@ def test_rows_laid_out_any_way_are_computed_as_alone():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("policy", ["dense", "h2o", "infinigen"])
+@pytest.mark.parametrize("policy", list(POLICIES))
 def test_decode_rows_in_a_rounded_dtype_are_as_alone(dtype, policy):
-    """The engine's decode step in bfloat16 or float16: each row's logits are those it gets alone, bit for
-    bit, at every step (a one-row kernel's sums differed from the batch's in some steps before)."""
+    """The engine's decode step in bfloat16 or float16, for every policy at its defaults: each row's logits
+    are those it gets alone, bit for bit, at every step (a one-row kernel's sums differed from the batch's
+    in some steps before)."""
     loaded = tiny_model("llama", dtype=dtype)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (1, n), generator=generator) for n in (150, 150, 90)]
