@@ -49,6 +49,12 @@ Tensor = torch.Tensor
 KV = ("keys", "values")
 
 
+def with_headroom(tokens: int) -> int:
+    """Slots for ``tokens`` expected tokens and the decode steps after them: a quarter more, at least 256
+    (what a pool's first segment, InfiniGen's slot tables and dense's store are first sized for)."""
+    return tokens + max(tokens // 4, 256)
+
+
 class _DeviceArray:
     """Hands a device pointer to ``torch.as_tensor`` through the CUDA array interface."""
 
@@ -266,7 +272,7 @@ class KVPool:
     def reserve(self, tokens: int) -> None:
         """Expect about ``tokens`` slots per row: a growing store's first segment holds them and a quarter
         more, so that one run's blocks lie in one segment (a hint; nothing is allocated now)."""
-        self._reserve_tokens = tokens + max(tokens // 4, 256)
+        self._reserve_tokens = with_headroom(tokens)
 
     def length(self, layer: int, name: str = "keys") -> int:
         """Slots ``layer``'s part ``name`` holds."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kvpool import with_headroom
 from ..spec import ModelSpec
 from .base import Policy, Selection
 from .config import PolicyConfig
@@ -52,7 +53,7 @@ class DensePolicy(Policy):
         stored = self.kv[layer]
         if stored is None or stored[0].shape[2] < n + q:
             expected = n if stored is not None else self._reserved  # the first store: n is 0
-            capacity = max(n + q, expected + max(expected // 4, 256))
+            capacity = max(n + q, with_headroom(expected))
             grown = tuple(t.new_empty(*t.shape[:2], capacity, t.shape[3]) for t in (k, v))
             if stored is not None:
                 for new, old in zip(grown, stored, strict=True):

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...kvpool import with_headroom
 from ..bounds import BlockBounds, SlotsTo
 from .blocks import BOUND_DTYPE, partial_values
 from .rehearsal import dequantized
@@ -67,7 +68,7 @@ class SlotTable:
         """Expect about ``tokens`` tokens per row: the tables are first made for them and as many again as
         a quarter of them (at least 256) for the decode steps, so a prompt's last chunk or the first decode
         step does not copy them into larger ones (a hint, as ``KVPool.reserve``)."""
-        self.expected = tokens + max(tokens // 4, 256)
+        self.expected = with_headroom(tokens)
 
     def view(self, name: str) -> Tensor:
         return getattr(self, name)[..., : self.n]
