@@ -77,19 +77,18 @@ def linear_rows_alone(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     flat = x.reshape(rows, width)
     if low <= rows <= high or rows == 0:
         out = F.linear(flat, weight, bias)
-    elif rows == 1:  # a lone row, with copies of itself (the product lays the expanded rows out as ``low``)
-        out = F.linear(flat.expand(low, width), weight, bias)[:1]
-    else:  # more rows than a product holds, in several; a lone last one padded with a copy of itself
-        parts = [_padded(flat[start : start + high], low) for start in range(0, rows, high)]
-        out = torch.cat([F.linear(part, weight, bias) for part in parts])[:rows]
+    else:  # a lone row padded with copies of itself; more rows than a product holds, in several
+        outs = [
+            F.linear(_padded(flat[start : start + high], low), weight, bias) for start in range(0, rows, high)
+        ]
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs))[:rows]
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _padded(rows: Tensor, low: int) -> Tensor:
-    """``rows`` [n, in], padded to at least ``low`` rows with copies of its first (the padding goes last)."""
-    if rows.shape[0] >= low:
-        return rows
-    return torch.cat([rows] + [rows[:1]] * (low - rows.shape[0]))
+    """``rows`` [n, in], at least ``low`` of them: a lone row (``low`` is at most 2) as ``low`` copies of
+    itself, an expanded view the product lays out as rows."""
+    return rows if rows.shape[0] >= low else rows[:1].expand(low, rows.shape[1])
 
 
 def invariant_rows(weight: Tensor) -> tuple[int, int]:
