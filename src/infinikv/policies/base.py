@@ -51,6 +51,8 @@ from ..errors import PolicyError
 from ..kvpool import KVPool
 from ..spec import ModelSpec, QueryOf
 from .config import PolicyConfig
+from .ranked import available as ranked_available
+from .ranked import pick_on_host
 
 Tensor = torch.Tensor
 
@@ -122,16 +124,8 @@ def pick_top(
     width = max(takes, default=0)
     if width == 0:
         return torch.zeros(batch, heads, 0, dtype=torch.long, device=scores.device), None
-    ragged = min(takes) < width
-    # A narrower row needs its own cut too: the values sorted, so each row's is at its count.
-    values = scores.topk(width, dim=-1, sorted=ragged).values
-    last = values[..., -1:] if ragged else values.amin(dim=-1, keepdim=True)  # the width-th best
-    index = _slots_of(_earliest_at_cut(scores, last, width), width)
-    if not ragged:
-        return index, None
-    count = torch.tensor(takes, device=scores.device)[:, None, None]
-    cut = values.gather(-1, (count - 1).clamp(min=0).expand(batch, heads, 1))
-    return index, _earliest_at_cut(scores, cut, count).gather(-1, index)
+    pick = pick_on_host if _on_host(scores) else pick_with_tensor_ops
+    return pick(scores, takes, width, each=False)
 
 
 def pick_each(scores: Tensor, takes: list[int], reserved: Tensor | None, most_reserved: int) -> Tensor:
@@ -143,15 +137,34 @@ def pick_each(scores: Tensor, takes: list[int], reserved: Tensor | None, most_re
     order, it takes the same entries."""
     if reserved is not None:
         scores = _lift_reserved(scores, reserved, takes, most_reserved)
-    batch, heads, _ = scores.shape
     width = max(takes)
+    pick = pick_on_host if _on_host(scores) else pick_with_tensor_ops
+    return pick(scores, takes, width, each=True)[0]
+
+
+def pick_with_tensor_ops(
+    scores: Tensor, takes: list[int], width: int, each: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The pick of :func:`ranked.pick_on_host` (the same arguments and result) as tensor operations, for
+    scores on CUDA or in a compiled graph: a top-k for each row's cut, then the entries above it and the
+    earliest of those tied at it, in ascending slots. Nothing is read back to the host."""
+    batch, heads, _ = scores.shape
     if min(takes) == width:  # one cut for every row: the width-th best, which needs no order
         cut = scores.topk(width, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
-        return _slots_of(_earliest_at_cut(scores, cut, width), width)
-    count = torch.tensor(takes, device=scores.device)[:, None, None]
+        return _slots_of(_earliest_at_cut(scores, cut, width), width), None
     values = scores.topk(width, dim=-1).values  # sorted: each row's cut is at its own count
-    cut = values.gather(-1, (count - 1).expand(batch, heads, 1))
-    return _slots_of(_earliest_at_cut(scores, cut, count), width)
+    count = torch.tensor(takes, device=scores.device)[:, None, None]
+    cut = values.gather(-1, (count - 1).clamp(min=0).expand(batch, heads, 1))
+    own = _earliest_at_cut(scores, cut, count)
+    if each:
+        return _slots_of(own, width), None
+    index = _slots_of(_earliest_at_cut(scores, values[..., -1:], width), width)
+    return index, own.gather(-1, index)
+
+
+def _on_host(scores: Tensor) -> bool:
+    """Whether a pick runs the host kernel (``ranked.py``): host scores, outside a compiled graph."""
+    return scores.device.type == "cpu" and not torch.compiler.is_compiling() and ranked_available()
 
 
 def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int], most: int | None) -> Tensor:
@@ -164,8 +177,8 @@ def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int], most: int
 
 
 def _slots_of(chosen: Tensor, width: int) -> Tensor:
-    """LongTensor [..., width]: the slots of ``chosen``, which holds exactly ``width`` True entries along its
-    last axis, ascending (:func:`first_slots` without the cut to the first ``width``)."""
+    """LongTensor [..., width]: the slots of ``chosen``, which holds at most ``width`` True entries along its
+    last axis, ascending, the rest 0 (:func:`first_slots` without the cut to the first ``width``)."""
     n = chosen.shape[-1]
     at = torch.where(chosen, chosen.cumsum(dim=-1, dtype=torch.int32) - 1, width).long()
     index = torch.zeros(*chosen.shape[:-1], width + 1, dtype=torch.long, device=chosen.device)
