@@ -5,12 +5,12 @@
 Times one layer's selection at the bench's target cell (default: batch 8, 8,064 tokens, SmolLM2-135M's 3 KV
 heads of 3 query heads, 48 int8 columns: the ratio calibrated for 4k and 8k tokens) on random partial keys:
 the speculated scores (int8 keys converted to bfloat16, the product, the per-token scales, the group's
-relative max), the count rule, and the pick of each head's top tokens (the window lifted, the top-k, the kept
-indices put in slot order: marked, then read back, and the whole pick with its tie check); then the same
-with coarse-to-fine (block) speculation (``--block-size 16 --block-candidates 1.25``, not the default): the
-blocks' bounds, the pick of candidate blocks, the candidates' keys, their scores, the count and the pick
-among them. Each step is timed alone, and each whole selection once more, median of 30 runs
-after 2 warm-ups. Random scores, not a model's: how many tokens come within alpha changes the count, not
+relative max), the count rule, and the pick of each head's top tokens (the window lifted; the cut, the ties
+at it and the slot order, by the host kernel a CPU runs and by the tensor operations CUDA runs; the whole
+pick); then the same with coarse-to-fine (block) speculation (``--block-size 16 --block-candidates 1.25``,
+not the default): the blocks' bounds, the pick of candidate blocks, the candidates' keys, their scores, the
+count and the pick among them. Each step is timed alone, and each whole selection once more, median of 30
+runs after 2 warm-ups. Random scores, not a model's: how many tokens come within alpha changes the count, not
 the cost, which is set by the shapes.
 """
 
@@ -22,10 +22,11 @@ from collections.abc import Callable
 
 import torch
 
-from infinikv.policies.base import group_relative_max, pick_top
+from infinikv.policies.base import group_relative_max, pick_top, pick_with_tensor_ops
 from infinikv.policies.bounds import BlockBounds
 from infinikv.policies.infinigen.blocks import BOUND_DTYPE, block_scores, gather_slots, partial_values
 from infinikv.policies.infinigen.rehearsal import count_within, quantize, speculative_scores
+from infinikv.policies.ranked import pick_on_host
 
 KV_HEADS, GROUP, WINDOW, BUDGET, ALPHA, BLOCK, CANDIDATES = 3, 3, 32, 0.2, 4.0, 16, 1.25
 
@@ -52,7 +53,6 @@ def main(batch: int, tokens: int, columns: int) -> None:
     scores = speculative_scores(query, keys, (), None, scale)
     counts = count_within(scores, ALPHA, budgets, reserved).tolist()
     lifted = scores.masked_fill(reserved, math.inf)  # every row takes its whole window
-    top = lifted.topk(max(counts), dim=-1, sorted=False).indices
     converted = keys.to(torch.bfloat16)
     product = torch.matmul(query.bfloat16(), converted)
     scaled = product.float() * scale.float()
@@ -63,11 +63,9 @@ def main(batch: int, tokens: int, columns: int) -> None:
         "group's relative max": lambda: group_relative_max(scaled.flatten(1, 2), GROUP),
         "count rule": lambda: count_within(scores, ALPHA, budgets, reserved),
         "window lifted to +inf": lambda: scores.masked_fill(reserved & (scores > -math.inf), math.inf),
-        "top-k": lambda: lifted.topk(max(counts), dim=-1, sorted=False),
-        "ascending order (mark, read back)": lambda: (
-            torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True).nonzero()
-        ),
-        "pick (reserved, top-k, ties, order)": lambda: pick_top(scores, counts, reserved),
+        "cut, ties, order: host kernel": lambda: pick_on_host(lifted, counts, max(counts), each=False),
+        "the same as tensor ops (CUDA's)": lambda: pick_with_tensor_ops(lifted, counts, max(counts), False),
+        "pick (reserved, cut, ties, order)": lambda: pick_top(scores, counts, reserved),
     }
 
     def select() -> None:

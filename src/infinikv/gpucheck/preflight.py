@@ -14,7 +14,8 @@ from typing import Any
 from .plan import GIB
 
 REQUIRED = ("torch", "transformers", "accelerate", "safetensors", "tokenizers", "numpy", "tqdm", "psutil")
-OPTIONAL = ("gguf", "rdata", "matplotlib", "pytest")  # not needed by the check; reported when present
+# not needed by the check; reported when present (numba: the host kernel of the policies' pick)
+OPTIONAL = ("gguf", "rdata", "matplotlib", "pytest", "numba")
 
 
 # Subpackages that need an extra a GPU box may lack, and the module that extra provides: the check measures

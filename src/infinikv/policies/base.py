@@ -146,8 +146,9 @@ def pick_with_tensor_ops(
     scores: Tensor, takes: list[int], width: int, each: bool
 ) -> tuple[Tensor, Tensor | None]:
     """The pick of :func:`ranked.pick_on_host` (the same arguments and result) as tensor operations, for
-    scores on CUDA or in a compiled graph: a top-k for each row's cut, then the entries above it and the
-    earliest of those tied at it, in ascending slots. Nothing is read back to the host."""
+    the scores :func:`_on_host` leaves out (on CUDA, in a compiled graph, float64, or without numba): a
+    top-k for each row's cut, then the entries above it and the earliest of those tied at it, in ascending
+    slots. Nothing is read back to the host."""
     batch, heads, _ = scores.shape
     if min(takes) == width:  # one cut for every row: the width-th best, which needs no order
         cut = scores.topk(width, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
@@ -163,8 +164,14 @@ def pick_with_tensor_ops(
 
 
 def _on_host(scores: Tensor) -> bool:
-    """Whether a pick runs the host kernel (``ranked.py``): host scores, outside a compiled graph."""
-    return scores.device.type == "cpu" and not torch.compiler.is_compiling() and ranked_available()
+    """Whether a pick runs the host kernel (``ranked.py``): host scores in a dtype float32 holds, outside a
+    compiled graph, where numba is installed."""
+    return (
+        scores.device.type == "cpu"
+        and scores.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and not torch.compiler.is_compiling()
+        and ranked_available()
+    )
 
 
 def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int], most: int | None) -> Tensor:

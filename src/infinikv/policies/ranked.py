@@ -1,5 +1,5 @@
 """The host kernel of :func:`base.pick_top` and :func:`base.pick_each`: each (row, KV head)'s best entries
-in one compiled loop.
+in one compiled loop (``ranked_kernel.py``).
 
 Both picks follow one rule. Order a head's entries best first, an entry tied with another after it when it
 sits in a later slot; a row takes the first ``count`` of that order and reads them in ascending slot order.
@@ -8,13 +8,14 @@ On tensors this costs a top-k and some twenty whole-width operations (``base._ea
 tokens each is a pass over the scores. Here a (row, head) is a radix selection of its cut (the count-th
 best value, as an order-keeping integer, a byte at a time: four counting passes that also say how many of
 the entries tied at the cut are taken) and one pass in slot order that takes the entries above the cut and
-the earliest of those tied at it, writing their slots in ascending order. It runs without
-the interpreter lock, so a look-ahead's pick on the pool's worker thread leaves the decode thread alone.
+the earliest of those tied at it, writing their slots in ascending order. It runs without the interpreter
+lock, so a look-ahead's pick on the pool's worker thread leaves the decode thread alone.
 
 The result is the tensor path's by construction, entry for entry (``tests/test_ranked.py`` checks both on
-ties, ``-inf`` and ragged counts). Scores are compared as float32, which holds bfloat16 and float16 exactly.
-Only host tensors come here, where numba is installed (:func:`available`); CUDA's picks stay on the device
-(``base.pick_with_tensor_ops``).
+ties, ``-inf``, ``+inf``, values that differ only in their last bits and ragged and zero counts). Scores
+are compared as float32, which holds bfloat16 and float16 exactly; float64 scores, and scores with NaN,
+are not picked here. Only host tensors come here, where numba is installed (:func:`available`); CUDA's
+picks stay on the device (``base.pick_with_tensor_ops``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ import torch
 Tensor = torch.Tensor
 
 
+@cache
+def available() -> bool:
+    """Whether numba is installed (a dependency of the package; the GPU check runs from a source tree on a
+    machine that may lack it, where host picks take the tensor path: the same entries, more slowly)."""
+    return importlib.util.find_spec("numba") is not None
+
+
 def pick_on_host(scores: Tensor, takes: list[int], width: int, each: bool) -> tuple[Tensor, Tensor | None]:
     """Each (row, head)'s best of ``scores`` [rows, heads, n] (a host tensor) by the rule above.
 
@@ -39,6 +47,8 @@ def pick_on_host(scores: Tensor, takes: list[int], width: int, each: bool) -> tu
     rows, heads, n = scores.shape
     if width > n:
         raise ValueError(f"cannot pick {width} entries of {n}")
+    if len(takes) != rows or min(takes) < 0 or max(takes) > width:
+        raise ValueError(f"takes {takes} do not fit {rows} rows of at most {width} entries")
     values = scores.detach().to(torch.float32).contiguous().numpy()
     counts = np.asarray(takes, dtype=np.int64)
     index = np.zeros((rows, heads, width), dtype=np.int64)
@@ -49,82 +59,9 @@ def pick_on_host(scores: Tensor, takes: list[int], width: int, each: bool) -> tu
 
 
 @cache
-def available() -> bool:
-    """Whether numba is installed (a dependency of the package; the GPU check runs from a source tree on a
-    machine that may lack it, where host picks take the tensor path: the same entries, more slowly)."""
-    return importlib.util.find_spec("numba") is not None
-
-
-@cache
 def _kernel():
-    """The compiled loop, built at the first host pick (numba compiles it in seconds, then caches it on
-    disk, from where a new process loads it in about a second); a run on CUDA alone never imports numba."""
-    import numba
-
-    @numba.njit(nogil=True, cache=True)
-    def ordered(value: float) -> int:
-        """``value`` as an unsigned integer in the same order (-0.0 as 0.0: they tie as floats)."""
-        bits = np.float32(value + np.float32(0.0)).view(np.uint32)
-        return ~bits if bits >> np.uint32(31) else bits | np.uint32(0x80000000)
-
-    @numba.njit(nogil=True, cache=True)
-    def cut_of(keys: np.ndarray, count: int, counted: np.ndarray, kept: np.ndarray) -> tuple[int, int]:
-        """The count-th largest of ``keys`` and how many of the keys equal to it a count takes: a radix
-        selection, a byte at a time from the top, each byte counted among the keys whose higher bytes are
-        those chosen so far, which are kept apart for the next byte (``counted``: 256 counters, ``kept``:
-        room for the keys; both reused)."""
-        if count == 0:  # a cut above every key: nothing is taken
-            return np.uint32(0xFFFFFFFF), 0
-        prefix = np.uint32(0)
-        left = count
-        among = keys
-        for shift in (24, 16, 8, 0):
-            counted[:] = 0
-            for key in among:
-                counted[(key >> np.uint32(shift)) & np.uint32(255)] += 1
-            digit = 255
-            while counted[digit] < left:
-                left -= counted[digit]
-                digit -= 1
-            prefix |= np.uint32(digit) << np.uint32(shift)
-            if shift:
-                high = prefix >> np.uint32(shift)
-                n_kept = 0
-                for key in among:
-                    if key >> np.uint32(shift) == high:
-                        kept[n_kept] = key
-                        n_kept += 1
-                among = kept[:n_kept]
-        return prefix, left
-
-    @numba.njit(nogil=True, cache=True)
-    def pick(values, counts, width, each, index, valid):
-        rows, heads, n = values.shape
-        keys = np.empty(n, dtype=np.uint32)
-        counted = np.zeros(256, dtype=np.int64)
-        kept = np.empty(n, dtype=np.uint32)
-        for row in range(rows):
-            count = counts[row]
-            for head in range(heads):
-                for slot in range(n):
-                    keys[slot] = ordered(values[row, head, slot])
-                taken_cut, taken_room = cut_of(keys, count if each else width, counted, kept)
-                own_cut, own_room = (taken_cut, 0) if valid is None else cut_of(keys, count, counted, kept)
-                at = 0
-                for slot in range(n):
-                    key = keys[slot]
-                    if key == taken_cut:  # tied at the cut: the earliest slots take the room left
-                        if taken_room == 0:
-                            continue
-                        taken_room -= 1
-                    elif key < taken_cut:
-                        continue
-                    if valid is not None:
-                        own = key > own_cut or (key == own_cut and own_room > 0)
-                        if key == own_cut and own:
-                            own_room -= 1
-                        valid[row, head, at] = own
-                    index[row, head, at] = slot
-                    at += 1
+    """The compiled loop; a run on CUDA alone never imports numba. The first process compiles it (seconds),
+    later ones load it from numba's disk cache."""
+    from .ranked_kernel import pick
 
     return pick

@@ -1,0 +1,85 @@
+"""The compiled loop of :mod:`.ranked` (numba), imported at the first pick of host scores: module-level
+functions, so numba's disk cache holds them and a new process loads them instead of compiling them again."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(nogil=True, cache=True)
+def ordered(value: float) -> int:
+    """``value`` as an unsigned integer in the same order (-0.0 as 0.0: they tie as floats)."""
+    bits = np.float32(value + np.float32(0.0)).view(np.uint32)
+    return ~bits if bits >> np.uint32(31) else bits | np.uint32(0x80000000)
+
+
+@numba.njit(nogil=True, cache=True)
+def cut_of(keys: np.ndarray, count: int, counted: np.ndarray, kept: np.ndarray) -> tuple[int, int]:
+    """The count-th largest of ``keys`` and how many of the keys equal to it a count takes: a radix
+    selection, a byte at a time from the top, each byte counted among the keys whose higher bytes are those
+    chosen so far, which are kept apart for the next byte (``counted``: 256 counters, ``kept``: room for the
+    keys; both reused). A count of 0 takes nothing: no key is above the largest, and none of its ties."""
+    if count == 0:
+        return np.uint32(0xFFFFFFFF), 0
+    prefix = np.uint32(0)
+    left = count
+    among = keys
+    for shift in (24, 16, 8, 0):
+        counted[:] = 0
+        for key in among:
+            counted[(key >> np.uint32(shift)) & np.uint32(255)] += 1
+        digit = 255
+        while counted[digit] < left:
+            left -= counted[digit]
+            digit -= 1
+        prefix |= np.uint32(digit) << np.uint32(shift)
+        if shift:
+            high = prefix >> np.uint32(shift)
+            n_kept = 0
+            for key in among:
+                if key >> np.uint32(shift) == high:
+                    kept[n_kept] = key
+                    n_kept += 1
+            among = kept[:n_kept]
+    return prefix, left
+
+
+@numba.njit(nogil=True, cache=True)
+def pick(
+    values: np.ndarray,
+    counts: np.ndarray,
+    width: int,
+    each: bool,
+    index: np.ndarray,
+    valid: np.ndarray | None,
+) -> None:
+    """``ranked.pick_on_host``'s pick of ``values`` [rows, heads, n] (float32) into ``index`` (and
+    ``valid``, or None), which the caller sized and checked: ``counts[row]`` <= ``width`` <= n."""
+    rows, heads, n = values.shape
+    keys = np.empty(n, dtype=np.uint32)
+    counted = np.zeros(256, dtype=np.int64)
+    kept = np.empty(n, dtype=np.uint32)
+    for row in range(rows):
+        count = counts[row]
+        for head in range(heads):
+            for slot in range(n):
+                keys[slot] = ordered(values[row, head, slot])
+            taken_cut, taken_room = cut_of(keys, count if each else width, counted, kept)
+            own_cut, own_room = (taken_cut, 0) if valid is None else cut_of(keys, count, counted, kept)
+            at = 0
+            for slot in range(n):
+                key = keys[slot]
+                if key == taken_cut:  # tied at the cut: the earliest slots take the room left
+                    if taken_room == 0:
+                        continue
+                    taken_room -= 1
+                elif key < taken_cut:
+                    continue
+                if valid is not None:
+                    own = key > own_cut or (key == own_cut and own_room > 0)
+                    if key == own_cut and own:
+                        own_room -= 1
+                    valid[row, head, at] = own
+                index[row, head, at] = slot
+                at += 1
