@@ -124,8 +124,7 @@ def pick_top(
     width = max(takes, default=0)
     if width == 0:
         return torch.zeros(batch, heads, 0, dtype=torch.long, device=scores.device), None
-    pick = pick_on_host if _on_host(scores) else pick_with_tensor_ops
-    return pick(scores, takes, width, each=False)
+    return _ranked(scores, takes, width, each=False)
 
 
 def pick_each(scores: Tensor, takes: list[int], reserved: Tensor | None, most_reserved: int) -> Tensor:
@@ -138,8 +137,7 @@ def pick_each(scores: Tensor, takes: list[int], reserved: Tensor | None, most_re
     if reserved is not None:
         scores = _lift_reserved(scores, reserved, takes, most_reserved)
     width = max(takes)
-    pick = pick_on_host if _on_host(scores) else pick_with_tensor_ops
-    return pick(scores, takes, width, each=True)[0]
+    return _ranked(scores, takes, width, each=True)[0]
 
 
 def pick_with_tensor_ops(
@@ -161,6 +159,12 @@ def pick_with_tensor_ops(
         return _slots_of(own, width), None
     index = _slots_of(_earliest_at_cut(scores, values[..., -1:], width), width)
     return index, own.gather(-1, index)
+
+
+def _ranked(scores: Tensor, takes: list[int], width: int, each: bool) -> tuple[Tensor, Tensor | None]:
+    """The pick itself, by the host kernel where :func:`_on_host`, else by tensor operations."""
+    pick = pick_on_host if _on_host(scores) else pick_with_tensor_ops
+    return pick(scores, takes, width, each)
 
 
 def _on_host(scores: Tensor) -> bool:
