@@ -168,14 +168,15 @@ def _ranked(scores: Tensor, takes: list[int], width: int, each: bool) -> tuple[T
 
 
 def _on_host(scores: Tensor) -> bool:
-    """Whether a pick runs the host kernel (``ranked.py``): host scores in a dtype float32 holds, outside a
-    compiled graph, where numba is installed."""
-    return (
-        scores.device.type == "cpu"
-        and scores.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        and not torch.compiler.is_compiling()
-        and ranked_available()
-    )
+    """Whether a pick runs the host kernel (``ranked.py``): scores in a dtype float32 holds, where
+    :func:`runs_on_host`."""
+    return scores.dtype in (torch.float32, torch.bfloat16, torch.float16) and runs_on_host(scores)
+
+
+def runs_on_host(tensor: Tensor) -> bool:
+    """Whether work on ``tensor`` may run a compiled host loop (numba) instead of tensor operations: a host
+    tensor, outside a compiled graph, where numba is installed."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling() and ranked_available()
 
 
 def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int], most: int | None) -> Tensor:

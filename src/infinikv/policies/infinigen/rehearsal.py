@@ -14,13 +14,14 @@ they returned in a :class:`Rehearsal` record.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..base import group_relative_max
+from ..base import group_relative_max, runs_on_host
 
 Tensor = torch.Tensor
 
@@ -64,7 +65,12 @@ def speculative_scores(
     ``partial_keys`` (:func:`quantize`; 4-bit ones unpacked); int8 ones are multiplied in bfloat16, which
     holds them exactly and reads half the bytes of float32, the scores then rounded to bfloat16's 8 bits
     (top-k on low-precision scores); int16 ones in float32 (which holds them exactly); unquantized ones in
-    the query's dtype (:func:`product_dtype`); keys given in that dtype already are used as they are."""
+    the query's dtype (:func:`product_dtype`); keys given in that dtype already are used as they are.
+
+    int8 keys on the host are scored by one compiled loop (``scores_kernel.py``: the same bits, without
+    converting the keys to bfloat16 in memory first) where :func:`scores_on_host` says so."""
+    if scores_on_host(partial_query, partial_keys, row_columns, scale):
+        return _host_scores(partial_query, partial_keys, real_slots, scale)
     compute = product_dtype(partial_query.dtype, partial_keys.dtype, scale is not None)
     query = partial_query.to(compute)
     scores = torch.matmul(query, partial_keys.to(compute))  # [batch, kv_heads, group, slots]
@@ -78,6 +84,43 @@ def speculative_scores(
     if real_slots is not None:
         scores = scores.masked_fill(~real_slots[:, :, None], -math.inf)
     return group_relative_max(scores.flatten(1, 2), partial_query.shape[2])
+
+
+def scores_on_host(
+    partial_query: Tensor,
+    partial_keys: Tensor,
+    row_columns: tuple[tuple[Tensor, Tensor], ...] = (),
+    scale: Tensor | None = None,
+) -> bool:
+    """Whether :func:`speculative_scores` runs its host loop: int8 partial keys with their scales, on the
+    host, outside a compiled graph where numba is installed (``base.runs_on_host``), every row over all the
+    columns (no ``row_columns``) and slots one after another in memory."""
+    return (
+        partial_keys.dtype == torch.int8
+        and scale is not None
+        and not row_columns
+        and partial_query.dtype.is_floating_point
+        and partial_keys.stride(-1) == 1
+        and runs_on_host(partial_keys)
+    )
+
+
+def _host_scores(
+    partial_query: Tensor, partial_keys: Tensor, real_slots: Tensor | None, scale: Tensor
+) -> Tensor:
+    """:func:`speculative_scores` by ``scores_kernel.speculative_scores``."""
+    batch, heads, _, n = partial_keys.shape
+    query = partial_query.to(torch.bfloat16).float().contiguous()
+    scales = scale.reshape(batch, heads, n).float().contiguous()
+    real_slots = (
+        torch.ones(batch, heads, n, dtype=torch.bool) if real_slots is None else real_slots.contiguous()
+    )
+    out = torch.empty(batch, heads, n)
+    kernel = importlib.import_module(f"{__package__}.scores_kernel")
+    kernel.speculative_scores(
+        query.numpy(), partial_keys.numpy(), scales.numpy(), real_slots.numpy(), out.numpy()
+    )
+    return out
 
 
 def product_dtype(query_dtype: torch.dtype, key_dtype: torch.dtype, quantized: bool) -> torch.dtype:

@@ -26,7 +26,14 @@ from .blocks import block_scores, gather_slots
 from .config import InfiniGenConfig
 from .layer import LayerState
 from .plan import DecodePlan
-from .rehearsal import count_rule, count_within, product_dtype, speculative_scores, wanted_per_head
+from .rehearsal import (
+    count_rule,
+    count_within,
+    product_dtype,
+    scores_on_host,
+    speculative_scores,
+    wanted_per_head,
+)
 
 Tensor = torch.Tensor
 
@@ -317,7 +324,12 @@ def choose_together(
     longest, rows, heads = max(lengths), len(keys), keys[0].shape[1]
     device = keys[0].device
     reserved = [selector.reserved(layer) for selector in selectors]
-    if (
+    if scores_on_host(queries[0], keys[0], (), scales[0]):  # each row scored alone in the host loop
+        scores = torch.full((rows, heads, longest), -math.inf)
+        for row, (query, key, scale, n) in enumerate(zip(queries, keys, scales, lengths, strict=True)):
+            scores[row, :, :n] = speculative_scores(query, key, (), None, scale)[0]
+        lifted = _stacked_reserved(reserved, lengths, longest)
+    elif (
         min(lengths) == longest
     ):  # nothing to pad: each row's keys converted into one tensor as they are copied
         compute = product_dtype(queries[0].dtype, keys[0].dtype, scales[0] is not None)
@@ -325,25 +337,19 @@ def choose_together(
         for row, key in enumerate(keys):
             padded_keys[row].copy_(key[0])
         padded_scale = None if scales[0] is None else torch.cat(scales)
-        lifted = None if reserved[0] is None else torch.cat(reserved)
-        real = None
+        lifted = _stacked_reserved(reserved, lengths, longest)
+        scores = speculative_scores(torch.cat(queries), padded_keys, (), None, padded_scale)
     else:
         padded_keys = keys[0].new_zeros(rows, heads, keys[0].shape[2], longest)
         padded_scale = None if scales[0] is None else scales[0].new_ones(rows, heads, 1, longest)
-        lifted = (
-            None
-            if reserved[0] is None
-            else torch.zeros(rows, heads, longest, dtype=torch.bool, device=device)
-        )
-        for row, (key, scale, near, n) in enumerate(zip(keys, scales, reserved, lengths, strict=True)):
+        for row, (key, scale, n) in enumerate(zip(keys, scales, lengths, strict=True)):
             padded_keys[row, ..., :n] = key[0]
             if padded_scale is not None:
                 padded_scale[row, ..., :n] = scale[0]
-            if lifted is not None:
-                lifted[row, :, :n] = near[0]
+        lifted = _stacked_reserved(reserved, lengths, longest)
         within = torch.arange(longest, device=device) < torch.tensor(lengths, device=device)[:, None]
         real = within[:, None].expand(-1, heads, -1)
-    scores = speculative_scores(torch.cat(queries), padded_keys, (), real, padded_scale)
+        scores = speculative_scores(torch.cat(queries), padded_keys, (), real, padded_scale)
     most_reserved = selectors[0].config.n_sink + selectors[0].config.window
     index = pick_each(scores, widths, lifted, most_reserved)
     return [
@@ -357,3 +363,16 @@ def choose_together(
         )
         for row, (width, n, near) in enumerate(zip(widths, lengths, reserved, strict=True))
     ]
+
+
+def _stacked_reserved(reserved: list[Tensor | None], lengths: list[int], longest: int) -> Tensor | None:
+    """The rows' ``reserved`` slots [1, kv_heads, n] in one tensor [rows, kv_heads, longest], False past a
+    row's own slots (None when nothing is reserved)."""
+    if reserved[0] is None:
+        return None
+    if min(lengths) == longest:
+        return torch.cat(reserved)
+    stacked = reserved[0].new_zeros(len(reserved), reserved[0].shape[1], longest)
+    for row, (near, n) in enumerate(zip(reserved, lengths, strict=True)):
+        stacked[row, :, :n] = near[0]
+    return stacked

@@ -1,0 +1,145 @@
+"""The compiled loop of :func:`.rehearsal.speculative_scores` for int8 partial keys on the host (numba),
+imported at the first such score: module-level functions with their signatures, so numba compiles each
+once and its disk cache serves every later process.
+
+The product follows the bits of the bfloat16 product it replaces, as oneDNN computes it on a CPU with
+AVX512-BF16 (the instruction ``vdpbf16ps``): float32 sums over the key columns taken in pairs, the odd
+column of each pair added first, then rounded to bfloat16 (to nearest, ties to even). Each product of a
+bfloat16 query value and an int8 key is exact in float32, so only this order of the sums decides the
+bits. Values are taken as normal numbers: ``vdpbf16ps`` flushes subnormal ones to zero, which a partial
+query never holds.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+TILE = 256  # slots per pass: a tile's keys as float32 (columns x TILE) and its sums stay in the L1 cache
+
+_KEYS = "int8[:, :, :, :]"  # [batch, kv_heads, columns, slots], any strides (a view of the slot table)
+_FLOATS_3D = "float32[:, :, ::1]"  # contiguous
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def to_bfloat16(value: float) -> float:
+    """``value`` rounded to bfloat16 (to nearest, ties to even), as float32; no NaN comes here."""
+    bits = np.float32(value).view(np.uint32)
+    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return np.uint32((bits + rounding) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+@numba.njit(nogil=True, cache=True)
+def products(
+    query: np.ndarray,
+    keys: np.ndarray,
+    row: int,
+    head: int,
+    start: int,
+    stop: int,
+    sums: np.ndarray,
+    converted: np.ndarray,
+) -> None:
+    """Into ``sums`` [group, :stop - start]: each query head's float32 sums over slots start..stop of
+    (``row``, ``head``), in the pair order of the module docstring (``converted``: room for the tile's keys
+    as float32, which every query head of the group reads)."""
+    group, columns = query.shape[2], query.shape[3]
+    width = stop - start
+    for column in range(columns):
+        source, target = keys[row, head, column, start:stop], converted[column]
+        for slot in range(width):
+            target[slot] = np.float32(source[slot])
+    for query_head in range(group):
+        total, weights = sums[query_head], query[row, head, query_head]
+        total[:width] = 0.0
+        column = 0
+        while column + 4 <= columns:  # two pairs a pass: the same sums, half the passes over ``total``
+            odd, even = weights[column + 1], weights[column]
+            odd_next, even_next = weights[column + 3], weights[column + 2]
+            keys_odd, keys_even = converted[column + 1], converted[column]
+            next_odd, next_even = converted[column + 3], converted[column + 2]
+            for slot in range(width):
+                pair = (total[slot] + odd * keys_odd[slot]) + even * keys_even[slot]
+                total[slot] = (pair + odd_next * next_odd[slot]) + even_next * next_even[slot]
+            column += 4
+        if column + 2 <= columns:
+            odd, even = weights[column + 1], weights[column]
+            keys_odd, keys_even = converted[column + 1], converted[column]
+            for slot in range(width):
+                total[slot] = (total[slot] + odd * keys_odd[slot]) + even * keys_even[slot]
+        if columns % 2:  # the last column pairs with a zero, which adds nothing
+            last, last_keys = weights[columns - 1], converted[columns - 1]
+            for slot in range(width):
+                total[slot] = total[slot] + last * last_keys[slot]
+
+
+@numba.njit(nogil=True, cache=True)
+def scaled(sums: np.ndarray, scale: np.ndarray, real: np.ndarray, scores: np.ndarray) -> None:
+    """Into ``scores``: ``sums`` rounded to bfloat16 times their ``scale`` (exact in float32), -inf where a
+    slot is not ``real``."""
+    for slot in range(scores.shape[0]):
+        score = to_bfloat16(sums[slot]) * scale[slot]
+        scores[slot] = score if real[slot] else np.float32(-np.inf)
+
+
+@numba.njit(nogil=True, cache=True)
+def largest(values: np.ndarray) -> float:
+    """The max of ``values`` (no NaN), compared as integers in the same order, which the compiler turns
+    into vector instructions (a float max with its NaN rules it does not)."""
+    bits = values.view(np.int32)
+    best = np.int32(-(2**31))
+    for slot in range(bits.shape[0]):
+        value = bits[slot]
+        best = max(best, value ^ ((value >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+    best ^= (best >> np.int32(31)) & np.int32(0x7FFFFFFF)
+    return np.array([best], dtype=np.int32).view(np.float32)[0]
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"nnan"})
+def _group_max(per_head: np.ndarray, best: np.ndarray, out: np.ndarray) -> None:
+    """Into ``out``: the max over query heads of ``per_head`` less each head's ``best`` (a head with no
+    finite score subtracts nothing)."""
+    for query_head in range(per_head.shape[0]):
+        if best[query_head] == -np.inf:
+            best[query_head] = 0.0
+    for slot in range(out.shape[0]):
+        out[slot] = per_head[0, slot] - best[0]
+    for query_head in range(1, per_head.shape[0]):
+        scores, own_best = per_head[query_head], best[query_head]
+        for slot in range(out.shape[0]):
+            out[slot] = max(out[slot], scores[slot] - own_best)
+
+
+@numba.njit(
+    f"void(float32[:, :, :, ::1], {_KEYS}, {_FLOATS_3D}, boolean[:, :, ::1], {_FLOATS_3D})",
+    nogil=True,
+    cache=True,
+)
+def speculative_scores(
+    query: np.ndarray, keys: np.ndarray, scale: np.ndarray, real: np.ndarray, out: np.ndarray
+) -> None:
+    """``rehearsal.speculative_scores`` into ``out`` [batch, kv_heads, slots] for ``query`` [batch,
+    kv_heads, group, columns] (bfloat16 values as float32), int8 ``keys`` [batch, kv_heads, columns, slots],
+    their ``scale`` and ``real`` [batch, kv_heads, slots]: each query head's scores less its best (-inf
+    stays -inf), then the max over the group."""
+    batch, heads, group, columns = query.shape
+    n = keys.shape[3]
+    sums = np.empty((group, TILE), dtype=np.float32)
+    converted = np.empty((columns, TILE), dtype=np.float32)
+    per_head = np.empty((group, n), dtype=np.float32)
+    best = np.empty(group, dtype=np.float32)
+    for row in range(batch):
+        for head in range(heads):
+            for start in range(0, n, TILE):
+                stop = min(start + TILE, n)
+                products(query, keys, row, head, start, stop, sums, converted)
+                for query_head in range(group):
+                    scaled(
+                        sums[query_head, : stop - start],
+                        scale[row, head, start:stop],
+                        real[row, head, start:stop],
+                        per_head[query_head, start:stop],
+                    )
+            for query_head in range(group):
+                best[query_head] = largest(per_head[query_head])
+            _group_max(per_head, best, out[row, head])
