@@ -4,13 +4,14 @@
 
 Times one layer's selection at the bench's target cell (default: batch 8, 8,064 tokens, SmolLM2-135M's 3 KV
 heads of 3 query heads, 48 int8 columns: the ratio calibrated for 4k and 8k tokens) on random partial keys:
-the speculated scores (int8 keys converted to bfloat16, the product, the per-token scales, the group's
-relative max), the count rule, and the pick of each head's top tokens (the window lifted; the cut, the ties
-at it and the slot order, by the host kernel a CPU runs and by the tensor operations CUDA runs; the whole
-pick); then the same with coarse-to-fine (block) speculation (``--block-size 16 --block-candidates 1.25``,
-not the default): the blocks' bounds, the pick of candidate blocks, the candidates' keys, their scores, the
-count and the pick among them. Each step is timed alone, and each whole selection once more, median of 30
-runs after 2 warm-ups. Random scores, not a model's: how many tokens come within alpha changes the count, not
+the speculated scores (by the host loop a CPU runs, and by the tensor operations CUDA runs: int8 keys
+converted to bfloat16, the product, the per-token scales, the group's relative max), the count rule, and
+the pick of each head's top tokens (the window lifted; the cut, the ties at it and the slot order, by the
+host kernel a CPU runs and by the tensor operations CUDA runs; the whole pick); then the same with
+coarse-to-fine (block) speculation (``--block-size 16 --block-candidates 1.25``, not the default): the
+blocks' bounds, the pick of candidate blocks, the candidates' keys, their scores, the count and the pick
+among them. Each step is timed alone, and each whole selection once more, median of 30 runs after 2
+warm-ups. Random scores, not a model's: how many tokens come within alpha changes the count, not
 the cost, which is set by the shapes.
 """
 
@@ -24,6 +25,7 @@ import torch
 
 from infinikv.policies.base import group_relative_max, pick_top, pick_with_tensor_ops
 from infinikv.policies.bounds import BlockBounds
+from infinikv.policies.infinigen import rehearsal
 from infinikv.policies.infinigen.blocks import BOUND_DTYPE, block_scores, gather_slots, partial_values
 from infinikv.policies.infinigen.rehearsal import count_within, quantize, speculative_scores
 from infinikv.policies.ranked import pick_on_host
@@ -42,6 +44,15 @@ def timed(step: Callable[[], object], runs: int = 30) -> float:
     return statistics.median(times) * 1e3
 
 
+def tensor_scores(query: torch.Tensor, keys: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``speculative_scores`` by tensor operations, as on CUDA (the host loop switched off)."""
+    on_host, rehearsal.runs_on_host = rehearsal.runs_on_host, lambda tensor: False
+    try:
+        return speculative_scores(query, keys, (), None, scale)
+    finally:
+        rehearsal.runs_on_host = on_host
+
+
 def main(batch: int, tokens: int, columns: int) -> None:
     torch.manual_seed(0)
     query = torch.randn(batch, KV_HEADS, GROUP, columns) * 0.1
@@ -57,6 +68,8 @@ def main(batch: int, tokens: int, columns: int) -> None:
     product = torch.matmul(query.bfloat16(), converted)
     scaled = product.float() * scale.float()
     steps = {
+        "scores: host loop": lambda: speculative_scores(query, keys, (), None, scale),
+        "  as tensor ops (CUDA's): all four": lambda: tensor_scores(query, keys, scale),
         "int8 keys to bfloat16": lambda: keys.to(torch.bfloat16),
         "product (bfloat16)": lambda: torch.matmul(query.bfloat16(), converted),
         "scales": lambda: product.float() * scale.float(),

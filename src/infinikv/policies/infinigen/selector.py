@@ -309,12 +309,14 @@ def choose_together(
 ) -> list[Choice]:
     """:meth:`Selector.choose` for several sequences of one unpadded row each, whose partial keys of
     ``layer`` have one form, that count by their budgets over pools that evicted nothing (``widths``: each
-    one's n'; at least its reserved slots), with one ``n_sink`` and ``window``: their partial keys, put in one
-    tensor (converted to the product's dtype as they are copied where they share a length, else padded with
-    zeros to the longest and the padding masked to -inf), are scored in one product (``queries``: each one's
-    partial query, as :meth:`Selector.choose` takes it), and each head's top n' are picked in one pass
-    (``base.pick_each``). Each gets the choice it makes alone: a batched product computes each row as it
-    would alone, and a row's scores over its own slots, its reserved slots and its cut are its own."""
+    one's n'; at least its reserved slots), with one ``n_sink`` and ``window``: their scores, in one tensor
+    (``queries``: each one's partial query, as :meth:`Selector.choose` takes it), and each head's top n'
+    picked in one pass (``base.pick_each``). int8 keys on the host are scored row by row in the host loop
+    (``rehearsal.scores_on_host``), the padding -inf; other keys are put in one tensor (converted to the
+    product's dtype as they are copied where they share a length, else padded with zeros to the longest and
+    the padding masked to -inf) and scored in one product. Each gets the choice it makes alone: a batched
+    product computes each row as it would alone, and a row's scores over its own slots, its reserved slots
+    and its cut are its own."""
     states = [selector.layers[layer] for selector in selectors]
     keys = [state.slots.unpacked(state.slots.view("partial")) for state in states]
     scales = [selector.scales(layer) for selector in selectors]
