@@ -92,15 +92,23 @@ def scores_on_host(
     row_columns: tuple[tuple[Tensor, Tensor], ...] = (),
     scale: Tensor | None = None,
 ) -> bool:
-    """Whether :func:`speculative_scores` runs its host loop: int8 partial keys with their scales, on the
-    host, outside a compiled graph where numba is installed (``base.runs_on_host``), every row over all the
-    columns (no ``row_columns``) and slots one after another in memory."""
+    """Whether :func:`speculative_scores` runs its host loop: int8 partial keys with float16 or float32
+    scales, every tensor on the host, outside a compiled graph where numba is installed
+    (``base.runs_on_host``), every row over all the columns (no ``row_columns``), the shapes the docstring
+    there gives (others take the tensor path, which says what does not fit) and slots one after another in
+    memory."""
+    if partial_keys.dtype != torch.int8 or scale is None or row_columns:
+        return False
+    batch, heads, columns, n = partial_keys.shape
     return (
-        partial_keys.dtype == torch.int8
-        and scale is not None
-        and not row_columns
-        and partial_query.dtype.is_floating_point
+        partial_query.dtype.is_floating_point
+        and partial_query.dim() == 4
+        and partial_query.shape[:2] == (batch, heads)
+        and partial_query.shape[3] == columns
+        and scale.dtype in (torch.float16, torch.float32)
+        and scale.shape == (batch, heads, 1, n)
         and partial_keys.stride(-1) == 1
+        and all(tensor.device.type == "cpu" for tensor in (partial_query, scale))
         and runs_on_host(partial_keys)
     )
 
@@ -108,18 +116,18 @@ def scores_on_host(
 def _host_scores(
     partial_query: Tensor, partial_keys: Tensor, real_slots: Tensor | None, scale: Tensor
 ) -> Tensor:
-    """:func:`speculative_scores` by ``scores_kernel.speculative_scores``."""
+    """:func:`speculative_scores` by ``scores_kernel.speculative_scores`` (where :func:`scores_on_host`)."""
     batch, heads, _, n = partial_keys.shape
-    query = partial_query.to(torch.bfloat16).float().contiguous()
-    scales = scale.reshape(batch, heads, n).float().contiguous()
-    real_slots = (
-        torch.ones(batch, heads, n, dtype=torch.bool) if real_slots is None else real_slots.contiguous()
+    query = partial_query.detach().to(torch.bfloat16).float().contiguous()
+    scales = scale.detach().reshape(batch, heads, n).float().contiguous()
+    real = (
+        torch.ones(batch, heads, n, dtype=torch.bool)
+        if real_slots is None
+        else real_slots.to("cpu", torch.bool).expand(batch, heads, n).contiguous()
     )
-    out = torch.empty(batch, heads, n)
+    out = torch.empty(batch, heads, n, dtype=torch.float32)
     kernel = importlib.import_module(f"{__package__}.scores_kernel")
-    kernel.speculative_scores(
-        query.numpy(), partial_keys.numpy(), scales.numpy(), real_slots.numpy(), out.numpy()
-    )
+    kernel.speculative_scores(query.numpy(), partial_keys.numpy(), scales.numpy(), real.numpy(), out.numpy())
     return out
 
 

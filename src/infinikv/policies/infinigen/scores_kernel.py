@@ -1,13 +1,16 @@
 """The compiled loop of :func:`.rehearsal.speculative_scores` for int8 partial keys on the host (numba),
-imported at the first such score: module-level functions with their signatures, so numba compiles each
-once and its disk cache serves every later process.
+imported at the first such score: module-level functions, the entry point with its signature, so numba
+compiles it once and its disk cache serves every later process.
 
-The product follows the bits of the bfloat16 product it replaces, as oneDNN computes it on a CPU with
-AVX512-BF16 (the instruction ``vdpbf16ps``): float32 sums over the key columns taken in pairs, the odd
-column of each pair added first, then rounded to bfloat16 (to nearest, ties to even). Each product of a
-bfloat16 query value and an int8 key is exact in float32, so only this order of the sums decides the
-bits. Values are taken as normal numbers: ``vdpbf16ps`` flushes subnormal ones to zero, which a partial
-query never holds.
+The sums follow one order on every CPU, that of the bfloat16 product as oneDNN computes it with
+AVX512-BF16 (the instruction ``vdpbf16ps``, on a CPU without AMX, as the one this project's figures come
+from): float32 sums over the key columns taken in pairs, the odd column of each pair added first, then
+rounded to bfloat16 (to nearest, ties to even). Each product of a bfloat16 query value and an int8 key is
+exact in float32, so only this order of the sums decides the bits; there the scores are the tensor path's
+bit for bit. Where torch's product sums in another order (another CPU, or its plain loop for the smallest
+products) a few scores may differ in their last bit from the tensor path's, and are the same as on that CPU.
+Values are taken as normal numbers: ``vdpbf16ps`` flushes subnormal ones to zero, which a partial query never
+holds.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-TILE = 256  # slots per pass: a tile's keys as float32 (columns x TILE) and its sums stay in the L1 cache
+TILE = 256  # slots per pass: a tile's keys as float32 (columns x TILE) and its sums stay in the core's caches
 
 _KEYS = "int8[:, :, :, :]"  # [batch, kv_heads, columns, slots], any strides (a view of the slot table)
 _FLOATS_3D = "float32[:, :, ::1]"  # contiguous
@@ -92,7 +95,7 @@ def largest(values: np.ndarray) -> float:
         value = bits[slot]
         best = max(best, value ^ ((value >> np.int32(31)) & np.int32(0x7FFFFFFF)))
     best ^= (best >> np.int32(31)) & np.int32(0x7FFFFFFF)
-    return np.array([best], dtype=np.int32).view(np.float32)[0]
+    return np.int32(best).view(np.float32)
 
 
 @numba.njit(nogil=True, cache=True, fastmath={"nnan"})
