@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..base import group_relative_max, runs_on_host
@@ -118,17 +119,46 @@ def _host_scores(
 ) -> Tensor:
     """:func:`speculative_scores` by ``scores_kernel.speculative_scores`` (where :func:`scores_on_host`)."""
     batch, heads, _, n = partial_keys.shape
-    query = partial_query.detach().to(torch.bfloat16).float().contiguous()
+    out = np.empty((batch, heads, n), dtype=np.float32)
+    _score_on_host(_query_values(partial_query), partial_keys, real_slots, scale, out)
+    return torch.from_numpy(out)
+
+
+def host_scores_of_rows(queries: list[Tensor], keys: list[Tensor], scales: list[Tensor]) -> Tensor:
+    """:func:`speculative_scores` of several sequences of one row each, where :func:`scores_on_host` holds
+    for each (``queries[r]`` [1, kv_heads, group, k], ``keys[r]`` [1, kv_heads, k, n_r], ``scales[r]``), side
+    by side [rows, kv_heads, longest n_r], -inf past a row's own slots: each row is scored alone, its query
+    rounded with the others' in one operation."""
+    lengths = [key.shape[-1] for key in keys]
+    longest, heads = max(lengths), keys[0].shape[1]
+    out = np.full((len(keys), heads, longest), -np.inf, dtype=np.float32)
+    values = _query_values(torch.cat(queries))
+    for row, (key, scale, n) in enumerate(zip(keys, scales, lengths, strict=True)):
+        own = out[row : row + 1] if n == longest else np.empty((1, heads, n), dtype=np.float32)
+        _score_on_host(values[row : row + 1], key, None, scale, own)
+        if n < longest:
+            out[row, :, :n] = own[0]
+    return torch.from_numpy(out)
+
+
+def _query_values(partial_query: Tensor) -> np.ndarray:
+    """A partial query's values rounded to bfloat16 (the product's), as float32 the host loop reads."""
+    return partial_query.detach().to(torch.bfloat16).float().contiguous().numpy()
+
+
+def _score_on_host(
+    values: np.ndarray, keys: Tensor, real_slots: Tensor | None, scale: Tensor, out: np.ndarray
+) -> None:
+    """The host loop's scores of ``keys`` for the query ``values`` (:func:`_query_values`) into ``out``."""
+    batch, heads, _, n = keys.shape
     scales = scale.detach().reshape(batch, heads, n).float().contiguous()
     real = (
-        torch.ones(batch, heads, n, dtype=torch.bool)
+        np.ones((batch, heads, n), dtype=np.bool_)
         if real_slots is None
-        else real_slots.to("cpu", torch.bool).expand(batch, heads, n).contiguous()
+        else real_slots.to("cpu", torch.bool).expand(batch, heads, n).contiguous().numpy()
     )
-    out = torch.empty(batch, heads, n, dtype=torch.float32)
     kernel = importlib.import_module(f"{__package__}.scores_kernel")
-    kernel.speculative_scores(query.numpy(), partial_keys.numpy(), scales.numpy(), real.numpy(), out.numpy())
-    return out
+    kernel.speculative_scores(values, keys.numpy(), scales.numpy(), real, out)
 
 
 def product_dtype(query_dtype: torch.dtype, key_dtype: torch.dtype, quantized: bool) -> torch.dtype:

@@ -29,6 +29,7 @@ from .plan import DecodePlan
 from .rehearsal import (
     count_rule,
     count_within,
+    host_scores_of_rows,
     product_dtype,
     scores_on_host,
     speculative_scores,
@@ -327,9 +328,7 @@ def choose_together(
     device = keys[0].device
     reserved = [selector.reserved(layer) for selector in selectors]
     if scores_on_host(queries[0], keys[0], (), scales[0]):  # each row scored alone in the host loop
-        scores = torch.full((rows, heads, longest), -math.inf, dtype=torch.float32)
-        for row, (query, key, scale, n) in enumerate(zip(queries, keys, scales, lengths, strict=True)):
-            scores[row, :, :n] = speculative_scores(query, key, (), None, scale)[0]
+        scores = host_scores_of_rows(queries, keys, scales)
         lifted = _stacked_reserved(reserved, lengths, longest)
     elif (
         min(lengths) == longest
