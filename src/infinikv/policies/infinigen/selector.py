@@ -327,9 +327,9 @@ def choose_together(
     longest, rows, heads = max(lengths), len(keys), keys[0].shape[1]
     device = keys[0].device
     reserved = [selector.reserved(layer) for selector in selectors]
+    lifted = _stacked_reserved(reserved, lengths, longest)
     if scores_on_host(queries[0], keys[0], (), scales[0]):  # each row scored alone in the host loop
         scores = host_scores_of_rows(queries, keys, scales)
-        lifted = _stacked_reserved(reserved, lengths, longest)
     elif (
         min(lengths) == longest
     ):  # nothing to pad: each row's keys converted into one tensor as they are copied
@@ -338,7 +338,6 @@ def choose_together(
         for row, key in enumerate(keys):
             padded_keys[row].copy_(key[0])
         padded_scale = None if scales[0] is None else torch.cat(scales)
-        lifted = _stacked_reserved(reserved, lengths, longest)
         scores = speculative_scores(torch.cat(queries), padded_keys, (), None, padded_scale)
     else:
         padded_keys = keys[0].new_zeros(rows, heads, keys[0].shape[2], longest)
@@ -347,7 +346,6 @@ def choose_together(
             padded_keys[row, ..., :n] = key[0]
             if padded_scale is not None:
                 padded_scale[row, ..., :n] = scale[0]
-        lifted = _stacked_reserved(reserved, lengths, longest)
         within = torch.arange(longest, device=device) < torch.tensor(lengths, device=device)[:, None]
         real = within[:, None].expand(-1, heads, -1)
         scores = speculative_scores(torch.cat(queries), padded_keys, (), real, padded_scale)
