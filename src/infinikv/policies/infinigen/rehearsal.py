@@ -14,10 +14,10 @@ they returned in a :class:`Rehearsal` record.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
@@ -157,8 +157,16 @@ def _score_on_host(
         if real_slots is None
         else real_slots.to("cpu", torch.bool).expand(batch, heads, n).contiguous().numpy()
     )
-    kernel = importlib.import_module(f"{__package__}.scores_kernel")
-    kernel.speculative_scores(values, keys.numpy(), scales.numpy(), real, out)
+    _kernel()(values, keys.numpy(), scales.numpy(), real, out)
+
+
+@cache
+def _kernel() -> Callable[..., None]:
+    """The host loop; a run on CUDA alone never imports numba. The first process compiles it (seconds),
+    later ones load it from numba's disk cache."""
+    from .scores_kernel import speculative_scores as host_loop
+
+    return host_loop
 
 
 def product_dtype(query_dtype: torch.dtype, key_dtype: torch.dtype, quantized: bool) -> torch.dtype:
