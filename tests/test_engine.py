@@ -13,6 +13,7 @@ from infinikv.engine.blocks import BlockPool, PrefixCache, PrefixEntry, block_by
 from infinikv.engine.forced import ForcedRows
 from infinikv.errors import InputError
 from infinikv.forward import prompt_chunks
+from infinikv.kvpool import KVPool
 from infinikv.policies import POLICIES, make_config
 from infinikv.testing import tiny_model
 
@@ -354,6 +355,22 @@ def test_an_engine_step_projects_the_look_ahead_queries_once_for_every_row(tiny,
     rehearsed = [layer for layer in range(tiny.spec.num_layers) if calls[layer] == 2]
     assert rehearsed and all(calls[layer] in (1, 2) for layer in range(tiny.spec.num_layers))
     assert calls["rotary"] == 2
+
+
+def test_an_engine_step_sizes_every_row_s_copier_by_all_its_rows(tiny, monkeypatch):
+    """Where a step's copies and look-aheads run depends on the K/V of all its rows (``Copier.size_step``),
+    not of each row alone: every row's pool is told the step's whole size, once a step."""
+    told: list[tuple[int, int]] = []
+    monkeypatch.setattr(KVPool, "size_step", lambda pool, layer_bytes: told.append((id(pool), layer_bytes)))
+    prompts = [torch.tensor([ids(tiny, text)]) for text in ("one prompt", "another, longer prompt here")]
+    with ForcedRows(tiny, [make_config("h2o")] * 2) as forced:
+        for row, prompt in enumerate(prompts):
+            forced.prefill(row, prompt, CHUNK)
+        forced.step([0, 1], torch.tensor([[1], [2]]))
+        pools = {id(driver.cache.policy.pool()) for driver in forced.drivers}
+    tokens = sum(prompt.shape[1] + 1 for prompt in prompts)
+    per_token = 2 * tiny.spec.num_kv_heads * tiny.spec.head_dim * tiny.model.dtype.itemsize
+    assert sorted(told) == sorted((pool, tokens * per_token) for pool in pools)
 
 
 @pytest.mark.parametrize("knobs", [{}, {"budget": 0.1, "min_tokens": 0}])

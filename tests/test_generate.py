@@ -288,6 +288,30 @@ def test_pools_share_the_workers_of_the_free_cores(free_cores):
         pool.close()
 
 
+def test_a_small_step_keeps_its_work_on_the_decode_thread(free_cores, monkeypatch):
+    """A decode step whose rows hold less K/V a layer than ``WORKER_FROM_BYTES`` runs its look-aheads and
+    copies at once, after what was queued before (order kept); a step that large queues them again."""
+    free_cores(1)
+    monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", 1000)
+    pool, ran = KVPool(1, torch.device("cpu"), overlap="thread"), []
+
+    def on_worker() -> bool:
+        return pool.ahead(copiers.on_worker).wait()
+
+    pool.size_step(1000)
+    assert on_worker()
+    pool.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
+    pool.size_step(999)
+    pool.ahead(lambda: ran.append("at once"))
+    assert ran == ["queued", "at once"] and not on_worker()
+    ran.clear()
+    pool.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
+    assert ran == ["own", "ahead"]
+    pool.size_step(1000)
+    assert on_worker()
+    pool.close()
+
+
 def test_rows_stop_at_their_own_limits(tiny):
     """Requests that differ only in their limit share a batch: each row equals its own run alone."""
     prompts, limits = PROMPTS[:2], [3, 7]

@@ -430,8 +430,9 @@ COUNTED += ("kv_bytes_host", "kv_bytes_device", "mean_tokens_attended")
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_a_worker_thread_changes_nothing(policy, tiny, monkeypatch):
-    """With a core free beside the decode thread, the look-aheads and copies of every sequence run on the
-    worker their pools share; with none, all at once. Tokens and counters are the same."""
+    """With a core free beside the decode thread and steps large enough to gain from it, the look-aheads and
+    copies of every sequence run on the worker their pools share; with no core, or steps below
+    ``WORKER_FROM_BYTES``, all at once. Tokens and counters are the same."""
     where = []
     ahead = KVPool.ahead
 
@@ -440,14 +441,15 @@ def test_a_worker_thread_changes_nothing(policy, tiny, monkeypatch):
 
     monkeypatch.setattr(KVPool, "ahead", watched)
     runs = []
-    for free in (1, 0):
+    for free, worker_from in ((1, 0), (0, 0), (1, 2**62)):
         monkeypatch.setattr(copiers, "USABLE_CORES", torch.get_num_threads() + free)
+        monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", worker_from)
         where.clear()
         results, _ = _run(tiny, policy, case(policy).tight)
         runs.append([(r.token_ids, [r.stats[key] for key in COUNTED]) for r in results])
-        if POLICIES[policy].prefetches:  # on the worker exactly where a core was free
-            assert where and set(where) == {free == 1}
-    assert runs[0] == runs[1]
+        if POLICIES[policy].prefetches:  # on the worker exactly where a core was free for steps this large
+            assert where and set(where) == {free == 1 and worker_from == 0}
+    assert runs[0] == runs[1] == runs[2]
 
 
 FLOORED = [

@@ -133,6 +133,10 @@ class InfinikvCache(PolicyCache):
         if not self.begin_layer(layer, x, mask):
             return
         policy = self.policy
+        pool = policy.pool()
+        if layer == 0 and pool is not None:  # the batch's rows, every position of the step
+            tokens = x.shape[0] * (policy.seq_length(0) + 1)
+            pool.size_step(policy.spec.layer_kv_bytes(tokens, x.element_size()))
 
         def own() -> None:
             policy.before_attention(layer, x, position_ids, queries)

@@ -14,7 +14,8 @@ one it has:
   every copier: a copier is given one at its first queued job and keeps it, so its jobs stay in order, and
   an engine's sequences, a copier each, all look ahead beside the step's own work. Without a free core a
   copier runs everything at once, on the calling thread, as a worker sharing a core only contends with the
-  decode thread.
+  decode thread. A decode step too small to gain from the worker (:data:`WORKER_FROM_BYTES`, told by
+  ``size_step``) also runs everything at once, on the calling thread.
 * :class:`InlineCopier` (CPU, ``overlap="none"``): everything runs at once, on the calling thread.
 """
 
@@ -135,6 +136,14 @@ def _usable_cores() -> int:
 
 USABLE_CORES = _usable_cores()
 
+# A decode step whose rows hold less K/V than this per layer (as dense would hold it: every token seen) runs
+# its look-aheads and copies on the decode thread (``Copier.size_step``). Below it, handing each job over and
+# the two threads' contention (the interpreter lock, memory bandwidth) cost more than running the job beside
+# the layer saves: on the 2-core CPU of docs/benchmarks.md, with SmolLM2-135M, InfiniGen's and H2O's steps
+# were faster without the worker at 8 rows x 2,048 tokens (24 MiB a layer) and every batch-1 cell measured,
+# and InfiniGen's much faster with it from 8 x 4,096 (48 MiB).
+WORKER_FROM_BYTES = 32 * 2**20
+
 
 def free_cores() -> int:
     """The cores this process may run on that the decode thread's torch threads leave free."""
@@ -192,6 +201,10 @@ class Copier:
         that it overlaps the current layer where this copier can; ``wait()`` returns its result."""
         return Transfer(work(*args), self.counters)
 
+    def size_step(self, layer_bytes: int) -> None:
+        """The decode step about to run holds ``layer_bytes`` of K/V per layer over its rows (as dense holds
+        them); a copier may choose by it where the step's jobs run (:class:`ThreadCopier`). Here nothing."""
+
     def in_order(self, own: Callable[[], None], ahead: Callable[[], None]) -> None:
         """Start a layer's ``own`` work and the look-ahead ``ahead`` for the next layer, in the order that
         overlaps them best: here the layer's own copy first, so that it does not queue behind the next
@@ -215,23 +228,32 @@ class InlineCopier(Copier):
 
 class ThreadCopier(Copier):
     """CPU: copies and look-aheads run in order on a worker thread the process's copiers share, beside the
-    decode thread, while a core is free for it (module docstring); else at once, on the calling thread."""
+    decode thread, while a core is free for it and the step is large enough to gain from it (module
+    docstring); else at once, on the calling thread."""
 
     def __init__(self, counters: TransferCounters):
         super().__init__(counters)
         self._worker: _Worker | None = None  # given at the first job queued
         self._closed = False
         self._queued = False  # jobs went to the worker since it was last drained for running at once
+        self._small_step = False  # the step now running is below WORKER_FROM_BYTES (size_step)
+
+    def size_step(self, layer_bytes: int) -> None:
+        self._small_step = layer_bytes < WORKER_FROM_BYTES
+
+    def _uses_worker(self) -> bool:
+        """Whether jobs started now go to the worker: open, a core free for it, and a step large enough."""
+        return not self._closed and not self._small_step and free_cores() > 0
 
     def _executor_for_job(self) -> ThreadPoolExecutor | None:
-        """The executor to queue a job on, or None to run it on the calling thread: closed, or no free core
-        (the jobs queued before then run first, so copies and look-aheads keep their order). On the worker
-        itself (a look-ahead starting its copy), the same one: it queues behind what runs."""
+        """The executor to queue a job on, or None to run it on the calling thread: closed, no free core, or
+        a small step (the jobs queued before then run first, so copies and look-aheads keep their order).
+        On the worker itself (a look-ahead starting its copy), the same one: it queues behind what runs."""
         if on_worker():
             return None if self._worker is None else self._worker.executor
         if self._closed:
             return None
-        if free_cores() > 0:
+        if self._uses_worker():
             if self._worker is None:
                 self._worker = _next_worker()
             self._queued = True
@@ -243,7 +265,7 @@ class ThreadCopier(Copier):
 
     def copy(self, job: CopyJob, queue: bool = True, keep: object = None) -> Transfer:
         worker = self._executor_for_job() if queue else None
-        if worker is None:  # wanted now, closed, or no core for the worker: on this thread
+        if worker is None:  # wanted now, closed, no core for the worker or a small step: on this thread
             return Transfer(job(), self.counters)
         queued = worker.submit(job)
         return Transfer(queued, self.counters, take_over=lambda: self._take_over(queued, job))
@@ -260,7 +282,7 @@ class ThreadCopier(Copier):
         """Queued on the worker, in order with the copies, under the caller's grad and inference modes (both
         are per thread)."""
         worker = self._executor_for_job()
-        if worker is None:  # closed, or no core for the worker: on this thread
+        if worker is None:  # closed, no core for the worker or a small step: on this thread
             return Transfer(work(*args), self.counters)
         inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
@@ -278,9 +300,9 @@ class ThreadCopier(Copier):
 
     def in_order(self, own: Callable[[], None], ahead: Callable[[], None]) -> None:
         """The look-ahead is queued first, so it runs beside the layer's own choice; a copy the layer then
-        queues behind it is made by the decode thread itself when needed (``Transfer.wait``). Without a core
-        for the worker, as the base orders them."""
-        if self._closed or free_cores() == 0:
+        queues behind it is made by the decode thread itself when needed (``Transfer.wait``). Without the
+        worker (:meth:`_uses_worker`), as the base orders them."""
+        if not self._uses_worker():
             super().in_order(own, ahead)
             return
         ahead()

@@ -441,6 +441,11 @@ class KVPool:
         return _Source(part, part.arena.segments, part.slot_rows(device), part.length)
 
     # -- copies to the compute device ----------------------------------------------------------------------
+    def size_step(self, layer_bytes: int) -> None:
+        """The decode step about to run holds ``layer_bytes`` of K/V per layer over its rows, as dense holds
+        them (``Copier.size_step``: where its copies and look-aheads run)."""
+        self.copier.size_step(layer_bytes)
+
     def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
         """Hand ``work(*args)``, a look-ahead that chooses what the next layer reads and starts its copy, to
         the copier (``Copier.ahead``). ``wait()`` returns its result."""

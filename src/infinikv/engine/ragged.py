@@ -70,6 +70,12 @@ class RaggedCache(PolicyCache):
             device = self.rows[0].policy.device
             self._real = [torch.ones(1, 1, 1, n + 1, dtype=torch.bool, device=device) for n in self.past]
             self._positions = [position_ids[r : r + 1] for r in range(len(self.rows))]
+            # every row's copier sizes the step by all its rows (their look-aheads share the step's cores)
+            step_bytes = self.spec.layer_kv_bytes(sum(self.past) + len(self.past), x.element_size())
+            for row in self.rows:
+                pool = row.policy.pool()
+                if pool is not None:
+                    pool.size_step(step_bytes)
         queries = SharedQueries(self.spec, x, position_ids)
         decoding = [
             r
