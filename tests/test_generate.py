@@ -288,28 +288,38 @@ def test_pools_share_the_workers_of_the_free_cores(free_cores):
         pool.close()
 
 
-def test_a_small_step_keeps_its_work_on_the_decode_thread(free_cores, monkeypatch):
-    """A decode step whose rows hold less K/V a layer than ``WORKER_FROM_BYTES`` runs its look-aheads and
-    copies at once, after what was queued before (order kept); a step that large queues them again."""
+def test_a_step_that_copies_little_keeps_its_work_on_the_decode_thread(free_cores, monkeypatch):
+    """A decode step whose rows copied less a layer in their step before than ``WORKER_FROM_BYTES`` runs its
+    look-aheads and copies at once, after what was queued before (order kept); a step that copied that much
+    queues them again. A step's pools are sized by what they copied together, since the step before."""
     free_cores(1)
     monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", 1000)
-    pool, ran = KVPool(1, torch.device("cpu"), overlap="thread"), []
+    pool, other = (KVPool(2, torch.device("cpu"), overlap="thread") for _ in range(2))
+    ran = []
+    k = torch.randn(1, 2, 25, 5)  # 1,000 bytes of keys, as many of values
 
     def on_worker() -> bool:
         return pool.ahead(copiers.on_worker).wait()
 
-    pool.size_step(1000)
+    for layer in range(2):
+        pool.append(layer, k, k)
+        other.append(layer, k, k)
+    pool.fetch(0).wait()
+    KVPool.size_step([pool])  # 2,000 bytes over 2 layers
     assert on_worker()
     pool.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
-    pool.size_step(999)
+    KVPool.size_step([pool])  # nothing copied since
     pool.ahead(lambda: ran.append("at once"))
     assert ran == ["queued", "at once"] and not on_worker()
     ran.clear()
     pool.copier.in_order(lambda: ran.append("own"), lambda: ran.append("ahead"))
     assert ran == ["own", "ahead"]
-    pool.size_step(1000)
+    pool.fetch(0, torch.zeros(1, 2, 13, dtype=torch.long)).wait()  # 1,040 bytes: 520 a layer
+    other.fetch(1, torch.zeros(1, 2, 12, dtype=torch.long)).wait()  # 960 bytes
+    KVPool.size_step([pool, other])  # 2,000 bytes together
     assert on_worker()
-    pool.close()
+    for each in (pool, other):
+        each.close()
 
 
 def test_rows_stop_at_their_own_limits(tiny):

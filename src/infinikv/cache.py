@@ -31,6 +31,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .errors import ModelError
 from .hooks import ONE_USE, UNSUPPORTED, PolicyCache, install
+from .kvpool import KVPool
 from .paged import BlockStore
 from .policies import Policy, PolicyConfig, Selection, make_policy
 from .spec import QueryOf, model_spec
@@ -133,10 +134,8 @@ class InfinikvCache(PolicyCache):
         if not self.begin_layer(layer, x, mask):
             return
         policy = self.policy
-        pool = policy.pool()
-        if layer == 0 and pool is not None:  # the batch's rows, every position of the step
-            tokens = x.shape[0] * (policy.seq_length(0) + 1)
-            pool.size_step(policy.spec.layer_kv_bytes(tokens, x.element_size()))
+        if layer == 0 and policy.pool() is not None:
+            KVPool.size_step([policy.pool()])
 
         def own() -> None:
             policy.before_attention(layer, x, position_ids, queries)

@@ -14,8 +14,8 @@ one it has:
   every copier: a copier is given one at its first queued job and keeps it, so its jobs stay in order, and
   an engine's sequences, a copier each, all look ahead beside the step's own work. Without a free core a
   copier runs everything at once, on the calling thread, as a worker sharing a core only contends with the
-  decode thread. A decode step too small to gain from the worker (:data:`WORKER_FROM_BYTES`, told by
-  ``size_step``) also runs everything at once, on the calling thread.
+  decode thread. A decode step that copies too little to gain from the worker (:data:`WORKER_FROM_BYTES`,
+  told by ``size_step``) also runs everything at once, on the calling thread.
 * :class:`InlineCopier` (CPU, ``overlap="none"``): everything runs at once, on the calling thread.
 """
 
@@ -136,13 +136,14 @@ def _usable_cores() -> int:
 
 USABLE_CORES = _usable_cores()
 
-# A decode step whose rows hold less K/V than this per layer (as dense would hold it: every token seen) runs
-# its look-aheads and copies on the decode thread (``Copier.size_step``). Below it, handing each job over and
-# the two threads' contention (the interpreter lock, memory bandwidth) cost more than running the job beside
-# the layer saves: on the 2-core CPU of docs/benchmarks.md, with SmolLM2-135M, InfiniGen's and H2O's steps
-# were faster without the worker at 8 rows x 2,048 tokens (24 MiB a layer) and every batch-1 cell measured,
-# and InfiniGen's much faster with it from 8 x 4,096 (48 MiB).
-WORKER_FROM_BYTES = 32 * 2**20
+# A decode step whose rows copied less than this per layer in their step before runs its look-aheads and
+# copies on the decode thread (``Copier.size_step``). Below it, handing each job over and the two threads'
+# contention (the interpreter lock, memory bandwidth) cost more than running the job beside the layer saves.
+# On the 2-core CPU of docs/benchmarks.md, with SmolLM2-135M: InfiniGen's and H2O's steps were faster
+# without the worker at 8 rows x 2,048 tokens (5 MiB copied a layer) and every batch-1 cell measured,
+# offload's at 1 x 2,048 (3 MiB); InfiniGen's much faster with it at 8 x 4,096 (10 MiB) and offload's at
+# 8 x 2,048 (24 MiB).
+WORKER_FROM_BYTES = 8 * 2**20
 
 
 def free_cores() -> int:
@@ -202,8 +203,8 @@ class Copier:
         return Transfer(work(*args), self.counters)
 
     def size_step(self, layer_bytes: int) -> None:
-        """The decode step about to run holds ``layer_bytes`` of K/V per layer over its rows (as dense holds
-        them); a copier may choose by it where the step's jobs run (:class:`ThreadCopier`). Here nothing."""
+        """The rows of the decode step about to run copied ``layer_bytes`` per layer in their step before; a
+        copier may choose by it where the step's jobs run (:class:`ThreadCopier`). Here nothing."""
 
     def in_order(self, own: Callable[[], None], ahead: Callable[[], None]) -> None:
         """Start a layer's ``own`` work and the look-ahead ``ahead`` for the next layer, in the order that

@@ -256,6 +256,7 @@ class KVPool:
         self._reserve_tokens = 0
         self.rows = 0  # sequences in the batch (known at the first append)
         self.counters = TransferCounters()
+        self._copied_when_sized = 0  # counters.bytes_h2d at the last size_step
         self.copier: Copier = make_copier(self.compute_device, self.counters, overlap)
         self.device_gather = self.on_cuda  # cleared if the pinned store is not device-visible
         self._demand = threading.local()  # .active: fetches now are on demand (``on_demand``)
@@ -441,10 +442,15 @@ class KVPool:
         return _Source(part, part.arena.segments, part.slot_rows(device), part.length)
 
     # -- copies to the compute device ----------------------------------------------------------------------
-    def size_step(self, layer_bytes: int) -> None:
-        """The decode step about to run holds ``layer_bytes`` of K/V per layer over its rows, as dense holds
-        them (``Copier.size_step``: where its copies and look-aheads run)."""
-        self.copier.size_step(layer_bytes)
+    @staticmethod
+    def size_step(pools: list[KVPool]) -> None:
+        """Tell the copier of each of a decode step's ``pools`` (its rows', one or an engine step's) what
+        they copied together per layer since the step before was sized (``Copier.size_step``: where the
+        step's copies and look-aheads run)."""
+        copied = sum(pool.counters.bytes_h2d - pool._copied_when_sized for pool in pools)
+        for pool in pools:
+            pool.copier.size_step(copied // pool.num_layers)
+            pool._copied_when_sized = pool.counters.bytes_h2d
 
     def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
         """Hand ``work(*args)``, a look-ahead that chooses what the next layer reads and starts its copy, to

@@ -51,10 +51,6 @@ class ModelSpec:
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def layer_kv_bytes(self, tokens: int, element_size: int) -> int:
-        """Bytes of the K and V of ``tokens`` tokens in one layer, ``element_size`` bytes a value."""
-        return 2 * tokens * self.num_kv_heads * self.head_dim * element_size
-
     def is_sliding(self, layer: int) -> bool:
         return self.sliding_window[layer] is not None
 

@@ -27,6 +27,7 @@ import torch
 from ..cache import InfinikvCache, PolicyLayer, in_order
 from ..forward import decode_rows
 from ..hooks import PolicyCache
+from ..kvpool import KVPool
 from ..models import LoadedModel
 from ..policies import Policy, RowAttention, StepRows
 from ..spec import ModelSpec, SharedQueries
@@ -71,11 +72,7 @@ class RaggedCache(PolicyCache):
             self._real = [torch.ones(1, 1, 1, n + 1, dtype=torch.bool, device=device) for n in self.past]
             self._positions = [position_ids[r : r + 1] for r in range(len(self.rows))]
             # every row's copier sizes the step by all its rows (their look-aheads share the step's cores)
-            step_bytes = self.spec.layer_kv_bytes(sum(self.past) + len(self.past), x.element_size())
-            for row in self.rows:
-                pool = row.policy.pool()
-                if pool is not None:
-                    pool.size_step(step_bytes)
+            KVPool.size_step([row.policy.pool() for row in self.rows if row.policy.pool() is not None])
         queries = SharedQueries(self.spec, x, position_ids)
         decoding = [
             r

@@ -26,9 +26,9 @@ class OffloadConfig(PolicyConfig):
     overlap: str = knob(
         "thread",
         'CPU only: "thread" copies each layer\'s KV one layer ahead on a worker thread, overlapping compute, '
-        "where a core is free for it beside torch's threads and the step's rows hold at least 32 MiB of K/V "
-        'a layer (else on the decode thread); "none" always on the decode thread. CUDA always uses a copy '
-        "stream.",
+        "where a core is free for it beside torch's threads and the step's rows copied at least 8 MiB a layer "
+        'in their step before (else on the decode thread); "none" always on the decode thread. CUDA always '
+        "uses a copy stream.",
         choices=("thread", "none"),
     )
 
