@@ -10,7 +10,7 @@ import torch
 
 from infinikv import GenerationConfig, Generator, InfinikvCache, copiers
 from infinikv.errors import InputError, PolicyError
-from infinikv.forward import chunk_bounds, prompt_chunks
+from infinikv.forward import Driver, chunk_bounds, prompt_chunks
 from infinikv.kvpool import KVPool
 from infinikv.testing import tiny_model
 
@@ -291,7 +291,8 @@ def test_pools_share_the_workers_of_the_free_cores(free_cores):
 def test_a_step_that_copies_little_keeps_its_work_on_the_decode_thread(free_cores, monkeypatch):
     """A decode step whose rows copied less a layer in their step before than ``WORKER_FROM_BYTES`` runs its
     look-aheads and copies at once, after what was queued before (order kept); a step that copied that much
-    queues them again. A step's pools are sized by what they copied together, since the step before."""
+    queues them again. A step's pools are sized by what they copied together since the step before, a
+    prompt chunk's copy of the past left out."""
     free_cores(1)
     monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", 1000)
     pool, other = (KVPool(2, torch.device("cpu"), overlap="thread") for _ in range(2))
@@ -304,7 +305,10 @@ def test_a_step_that_copies_little_keeps_its_work_on_the_decode_thread(free_core
     for layer in range(2):
         pool.append(layer, k, k)
         other.append(layer, k, k)
-    pool.fetch(0).wait()
+    pool.extend(0, k, k)  # a prompt chunk: copies the 2,000 bytes before it
+    KVPool.size_step([pool])
+    assert not on_worker()
+    pool.fetch(1).wait()
     KVPool.size_step([pool])  # 2,000 bytes over 2 layers
     assert on_worker()
     pool.ahead(lambda: (time.sleep(0.2), ran.append("queued")))
@@ -320,6 +324,20 @@ def test_a_step_that_copies_little_keeps_its_work_on_the_decode_thread(free_core
     assert on_worker()
     for each in (pool, other):
         each.close()
+
+
+def test_a_batch_s_decode_steps_are_sized_once_each_and_its_prompt_not(tiny, monkeypatch):
+    """A left-padded batch through one cache (``Driver``) sizes each decode step's pool once, at its start;
+    its prompt's forward passes size nothing."""
+    told: list[list[KVPool]] = []
+    monkeypatch.setattr(KVPool, "size_step", staticmethod(told.append))
+    cache = InfinikvCache(tiny.model, "offload")
+    with Driver(tiny, cache) as driver:
+        driver.prefill(torch.tensor([tiny.tokenizer("a prompt of a few tokens")["input_ids"]]), chunk=4)
+        assert told == []
+        for token in (1, 2):
+            driver.step(torch.tensor([token]))
+        assert told == [[cache.policy.pool()]] * 2
 
 
 def test_rows_stop_at_their_own_limits(tiny):

@@ -430,26 +430,32 @@ COUNTED += ("kv_bytes_host", "kv_bytes_device", "mean_tokens_attended")
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_a_worker_thread_changes_nothing(policy, tiny, monkeypatch):
-    """With a core free beside the decode thread and steps large enough to gain from it, the look-aheads and
-    copies of every sequence run on the worker their pools share; with no core, or steps below
-    ``WORKER_FROM_BYTES``, all at once. Tokens and counters are the same."""
+    """With a core free beside the decode thread and steps that copy enough to gain from it, the look-aheads
+    and copies of every sequence run on the worker their pools share; with no core, or steps below
+    ``WORKER_FROM_BYTES``, all at once; steps that take turns, one way then the other. Tokens and counters
+    are the same."""
     where = []
     ahead = KVPool.ahead
 
     def watched(pool: KVPool, work, *args):
         return ahead(pool, lambda *a: where.append(copiers.on_worker()) or work(*a), *args)
 
+    def taking_turns(copier: copiers.ThreadCopier, layer_bytes: int) -> None:
+        copier._small_step = not copier._small_step
+
     monkeypatch.setattr(KVPool, "ahead", watched)
     runs = []
-    for free, worker_from in ((1, 0), (0, 0), (1, 2**62)):
+    for free, worker_from, turns in ((1, 0, False), (0, 0, False), (1, 2**62, False), (1, 0, True)):
         monkeypatch.setattr(copiers, "USABLE_CORES", torch.get_num_threads() + free)
         monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", worker_from)
+        if turns:
+            monkeypatch.setattr(copiers.ThreadCopier, "size_step", taking_turns)
         where.clear()
         results, _ = _run(tiny, policy, case(policy).tight)
         runs.append([(r.token_ids, [r.stats[key] for key in COUNTED]) for r in results])
         if POLICIES[policy].prefetches:  # on the worker exactly where a core was free for steps this large
-            assert where and set(where) == {free == 1 and worker_from == 0}
-    assert runs[0] == runs[1] == runs[2]
+            assert where and set(where) == ({True, False} if turns else {free == 1 and worker_from == 0})
+    assert runs[0] == runs[1] == runs[2] == runs[3]
 
 
 FLOORED = [

@@ -134,8 +134,9 @@ class InfinikvCache(PolicyCache):
         if not self.begin_layer(layer, x, mask):
             return
         policy = self.policy
-        if layer == 0 and policy.pool() is not None:
-            KVPool.size_step([policy.pool()])
+        pool = policy.pool()
+        if layer == 0 and pool is not None:  # before any of the step's look-aheads and copies starts
+            KVPool.size_step([pool])
 
         def own() -> None:
             policy.before_attention(layer, x, position_ids, queries)

@@ -14,8 +14,9 @@ one it has:
   every copier: a copier is given one at its first queued job and keeps it, so its jobs stay in order, and
   an engine's sequences, a copier each, all look ahead beside the step's own work. Without a free core a
   copier runs everything at once, on the calling thread, as a worker sharing a core only contends with the
-  decode thread. A decode step that copies too little to gain from the worker (:data:`WORKER_FROM_BYTES`,
-  told by ``size_step``) also runs everything at once, on the calling thread.
+  decode thread. A decode step whose rows copied too little a layer in the step before to gain from the
+  worker (:data:`WORKER_FROM_BYTES`, told by ``size_step``) also runs everything at once, on the calling
+  thread.
 * :class:`InlineCopier` (CPU, ``overlap="none"``): everything runs at once, on the calling thread.
 """
 

@@ -392,7 +392,9 @@ class KVPool:
         if self.length(layer) == 0 or (keys is not None and keys.length + k.shape[2] <= keys.adopted):
             self.append(layer, k, v)
             return k, v
+        before = self.counters.bytes_h2d
         past_k, past_v = self.fetch(layer).wait()
+        self._copied_when_sized += self.counters.bytes_h2d - before  # a prompt's copy does not size a step
         self.append(layer, k, v)
         return torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
 
@@ -445,12 +447,13 @@ class KVPool:
     @staticmethod
     def size_step(pools: list[KVPool]) -> None:
         """Tell the copier of each of a decode step's ``pools`` (its rows', one or an engine step's) what
-        they copied together per layer since the step before was sized (``Copier.size_step``: where the
-        step's copies and look-aheads run)."""
-        copied = sum(pool.counters.bytes_h2d - pool._copied_when_sized for pool in pools)
-        for pool in pools:
+        they copied together per layer since the step before was sized, prompt chunks' copies left out
+        (``Copier.size_step``: where the step's copies and look-aheads run; a first step: at once)."""
+        totals = [pool.counters.bytes_h2d for pool in pools]  # read once: a worker may still be counting
+        copied = sum(total - pool._copied_when_sized for pool, total in zip(pools, totals, strict=True))
+        for pool, total in zip(pools, totals, strict=True):
             pool.copier.size_step(copied // pool.num_layers)
-            pool._copied_when_sized = pool.counters.bytes_h2d
+            pool._copied_when_sized = total
 
     def ahead(self, work: Callable[..., object], *args: object) -> Transfer:
         """Hand ``work(*args)``, a look-ahead that chooses what the next layer reads and starts its copy, to

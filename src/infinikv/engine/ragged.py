@@ -72,7 +72,7 @@ class RaggedCache(PolicyCache):
             self._real = [torch.ones(1, 1, 1, n + 1, dtype=torch.bool, device=device) for n in self.past]
             self._positions = [position_ids[r : r + 1] for r in range(len(self.rows))]
             # every row's copier sizes the step by all its rows (their look-aheads share the step's cores)
-            KVPool.size_step([row.policy.pool() for row in self.rows if row.policy.pool() is not None])
+            KVPool.size_step([pool for row in self.rows if (pool := row.policy.pool()) is not None])
         queries = SharedQueries(self.spec, x, position_ids)
         decoding = [
             r

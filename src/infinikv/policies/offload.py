@@ -2,7 +2,8 @@
 
 The whole KV cache lives in the host pool. Every decode step copies each layer's full KV to the compute
 device; the copy for layer i+1 starts before layer i computes, so it overlaps with layer i's attention and
-MLP (CUDA: a copy stream and events; CPU: a worker thread where a core is free for it). Bytes moved per
+MLP (CUDA: a copy stream and events; CPU: a worker thread where a core is free for it and the step copies
+enough to gain from it, ``copiers.WORKER_FROM_BYTES``). Bytes moved per
 step are layers x 2 x kv_heads x head_dim x cached tokens x bytes per element x batch.
 """
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..copiers import Transfer
+from ..copiers import WORKER_FROM_BYTES, Transfer
 from ..spec import ModelSpec
 from .base import HostPoolPolicy, QueryOf, Selection
 from .config import PolicyConfig, knob
@@ -26,9 +27,9 @@ class OffloadConfig(PolicyConfig):
     overlap: str = knob(
         "thread",
         'CPU only: "thread" copies each layer\'s KV one layer ahead on a worker thread, overlapping compute, '
-        "where a core is free for it beside torch's threads and the step's rows copied at least 8 MiB a layer "
-        'in their step before (else on the decode thread); "none" always on the decode thread. CUDA always '
-        "uses a copy stream.",
+        "where a core is free for it beside torch's threads and the step's rows copied at least "
+        f"{WORKER_FROM_BYTES // 2**20} MiB a layer in their step before (else on the decode thread); "
+        '"none" always on the decode thread. CUDA always uses a copy stream.',
         choices=("thread", "none"),
     )
 

@@ -17,8 +17,8 @@ policy rehearses layer i+1:
 4. the gather and copy of those rows start at once (the pool's worker thread or the CUDA copy stream) and
    overlap the rest of layer i; layer i+1 attends with its real query over [selected; newest token]. On a
    CPU the whole look-ahead (steps 1-4) runs on the pool's worker thread (``KVPool.ahead``) where a core is
-   free for it (``copiers.ThreadCopier``), else on the decode thread; on CUDA its kernels queue on the
-   compute stream.
+   free for it and the step copies enough to gain from it (``copiers.ThreadCopier``), else on the decode
+   thread; on CUDA its kernels queue on the compute stream.
 
 Where it departs from the paper and its artifact (docs/results-infinigen.md measures what each buys):
 
