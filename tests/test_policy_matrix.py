@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -440,12 +441,16 @@ def test_a_worker_thread_changes_nothing(policy, tiny, monkeypatch):
     def watched(pool: KVPool, work, *args):
         return ahead(pool, lambda *a: where.append(copiers.on_worker()) or work(*a), *args)
 
-    def taking_turns(copier: copiers.ThreadCopier, layer_bytes: int) -> None:
-        copier._small_step = not copier._small_step
+    steps: Counter = Counter()  # per copier
+    size_step = copiers.ThreadCopier.size_step
+
+    def taking_turns(copier: copiers.ThreadCopier, layer_bytes: int) -> None:  # small, large, small, ...
+        steps[id(copier)] += 1
+        size_step(copier, 0 if steps[id(copier)] % 2 else 2)
 
     monkeypatch.setattr(KVPool, "ahead", watched)
     runs = []
-    for free, worker_from, turns in ((1, 0, False), (0, 0, False), (1, 2**62, False), (1, 0, True)):
+    for free, worker_from, turns in ((1, 0, False), (0, 0, False), (1, 2**62, False), (1, 1, True)):
         monkeypatch.setattr(copiers, "USABLE_CORES", torch.get_num_threads() + free)
         monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", worker_from)
         if turns:
