@@ -444,7 +444,7 @@ def test_a_worker_thread_changes_nothing(policy, tiny, monkeypatch):
     steps: Counter = Counter()  # per copier
     size_step = copiers.ThreadCopier.size_step
 
-    def taking_turns(copier: copiers.ThreadCopier, layer_bytes: int) -> None:  # small, large, small, ...
+    def taking_turns(copier: copiers.ThreadCopier, layer_bytes: int) -> None:  # large, small, large, ...
         steps[id(copier)] += 1
         size_step(copier, 0 if steps[id(copier)] % 2 else 2)
 
