@@ -1,7 +1,8 @@
 """The host kernel of the shared pick (``policies/ranked.py``) takes, entry for entry, what the tensor path
 takes (``base.pick_with_tensor_ops``, which runs on CUDA, in compiled graphs and without numba): on ties,
 -inf and +inf (lifted reserved entries), -0.0, values that differ only in their last bits, ragged counts,
-zero counts, and every score dtype a policy scores in."""
+zero counts, heads short and long (a byte at a time, and the wide digits), and every score dtype a policy
+scores in."""
 
 from __future__ import annotations
 
@@ -38,10 +39,14 @@ def _scores(generator: torch.Generator, rows: int, heads: int, n: int, dtype: to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("each", [False, True])
 def test_the_host_kernel_picks_what_the_tensor_ops_pick(dtype: torch.dtype, each: bool) -> None:
+    from infinikv.policies.ranked_kernel import WIDE_FROM  # numba's (importorskip above)
+
     generator = torch.Generator().manual_seed(0)
     for draw in range(80):
         rows = 1 + draw % 4
-        n = int(torch.randint(1, 300, (1,), generator=generator))
+        # every tenth head long enough for the kernel's wide digits (ranked_kernel.WIDE_FROM)
+        low_n, high_n = (WIDE_FROM, WIDE_FROM + 3000) if draw % 10 == 9 else (1, 300)
+        n = int(torch.randint(low_n, high_n, (1,), generator=generator))
         scores = _scores(generator, rows, 3, n, dtype)
         low = 1 if each else 0  # pick_each: every row takes at least one entry
         takes = torch.randint(low, n + 1, (rows,), generator=generator).tolist()

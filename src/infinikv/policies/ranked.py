@@ -6,8 +6,9 @@ sits in a later slot; a row takes the first ``count`` of that order and reads th
 On tensors this costs a top-k and some twenty whole-width operations (``base._earliest_at_cut`` and
 ``base._slots_of``): at batch 1 each of them is a dispatch of a few microseconds, and at batch 8 over 8k
 tokens each is a pass over the scores. Here a (row, head) is a radix selection of its cut (the count-th
-best value, as an order-keeping integer, a byte at a time: four counting passes that also say how many of
-the entries tied at the cut are taken) and one pass in slot order that takes the entries above the cut and
+best value, as an order-keeping integer, a digit at a time: four bytes, or from 2,048 entries on
+three digits of 11, 11 and 10 bits, counting passes that also say how many of the entries tied at the cut
+are taken) and one pass in slot order that takes the entries above the cut and
 the earliest of those tied at it, writing their slots in ascending order. It runs without the interpreter
 lock, so a look-ahead's pick on the pool's worker thread leaves the decode thread alone.
 

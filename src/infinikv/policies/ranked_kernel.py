@@ -14,22 +14,35 @@ def ordered(value: float) -> int:
     return ~bits if bits >> np.uint32(31) else bits | np.uint32(0x80000000)
 
 
+# The digits a cut is selected by, from the top, as (shift, bits): bytes for a head of fewer entries than
+# WIDE_FROM, where clearing and scanning a digit's counters costs more than the passes it saves; else 11, 11
+# and 10 bits, whose first digit (the sign, the exponent and two bits more) leaves far fewer entries to count
+# again than a byte does for scores of one sign and a few exponents.
+BYTES = np.array([[24, 8], [16, 8], [8, 8], [0, 8]], dtype=np.int64)
+WIDE = np.array([[21, 11], [10, 11], [0, 10]], dtype=np.int64)
+WIDE_FROM = 2048
+COUNTERS = 2048  # of the widest digit
+
+
 @numba.njit(nogil=True, cache=True)
 def cut_of(keys: np.ndarray, count: int, counted: np.ndarray, kept: np.ndarray) -> tuple[int, int]:
     """The count-th largest of ``keys`` and how many of the keys equal to it a count takes: a radix
-    selection, a byte at a time from the top, each byte counted among the keys whose higher bytes are those
-    chosen so far, which are kept apart for the next byte (``counted``: 256 counters, ``kept``: room for the
-    keys; both reused). A count of 0 takes nothing: no key is above the largest, and none of its ties."""
+    selection, a digit at a time from the top (``BYTES`` or ``WIDE``), each digit counted among the keys
+    whose higher digits are those chosen so far, which are kept apart for the next digit (``counted``:
+    :data:`COUNTERS` counters, ``kept``: room for the keys; both reused). A count of 0 takes nothing: no key
+    is above the largest, and none of its ties."""
     if count == 0:
         return np.uint32(0xFFFFFFFF), 0
     prefix = np.uint32(0)
     left = count
     among = keys
-    for shift in (24, 16, 8, 0):
-        counted[:] = 0
+    digits = WIDE if keys.shape[0] >= WIDE_FROM else BYTES
+    for shift, bits in digits:
+        top = (1 << bits) - 1
+        counted[: top + 1] = 0
         for key in among:
-            counted[(key >> np.uint32(shift)) & np.uint32(255)] += 1
-        digit = 255
+            counted[(key >> np.uint32(shift)) & np.uint32(top)] += 1
+        digit = top
         while counted[digit] < left:
             left -= counted[digit]
             digit -= 1
@@ -58,7 +71,7 @@ def pick(
     ``valid``, or None), which the caller sized and checked: ``counts[row]`` <= ``width`` <= n."""
     rows, heads, n = values.shape
     keys = np.empty(n, dtype=np.uint32)
-    counted = np.zeros(256, dtype=np.int64)
+    counted = np.zeros(COUNTERS, dtype=np.int64)
     kept = np.empty(n, dtype=np.uint32)
     for row in range(rows):
         count = counts[row]
