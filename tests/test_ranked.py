@@ -21,10 +21,12 @@ pytest.importorskip("numba")
 def _scores(generator: torch.Generator, rows: int, heads: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """Scores with many ties, some -inf, some +inf, some -0.0. Half the draws take a few levels (as
     low-precision scores have); the other half values that share their high bytes and differ in the low
-    ones (float32 only: 1 + k ulp and their negatives), which only the radix selection's last passes tell
-    apart."""
+    ones (float32 only: 1 + k ulp, k up to about 2^20, and their negatives), which only the radix
+    selection's later passes tell apart."""
     if dtype == torch.float32 and bool(torch.rand(1, generator=generator) < 0.5):
-        steps = torch.randint(0, 600, (rows, heads, n), generator=generator).float() * 2**-23
+        # ulp steps in the low 10 bits, or (a step scaled by up to 2^11) in the 11 above them as well
+        spread = 2 ** int(torch.randint(0, 12, (1,), generator=generator))
+        steps = torch.randint(0, 600, (rows, heads, n), generator=generator).float() * spread * 2**-23
         sign = torch.randint(0, 2, (rows, heads, n), generator=generator).float() * 2 - 1
         scores = sign * (1 + steps)
     else:
@@ -44,7 +46,7 @@ def test_the_host_kernel_picks_what_the_tensor_ops_pick(dtype: torch.dtype, each
     generator = torch.Generator().manual_seed(0)
     for draw in range(80):
         rows = 1 + draw % 4
-        # every tenth head long enough for the kernel's wide digits (ranked_kernel.WIDE_FROM)
+        # every tenth draw's heads long enough for the kernel's wide digits (ranked_kernel.WIDE_FROM)
         low_n, high_n = (WIDE_FROM, WIDE_FROM + 3000) if draw % 10 == 9 else (1, 300)
         n = int(torch.randint(low_n, high_n, (1,), generator=generator))
         scores = _scores(generator, rows, 3, n, dtype)

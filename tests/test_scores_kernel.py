@@ -22,11 +22,15 @@ def _draw(generator: torch.Generator, columns: int, least: int = 1) -> tuple[tor
     """A partial query whose columns span 2^-8..2^8, two of them large products that cancel (so the order
     of the float32 sums shows in the last bits of many scores), int8 keys as a view of a wider table (slots
     not contiguous from one column to the next), their float16 scales, and hidden slots (one head wholly
-    hidden in some draws); at least ``least`` slots, query heads in a group up to 3, the query in float32
-    or bfloat16, the scales a view of a wider table as well."""
+    hidden in some draws); at least ``least`` slots, a quarter of the draws over more than two of the loop's
+    tiles, query heads in a group up to 7 (three at a time, then one at a time), the query in float32 or
+    bfloat16, the scales a view of a wider table as well."""
+    from infinikv.policies.infinigen.scores_kernel import TILE  # numba's (importorskip below)
+
     rows, heads = int(torch.randint(1, 4, (1,), generator=generator)), 3
-    group = int(torch.randint(min(least, 3), 4, (1,), generator=generator))
-    n = int(torch.randint(least, 700, (1,), generator=generator))
+    group = int(torch.randint(min(least, 3), 8, (1,), generator=generator))
+    longest = 2 * TILE + 300 if bool(torch.rand(1, generator=generator) < 0.25) else 700
+    n = int(torch.randint(least, longest, (1,), generator=generator))
     magnitude = torch.exp2(torch.randint(-8, 9, (rows, heads, group, columns), generator=generator).float())
     query = torch.randn(rows, heads, group, columns, generator=generator) * magnitude
     table = torch.randint(-127, 128, (rows, heads, columns, n + 9), dtype=torch.int8, generator=generator)

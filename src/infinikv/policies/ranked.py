@@ -13,7 +13,8 @@ the earliest of those tied at it, writing their slots in ascending order. It run
 lock, so a look-ahead's pick on the pool's worker thread leaves the decode thread alone.
 
 The result is the tensor path's by construction, entry for entry (``tests/test_ranked.py`` checks both on
-ties, ``-inf``, ``+inf``, values that differ only in their last bits and ragged and zero counts). Scores are
+ties, ``-inf``, ``+inf``, values that differ only in their last bits, ragged and zero counts, and heads short
+and long, which take the cut's two digit schedules). Scores are
 compared as float32, which holds bfloat16 and float16 exactly; float64 scores are not picked here. Scores hold
 no NaN (a NaN would rank above +inf here, where the tensor path never takes it). Only host tensors come here,
 where numba is installed (:func:`available`); CUDA's picks stay on the device (``base.pick_with_tensor_ops``).

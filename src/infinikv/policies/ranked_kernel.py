@@ -21,7 +21,7 @@ def ordered(value: float) -> int:
 BYTES = np.array([[24, 8], [16, 8], [8, 8], [0, 8]], dtype=np.int64)
 WIDE = np.array([[21, 11], [10, 11], [0, 10]], dtype=np.int64)
 WIDE_FROM = 2048
-COUNTERS = 2048  # of the widest digit
+COUNTERS = 1 << int(max(BYTES[:, 1].max(), WIDE[:, 1].max()))  # one per value of the widest digit
 
 
 @numba.njit(nogil=True, cache=True)

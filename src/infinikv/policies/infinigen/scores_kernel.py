@@ -209,7 +209,7 @@ def speculative_scores(
     batch, heads, group, columns = query.shape
     n = keys.shape[3]
     sums = np.empty((group, TILE), dtype=np.float32)
-    converted = np.empty((columns, TILE), dtype=np.float32)
+    converted = np.empty((columns if group % 3 else 0, TILE), dtype=np.float32)  # heads taken alone
     per_head = np.empty((group, n), dtype=np.float32)
     best = np.empty(group, dtype=np.float32)
     for row in range(batch):
