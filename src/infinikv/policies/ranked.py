@@ -5,19 +5,19 @@ Both picks follow one rule. Order a head's entries best first, an entry tied wit
 sits in a later slot; a row takes the first ``count`` of that order and reads them in ascending slot order.
 On tensors this costs a top-k and some twenty whole-width operations (``base._earliest_at_cut`` and
 ``base._slots_of``): at batch 1 each of them is a dispatch of a few microseconds, and at batch 8 over 8k
-tokens each is a pass over the scores. Here a (row, head) is a radix selection of its cut (the count-th
-best value, as an order-keeping integer, a digit at a time: four bytes, or from 2,048 entries on
-three digits of 11, 11 and 10 bits, counting passes that also say how many of the entries tied at the cut
-are taken) and one pass in slot order that takes the entries above the cut and
-the earliest of those tied at it, writing their slots in ascending order. It runs without the interpreter
-lock, so a look-ahead's pick on the pool's worker thread leaves the decode thread alone.
+tokens each is a pass over the scores. Here a (row, head) is a radix selection of its cut (the count-th best
+value, as an order-keeping integer, a digit at a time: four bytes, or from 2,048 entries on three digits of
+11, 11 and 10 bits, counting passes that also say how many of the entries tied at the cut are taken) and one
+pass in slot order that takes the entries above the cut and the earliest of those tied at it, writing their
+slots in ascending order. It runs without the interpreter lock, so a look-ahead's pick on the pool's worker
+thread leaves the decode thread alone.
 
 The result is the tensor path's by construction, entry for entry (``tests/test_ranked.py`` checks both on
 ties, ``-inf``, ``+inf``, values that differ only in their last bits, ragged and zero counts, and heads short
-and long, which take the cut's two digit schedules). Scores are
-compared as float32, which holds bfloat16 and float16 exactly; float64 scores are not picked here. Scores hold
-no NaN (a NaN would rank above +inf here, where the tensor path never takes it). Only host tensors come here,
-where numba is installed (:func:`available`); CUDA's picks stay on the device (``base.pick_with_tensor_ops``).
+and long, which take the cut's two digit schedules). Scores are compared as float32, which holds bfloat16 and
+float16 exactly; float64 scores are not picked here. Scores hold no NaN (a NaN would rank above +inf here,
+where the tensor path never takes it). Only host tensors come here, where numba is installed
+(:func:`available`); CUDA's picks stay on the device (``base.pick_with_tensor_ops``).
 """
 
 from __future__ import annotations
