@@ -1,8 +1,8 @@
 """The host kernel of the shared pick (``policies/ranked.py``) takes, entry for entry, what the tensor path
 takes (``base.pick_with_tensor_ops``, which runs on CUDA, in compiled graphs and without numba): on ties,
--inf and +inf (lifted reserved entries), -0.0, values that differ only in their last bits, ragged counts,
-zero counts, heads short and long (a byte at a time, and the wide digits), and every score dtype a policy
-scores in."""
+-inf and +inf, reserved entries it lifts itself, -0.0, values that differ only in their last bits, ragged
+counts, zero counts, heads short and long (a byte at a time, and the wide digits), and every score dtype a
+policy scores in."""
 
 from __future__ import annotations
 
@@ -61,7 +61,14 @@ def test_the_host_kernel_picks_what_the_tensor_ops_pick(dtype: torch.dtype, each
         width = max(takes)
         if width == 0:
             continue  # pick_top answers an empty pick itself
-        host_index, host_valid = pick_on_host(scores, takes, width, each)
+        # reserved entries lifted by the kernel (half the draws; one mask for every head in some), as a
+        # lift to +inf in a copy of the scores gives them to the tensor path
+        lifted = None
+        if draw % 2:
+            lifted = torch.rand(rows, 1 if draw % 3 else 3, n, generator=generator) < 0.05
+        host_index, host_valid = pick_on_host(scores, takes, width, each, lifted)
+        if lifted is not None:
+            scores = scores.masked_fill(lifted & (scores > -math.inf), math.inf)
         index, valid = pick_with_tensor_ops(scores, takes, width, each)
         assert torch.equal(host_index, index), (draw, takes)
         assert (host_valid is None) == (valid is None)

@@ -118,13 +118,11 @@ def pick_top(
     narrower row's extra entries (its next best) are hidden by ``valid`` (bool, same shape; None when no row
     is narrower). Nothing is read back to the host: the shapes follow from ``takes`` alone.
     """
-    if reserved is not None:
-        scores = _lift_reserved(scores, reserved, takes, most_reserved)
     batch, heads, _ = scores.shape
     width = max(takes, default=0)
     if width == 0:
         return torch.zeros(batch, heads, 0, dtype=torch.long, device=scores.device), None
-    return _ranked(scores, takes, width, each=False)
+    return _ranked(scores, takes, width, False, reserved, most_reserved)
 
 
 def pick_each(scores: Tensor, takes: list[int], reserved: Tensor | None, most_reserved: int) -> Tensor:
@@ -134,10 +132,7 @@ def pick_each(scores: Tensor, takes: list[int], reserved: Tensor | None, most_re
     takes at least one entry. ``reserved`` entries are lifted as :func:`pick_top` lifts them
     (``most_reserved``: the most a head holds); where a row takes them all, in one pass or in their own
     order, it takes the same entries."""
-    if reserved is not None:
-        scores = _lift_reserved(scores, reserved, takes, most_reserved)
-    width = max(takes)
-    return _ranked(scores, takes, width, each=True)[0]
+    return _ranked(scores, takes, max(takes), True, reserved, most_reserved)[0]
 
 
 def pick_with_tensor_ops(
@@ -161,10 +156,23 @@ def pick_with_tensor_ops(
     return index, own.gather(-1, index)
 
 
-def _ranked(scores: Tensor, takes: list[int], width: int, each: bool) -> tuple[Tensor, Tensor | None]:
-    """The pick itself, by the host kernel where :func:`_on_host`, else by tensor operations."""
-    pick = pick_on_host if _on_host(scores) else pick_with_tensor_ops
-    return pick(scores, takes, width, each)
+def _ranked(
+    scores: Tensor,
+    takes: list[int],
+    width: int,
+    each: bool,
+    reserved: Tensor | None,
+    most_reserved: int | None,
+) -> tuple[Tensor, Tensor | None]:
+    """The pick itself, ``reserved`` entries first (:func:`_lift_reserved`): by the host kernel where
+    :func:`_on_host`, which lifts them itself where a lift to +inf takes them all, else by tensor
+    operations."""
+    on_host = _on_host(scores)
+    if reserved is not None and not (on_host and _lifts_in_one_pass(takes, most_reserved)):
+        scores, reserved = _lift_reserved(scores, reserved, takes, most_reserved), None
+    if on_host:
+        return pick_on_host(scores, takes, width, each, reserved)
+    return pick_with_tensor_ops(scores, takes, width, each)
 
 
 def _on_host(scores: Tensor) -> bool:
@@ -183,9 +191,15 @@ def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int], most: int
     """``scores`` with the ``reserved`` entries first, for :func:`pick_top`. When every row takes at least
     the ``most`` entries a head can have reserved, all of them are taken whatever their order, so +inf lifts
     them in one pass; otherwise :func:`reserved_first` orders them among themselves."""
-    if most is not None and min(takes, default=0) >= most:
+    if _lifts_in_one_pass(takes, most):
         return scores.masked_fill(reserved & (scores > -math.inf), math.inf)
     return reserved_first(scores, reserved)
+
+
+def _lifts_in_one_pass(takes: list[int], most: int | None) -> bool:
+    """Whether every row takes at least the ``most`` entries a head can have reserved (None: not known), so
+    that lifting them to +inf takes all of them (:func:`_lift_reserved`)."""
+    return most is not None and min(takes, default=0) >= most
 
 
 def _slots_of(chosen: Tensor, width: int) -> Tensor:

@@ -38,8 +38,12 @@ def available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def pick_on_host(scores: Tensor, takes: list[int], width: int, each: bool) -> tuple[Tensor, Tensor | None]:
-    """Each (row, head)'s best of ``scores`` [rows, heads, n] (a host tensor) by the rule above.
+def pick_on_host(
+    scores: Tensor, takes: list[int], width: int, each: bool, lifted: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Each (row, head)'s best of ``scores`` [rows, heads, n] (a host tensor) by the rule above; where
+    ``lifted`` (bool, broadcastable to ``scores``; None: nowhere) holds, a score above -inf counts as +inf
+    (``base.pick_top``'s reserved entries, lifted in the loop instead of in a copy of the scores).
 
     ``each`` False (:func:`base.pick_top`): index [rows, heads, width], the ``width`` best of every row in
     ascending slots, and valid (same shape), True where an entry is among its row's ``takes[row]`` best
@@ -56,7 +60,8 @@ def pick_on_host(scores: Tensor, takes: list[int], width: int, each: bool) -> tu
     index = np.zeros((rows, heads, width), dtype=np.int64)
     ragged = not each and min(takes) < width
     valid = np.ones((rows, heads, width), dtype=np.bool_) if ragged else None
-    _kernel()(values, counts, width, each, index, valid)
+    above = None if lifted is None else lifted.detach().to("cpu", torch.bool).expand(rows, heads, n).numpy()
+    _kernel()(values, counts, width, each, index, valid, above)
     return torch.from_numpy(index), None if valid is None else torch.from_numpy(valid)
 
 

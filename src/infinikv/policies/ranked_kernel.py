@@ -66,18 +66,25 @@ def pick(
     each: bool,
     index: np.ndarray,
     valid: np.ndarray | None,
+    lifted: np.ndarray | None,
 ) -> None:
     """``ranked.pick_on_host``'s pick of ``values`` [rows, heads, n] (float32) into ``index`` (and
-    ``valid``, or None), which the caller sized and checked: ``counts[row]`` <= ``width`` <= n."""
+    ``valid``, or None), which the caller sized and checked: ``counts[row]`` <= ``width`` <= n. Where
+    ``lifted`` (bool, as ``values``; None: nowhere) holds, a value above -inf is taken as +inf."""
     rows, heads, n = values.shape
     keys = np.empty(n, dtype=np.uint32)
     counted = np.zeros(COUNTERS, dtype=np.int64)
     kept = np.empty(n, dtype=np.uint32)
+    top = ordered(np.inf)
     for row in range(rows):
         count = counts[row]
         for head in range(heads):
             for slot in range(n):
-                keys[slot] = ordered(values[row, head, slot])
+                value = values[row, head, slot]
+                if lifted is not None and lifted[row, head, slot] and value > -np.inf:
+                    keys[slot] = top
+                else:
+                    keys[slot] = ordered(value)
             taken_cut, taken_room = cut_of(keys, count if each else width, counted, kept)
             own_cut, own_room = (taken_cut, 0) if valid is None else cut_of(keys, count, counted, kept)
             at = 0
