@@ -32,7 +32,6 @@ seen from the device, rows are gathered on the host into pinned memory and copie
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import warnings
@@ -436,7 +435,9 @@ class KVPool:
         for name in names:
             source = self._source(layer, name, device)
             twin = next((s for s in sources.values() if s.part.tables == source.part.tables), None)
-            sources[name] = source if twin is None else dataclasses.replace(source, slot_rows=twin.slot_rows)
+            if twin is not None:  # its slot map (dataclasses.replace would inspect the fields)
+                source = _Source(source.part, source.segments, twin.slot_rows, source.length)
+            sources[name] = source
         return sources
 
     def _source(self, layer: int, name: str, device: torch.device) -> _Source:

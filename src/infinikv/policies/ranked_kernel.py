@@ -80,11 +80,11 @@ def pick(
         count = counts[row]
         for head in range(heads):
             for slot in range(n):
-                value = values[row, head, slot]
-                if lifted is not None and lifted[row, head, slot] and value > -np.inf:
-                    keys[slot] = top
-                else:
-                    keys[slot] = ordered(value)
+                keys[slot] = ordered(values[row, head, slot])
+            if lifted is not None:  # a pass of its own: the one above stays a vector loop
+                for slot in range(n):
+                    if lifted[row, head, slot] and values[row, head, slot] > -np.inf:
+                        keys[slot] = top
             taken_cut, taken_room = cut_of(keys, count if each else width, counted, kept)
             own_cut, own_room = (taken_cut, 0) if valid is None else cut_of(keys, count, counted, kept)
             at = 0

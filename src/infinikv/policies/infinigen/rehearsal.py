@@ -131,13 +131,14 @@ def host_scores_of_rows(queries: list[Tensor], keys: list[Tensor], scales: list[
     rounded with the others' in one operation."""
     lengths = [key.shape[-1] for key in keys]
     longest, heads = max(lengths), keys[0].shape[1]
-    out = np.full((len(keys), heads, longest), -np.inf, dtype=np.float32)
+    out = np.empty((len(keys), heads, longest), dtype=np.float32)  # each row written whole below
     values = _query_values(torch.cat(queries))
     for row, (key, scale, n) in enumerate(zip(keys, scales, lengths, strict=True)):
         own = out[row : row + 1] if n == longest else np.empty((1, heads, n), dtype=np.float32)
         _score_on_host(values[row : row + 1], key, None, scale, own)
         if n < longest:
             out[row, :, :n] = own[0]
+            out[row, :, n:] = -np.inf
     return torch.from_numpy(out)
 
 

@@ -124,6 +124,8 @@ def partial_keys_together(
     own), in a dtype and on a device where ``base.stacks_rows_exactly`` holds. The product and the
     per-token scales are row by row those each takes alone."""
     given: list[tuple[Tensor, Tensor | None] | None] = [None] * len(policies)
+    if len(policies) < 2:  # a row alone takes its own
+        return given
     kinds: dict[tuple, list[int]] = {}
     for r, policy in enumerate(policies):
         projection = policy.layers[layer].projection
