@@ -7,7 +7,10 @@ heads of 3 query heads, 48 int8 columns: the ratio calibrated for 4k and 8k toke
 the speculated scores (by the host loop a CPU runs, and by the tensor operations CUDA runs: int8 keys
 converted to bfloat16, the product, the per-token scales, the group's relative max), the count rule, and
 the pick of each head's top tokens (the window lifted; the cut, the ties at it and the slot order, by the
-host kernel a CPU runs and by the tensor operations CUDA runs; the whole pick); then the same with
+host kernel a CPU runs and by the tensor operations CUDA runs; the whole pick, the window lifted in the
+kernel, as the policy picks where nothing was evicted), the scores and the pick in one call of the host loop
+(where each row's count is known on the host, its budget: at the defaults on the registry's models); then
+the same with
 coarse-to-fine (block) speculation (``--block-size 16 --block-candidates 1.25``, not the default): the
 blocks' bounds, the pick of candidate blocks, the candidates' keys, their scores, the count and the pick
 among them. Each step is timed alone, and each whole selection once more, median of 30 runs after 2
@@ -27,7 +30,12 @@ from infinikv.policies.base import group_relative_max, pick_top, pick_with_tenso
 from infinikv.policies.bounds import BlockBounds
 from infinikv.policies.infinigen import rehearsal
 from infinikv.policies.infinigen.blocks import BOUND_DTYPE, block_scores, gather_slots, partial_values
-from infinikv.policies.infinigen.rehearsal import count_within, quantize, speculative_scores
+from infinikv.policies.infinigen.rehearsal import (
+    count_within,
+    quantize,
+    scores_and_pick_on_host,
+    speculative_scores,
+)
 from infinikv.policies.ranked import pick_on_host
 
 KV_HEADS, GROUP, WINDOW, BUDGET, ALPHA, BLOCK, CANDIDATES = 3, 3, 32, 0.2, 4.0, 16, 1.25
@@ -75,15 +83,20 @@ def main(batch: int, tokens: int, columns: int) -> None:
         "scales": lambda: product.float() * scale.float(),
         "group's relative max": lambda: group_relative_max(scaled.flatten(1, 2), GROUP),
         "count rule": lambda: count_within(scores, ALPHA, budgets, reserved),
-        "window lifted to +inf": lambda: scores.masked_fill(reserved & (scores > -math.inf), math.inf),
+        "window lifted to +inf (CUDA's)": lambda: scores.masked_fill(
+            reserved & (scores > -math.inf), math.inf
+        ),
         "cut, ties, order: host kernel": lambda: pick_on_host(lifted, counts, max(counts), each=False),
         "the same as tensor ops (CUDA's)": lambda: pick_with_tensor_ops(lifted, counts, max(counts), False),
-        "pick (reserved, cut, ties, order)": lambda: pick_top(scores, counts, reserved),
+        "pick (window lifted in the kernel)": lambda: pick_top(scores, counts, reserved, WINDOW),
+        "scores and pick in one call": lambda: scores_and_pick_on_host(
+            query, keys, None, scale, budgets, reserved
+        ),
     }
 
     def select() -> None:
         found = speculative_scores(query, keys, (), None, scale)
-        pick_top(found, count_within(found, ALPHA, budgets, reserved).tolist(), reserved)
+        pick_top(found, count_within(found, ALPHA, budgets, reserved).tolist(), reserved, WINDOW)
 
     print(f"batch {batch}, {tokens} tokens, {columns} int8 columns, {torch.get_num_threads()} thread(s)")
     print("token speculation (block_size 0):")

@@ -127,3 +127,35 @@ def test_the_host_loop_takes_only_int8_keys_over_every_column() -> None:
     own = ((torch.tensor([0]), torch.zeros(3, 4, dtype=torch.long)),)
     assert not rehearsal.scores_on_host(query, keys, own, scale)  # a row over fewer columns
     assert not rehearsal.scores_on_host(query, keys.transpose(2, 3).contiguous().transpose(2, 3), (), scale)
+
+
+@pytest.mark.parametrize("columns", [3, 16, 48])
+def test_scores_and_pick_in_one_call_give_what_they_give_apart(columns: int) -> None:
+    """``rehearsal.scores_and_pick_on_host`` (a layer's choice in one call of the host loop) gives the
+    scores ``speculative_scores`` gives and the entries ``pick_top`` takes of them, reserved slots lifted
+    first: rows of one count and of several, hidden slots or none, reserved slots shared by the heads or
+    each head's own."""
+    from infinikv.policies.base import pick_top
+
+    generator = torch.Generator().manual_seed(10 + columns)
+    for draw in range(12):
+        query, keys, scale, real = _draw(generator, columns, least=40)
+        rows, heads, n = real.shape
+        hidden = real if draw % 2 else None
+        reserved = torch.zeros(rows, 1 if draw % 3 else heads, n, dtype=torch.bool)
+        reserved[..., :2] = True
+        reserved[..., -5:] = True
+        most = 7  # the reserved slots a head holds at most: every row takes them all (a lift in one pass)
+        takes = torch.randint(most, n + 1, (rows,), generator=generator).tolist()
+        if draw % 4 == 1:
+            takes = [max(takes)] * rows
+        elif draw % 4 == 2:
+            takes[-1] = most  # a row that takes its reserved slots alone
+        scores, index, valid = rehearsal.scores_and_pick_on_host(query, keys, hidden, scale, takes, reserved)
+        apart = rehearsal.speculative_scores(query, keys, (), hidden, scale)
+        assert torch.equal(scores, apart)
+        expected_index, expected_valid = pick_top(apart, takes, reserved, most)
+        assert torch.equal(index, expected_index), draw
+        assert (valid is None) == (expected_valid is None)
+        if valid is not None:
+            assert torch.equal(valid, expected_valid), draw

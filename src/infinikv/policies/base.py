@@ -168,7 +168,7 @@ def _ranked(
     :func:`_on_host`, which lifts them itself where a lift to +inf takes them all, else by tensor
     operations."""
     on_host = _on_host(scores)
-    if reserved is not None and not (on_host and _lifts_in_one_pass(takes, most_reserved)):
+    if reserved is not None and not (on_host and lifts_in_one_pass(takes, most_reserved)):
         scores, reserved = _lift_reserved(scores, reserved, takes, most_reserved), None
     if on_host:
         return pick_on_host(scores, takes, width, each, reserved)
@@ -191,12 +191,12 @@ def _lift_reserved(scores: Tensor, reserved: Tensor, takes: list[int], most: int
     """``scores`` with the ``reserved`` entries first, for :func:`pick_top`. When every row takes at least
     the ``most`` entries a head can have reserved, all of them are taken whatever their order, so +inf lifts
     them in one pass; otherwise :func:`reserved_first` orders them among themselves."""
-    if _lifts_in_one_pass(takes, most):
+    if lifts_in_one_pass(takes, most):
         return scores.masked_fill(reserved & (scores > -math.inf), math.inf)
     return reserved_first(scores, reserved)
 
 
-def _lifts_in_one_pass(takes: list[int], most: int | None) -> bool:
+def lifts_in_one_pass(takes: list[int], most: int | None) -> bool:
     """Whether every row takes at least the ``most`` entries a head can have reserved (None: not known), so
     that lifting them to +inf takes all of them (:func:`_lift_reserved`)."""
     return most is not None and min(takes, default=0) >= most

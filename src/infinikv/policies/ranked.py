@@ -50,18 +50,36 @@ def pick_on_host(
     (None when every row takes ``width``). ``each`` True (:func:`base.pick_each`): row r's ``takes[r]`` best
     in the first entries of its row of the index, ascending, the rest 0; valid None.
     """
-    rows, heads, n = scores.shape
+    values = scores.detach().to(torch.float32).contiguous().numpy()
+    counts, index, valid, above = pick_arguments(scores.shape, takes, width, each, lifted)
+    _kernel()(values, counts, width, each, index, valid, above)
+    return picked(index, valid)
+
+
+PickArguments = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
+
+
+def pick_arguments(
+    shape: tuple[int, ...], takes: list[int], width: int, each: bool, lifted: Tensor | None
+) -> PickArguments:
+    """What the kernel takes besides the scores of :func:`pick_on_host` (its arguments, for scores of
+    ``shape``), once they are checked: the counts, the index and valid to fill, and ``lifted`` as an
+    array."""
+    rows, heads, n = shape
     if width > n:
         raise ValueError(f"cannot pick {width} entries of {n}")
     if len(takes) != rows or min(takes) < 0 or max(takes) > width:
         raise ValueError(f"takes {takes} do not fit {rows} rows of at most {width} entries")
-    values = scores.detach().to(torch.float32).contiguous().numpy()
     counts = np.asarray(takes, dtype=np.int64)
     index = np.zeros((rows, heads, width), dtype=np.int64)
     ragged = not each and min(takes) < width
     valid = np.ones((rows, heads, width), dtype=np.bool_) if ragged else None
     above = None if lifted is None else lifted.detach().to("cpu", torch.bool).expand(rows, heads, n).numpy()
-    _kernel()(values, counts, width, each, index, valid, above)
+    return counts, index, valid, above
+
+
+def picked(index: np.ndarray, valid: np.ndarray | None) -> tuple[Tensor, Tensor | None]:
+    """The kernel's index and valid (:func:`pick_arguments`) as tensors."""
     return torch.from_numpy(index), None if valid is None else torch.from_numpy(valid)
 
 

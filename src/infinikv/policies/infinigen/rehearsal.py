@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..base import group_relative_max, runs_on_host
+from ..ranked import pick_arguments, picked
 
 Tensor = torch.Tensor
 
@@ -120,8 +121,31 @@ def _host_scores(
     """:func:`speculative_scores` by ``scores_kernel.speculative_scores`` (where :func:`scores_on_host`)."""
     batch, heads, _, n = partial_keys.shape
     out = np.empty((batch, heads, n), dtype=np.float32)
-    _score_on_host(_query_values(partial_query), partial_keys, real_slots, scale, out)
+    _kernel()(_query_values(partial_query), *_host_inputs(partial_keys, real_slots, scale), out)
     return torch.from_numpy(out)
+
+
+def scores_and_pick_on_host(
+    partial_query: Tensor,
+    partial_keys: Tensor,
+    real_slots: Tensor | None,
+    scale: Tensor,
+    takes: list[int],
+    lifted: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`speculative_scores` and ``base.pick_top(scores, takes, ...)`` of them in one compiled call,
+    where :func:`scores_on_host` holds and ``lifted`` (the reserved slots, or None) are taken first by a
+    lift to +inf (``base.lifts_in_one_pass``): (scores, index, valid), as the two give them apart. At least
+    one row takes an entry."""
+    from .scores_kernel import scores_and_pick
+
+    batch, heads, _, n = partial_keys.shape
+    out = np.empty((batch, heads, n), dtype=np.float32)
+    width = max(takes)
+    counts, index, valid, above = pick_arguments(out.shape, takes, width, False, lifted)
+    inputs = _host_inputs(partial_keys, real_slots, scale)
+    scores_and_pick(_query_values(partial_query), *inputs, out, counts, width, index, valid, above)
+    return (torch.from_numpy(out), *picked(index, valid))
 
 
 def host_scores_of_rows(queries: list[Tensor], keys: list[Tensor], scales: list[Tensor]) -> Tensor:
@@ -135,7 +159,7 @@ def host_scores_of_rows(queries: list[Tensor], keys: list[Tensor], scales: list[
     values = _query_values(torch.cat(queries))
     for row, (key, scale, n) in enumerate(zip(keys, scales, lengths, strict=True)):
         own = out[row : row + 1] if n == longest else np.empty((1, heads, n), dtype=np.float32)
-        _score_on_host(values[row : row + 1], key, None, scale, own)
+        _kernel()(values[row : row + 1], *_host_inputs(key, None, scale), own)
         if n < longest:
             out[row, :, :n] = own[0]
             out[row, :, n:] = -np.inf
@@ -147,10 +171,11 @@ def _query_values(partial_query: Tensor) -> np.ndarray:
     return partial_query.detach().to(torch.bfloat16).float().contiguous().numpy()
 
 
-def _score_on_host(
-    values: np.ndarray, keys: Tensor, real_slots: Tensor | None, scale: Tensor, out: np.ndarray
-) -> None:
-    """The host loop's scores of ``keys`` for the query ``values`` (:func:`_query_values`) into ``out``."""
+def _host_inputs(
+    keys: Tensor, real_slots: Tensor | None, scale: Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The host loop's keys, scales and real slots, as it reads them, for ``keys`` [batch, kv_heads, k, n]
+    with ``scale`` (and ``real_slots``: None, all)."""
     batch, heads, _, n = keys.shape
     scales = scale.detach().reshape(batch, heads, n).float().contiguous()
     real = (
@@ -158,7 +183,7 @@ def _score_on_host(
         if real_slots is None
         else real_slots.to("cpu", torch.bool).expand(batch, heads, n).contiguous().numpy()
     )
-    _kernel()(values, keys.numpy(), scales.numpy(), real, out)
+    return keys.numpy(), scales.numpy(), real
 
 
 @cache

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ..ranked_kernel import pick
+
 TILE = 1024  # slots per pass: its sums (and, for heads alone, its keys as float32) stay in the core's caches
 
 _KEYS = "int8[:, :, :, :]"  # [batch, kv_heads, columns, slots], any strides (a view of the slot table)
@@ -227,3 +229,22 @@ def speculative_scores(
             for query_head in range(group):
                 best[query_head] = largest(per_head[query_head])
             _group_max(per_head, best, out[row, head])
+
+
+@numba.njit(nogil=True, cache=True)
+def scores_and_pick(
+    query: np.ndarray,
+    keys: np.ndarray,
+    scale: np.ndarray,
+    real: np.ndarray,
+    out: np.ndarray,
+    counts: np.ndarray,
+    width: int,
+    index: np.ndarray,
+    valid: np.ndarray | None,
+    lifted: np.ndarray | None,
+) -> None:
+    """:func:`speculative_scores` into ``out``, then ``ranked_kernel.pick`` of them (not ``each``) into
+    ``index`` and ``valid``, ``lifted`` entries first: a layer's choice in one call from the host."""
+    speculative_scores(query, keys, scale, real, out)
+    pick(out, counts, width, False, index, valid, lifted)

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from ..base import group_relative_max, pick_each, pick_top
+from ..base import group_relative_max, lifts_in_one_pass, pick_each, pick_top
 from ..bounds import BlockBounds
 from .blocks import block_scores, gather_slots
 from .config import InfiniGenConfig
@@ -31,6 +31,7 @@ from .rehearsal import (
     count_within,
     host_scores_of_rows,
     product_dtype,
+    scores_and_pick_on_host,
     scores_on_host,
     speculative_scores,
     wanted_per_head,
@@ -107,14 +108,19 @@ class Selector:
                 layer, query, plan, takes, alpha, budgets, whole, group_size, slot_scores
             )
         reserved = self.reserved(layer)
-        scores = self.token_scores(layer, query, plan)
+        most_reserved = self._most_reserved(layer)
         widths = self._budget_counts(layer, real_tokens, budgets, alpha)
+        if widths is not None and max(widths) > 0 and lifts_in_one_pass(widths, most_reserved):
+            host = self._host_choice(layer, query, plan, widths, reserved)
+            if host is not None:  # scored and picked in one call
+                return host
+        scores = self.token_scores(layer, query, plan)
         if widths is None:  # an alpha counts: the gather's width is read back (one host sync)
             counts = count_within(scores, alpha, budgets, reserved, whole)
             widths = counts.tolist()
         else:  # what count_within would give is known on the host: ``widths``
             counts = None
-        index, valid = pick_top(scores, widths, reserved, self._most_reserved(layer))
+        index, valid = pick_top(scores, widths, reserved, most_reserved)
         return Choice(index, valid, scores, counts, widths, reserved)
 
     def _budget_counts(
@@ -131,12 +137,34 @@ class Selector:
     def token_scores(self, layer: int, query: Tensor, plan: DecodePlan) -> Tensor:
         """Speculative logits [batch, kv_heads, slots] of every token of ``layer`` for the partial ``query``
         (:func:`~.rehearsal.speculative_scores`, -inf on left padding)."""
+        keys, scale, real = self._score_inputs(layer)
+        self._count_read(layer, scale)
+        return speculative_scores(query, keys, plan.row_columns[layer], real, scale)
+
+    def _host_choice(
+        self, layer: int, query: Tensor, plan: DecodePlan, widths: list[int], reserved: Tensor | None
+    ) -> Choice | None:
+        """:meth:`token_scores` and ``pick_top`` of them in one call of the host loop, where it scores them
+        (``rehearsal.scores_on_host``) and the reserved slots are lifted in one pass; None elsewhere."""
+        keys, scale, real = self._score_inputs(layer)
+        if not scores_on_host(query, keys, plan.row_columns[layer], scale):
+            return None
+        self._count_read(layer, scale)
+        scores, index, valid = scores_and_pick_on_host(query, keys, real, scale, widths, reserved)
+        return Choice(index, valid, scores, None, widths, reserved)
+
+    def _score_inputs(self, layer: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``layer``'s partial keys (unpacked), their scales (or None) and which slots are real (None: all,
+        no left padding)."""
         state = self.layers[layer]
         real = self.real_at(state) if self.rows.padded else None
-        slots, scale = state.slots, self.scales(layer)
-        partial_keys = slots.view("partial")
-        self.meter.selector_read(partial_keys, *([] if scale is None else [scale]))
-        return speculative_scores(query, slots.unpacked(partial_keys), plan.row_columns[layer], real, scale)
+        return state.slots.unpacked(state.slots.view("partial")), self.scales(layer), real
+
+    def _count_read(self, layer: int, scale: Tensor | None) -> None:
+        """Count ``layer``'s partial keys as stored (4-bit ones packed) and their ``scale`` as read."""
+        self.meter.selector_read(
+            self.layers[layer].slots.view("partial"), *([] if scale is None else [scale])
+        )
 
     def scales(self, layer: int) -> Tensor | None:
         """[batch, kv_heads, 1, slots]: per-token scales of ``layer``'s quantized partial keys (or None)."""
