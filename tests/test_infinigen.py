@@ -516,6 +516,35 @@ def test_a_count_by_the_budget_is_taken_on_the_host(tiny, calibrated, monkeypatc
             assert (torch.as_tensor(taken[row]) == count).all()
 
 
+@pytest.mark.parametrize("partial_keys", ["int8", "int4"])
+def test_a_choice_scored_and_picked_in_one_call_is_made_as_apart(tiny, calibrated, monkeypatch, partial_keys):
+    """Where every row counts by its budget, the host loop scores and picks a layer in one call
+    (``rehearsal.scores_and_pick_on_host``): a left-padded batch gets the tokens, and counts the bytes and
+    selector reads, that the scores and the pick made apart give, with int8 keys and with packed int4 ones."""
+    pytest.importorskip("numba")
+    from infinikv.policies.infinigen import selector
+
+    calls = []
+    one_call = selector.scores_and_pick_on_host
+
+    def counted(*arguments):
+        calls.append(1)
+        return one_call(*arguments)
+
+    monkeypatch.setattr(selector, "scores_and_pick_on_host", counted)
+    # few reserved slots, so that every row takes them all (a lift in one pass) from these short prompts
+    knobs = {"alpha": math.inf, "budget": 0.25, "partial_keys": partial_keys, "n_sink": 1, "window": 2}
+    together, together_stats = _tokens(tiny, "infinigen", new=8, **knobs)
+    assert calls
+    monkeypatch.setattr(selector, "lifts_in_one_pass", lambda takes, most: False)  # scored, then picked
+    calls.clear()
+    apart, apart_stats = _tokens(tiny, "infinigen", new=8, **knobs)
+    assert not calls
+    assert together == apart
+    for name in ("decode_bytes_h2d", "selector_bytes", "selected_tokens_mean", "mean_tokens_attended"):
+        assert together_stats[name] == apart_stats[name], name
+
+
 def test_dense_and_sliding_layers(tiny_gemma, calibrated, monkeypatch):
     spy = _Spy(monkeypatch)
     _tokens(tiny_gemma, "infinigen", prompts=[PROMPTS[0]], new=8, dense_layers=1)

@@ -64,7 +64,7 @@ def test_the_host_kernel_picks_what_the_tensor_ops_pick(dtype: torch.dtype, each
         # reserved entries lifted by the kernel (half the draws; one mask for every head in some), as a
         # lift to +inf in a copy of the scores gives them to the tensor path
         lifted = None
-        if draw % 2:
+        if bool(torch.rand(1, generator=generator) < 0.5):
             lifted = torch.rand(rows, 1 if draw % 3 else 3, n, generator=generator) < 0.05
         host_index, host_valid = pick_on_host(scores, takes, width, each, lifted)
         if lifted is not None:

@@ -435,8 +435,10 @@ class KVPool:
         for name in names:
             source = self._source(layer, name, device)
             twin = next((s for s in sources.values() if s.part.tables == source.part.tables), None)
-            if twin is not None:  # its slot map (dataclasses.replace would inspect the fields)
-                source = _Source(source.part, source.segments, twin.slot_rows, source.length)
+            if twin is not None:  # share the twin's slot map
+                source = _Source(
+                    part=source.part, segments=source.segments, slot_rows=twin.slot_rows, length=source.length
+                )
             sources[name] = source
         return sources
 

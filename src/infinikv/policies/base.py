@@ -138,10 +138,10 @@ def pick_each(scores: Tensor, takes: list[int], reserved: Tensor | None, most_re
 def pick_with_tensor_ops(
     scores: Tensor, takes: list[int], width: int, each: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """The pick of :func:`ranked.pick_on_host` (the same arguments and result) as tensor operations, for
-    the scores :func:`_on_host` leaves out (on CUDA, in a compiled graph, float64, or without numba): a
-    top-k for each row's cut, then the entries above it and the earliest of those tied at it, in ascending
-    slots. Nothing is read back to the host."""
+    """The pick of :func:`ranked.pick_on_host` (its arguments but ``lifted``, and its result) as tensor
+    operations, for the scores :func:`_on_host` leaves out (on CUDA, in a compiled graph, float64, or without
+    numba): a top-k for each row's cut, then the entries above it and the earliest of those tied at it, in
+    ascending slots. Nothing is read back to the host."""
     batch, heads, _ = scores.shape
     if min(takes) == width:  # one cut for every row: the width-th best, which needs no order
         cut = scores.topk(width, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)

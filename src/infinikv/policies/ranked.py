@@ -51,8 +51,8 @@ def pick_on_host(
     in the first entries of its row of the index, ascending, the rest 0; valid None.
     """
     values = scores.detach().to(torch.float32).contiguous().numpy()
-    counts, index, valid, above = pick_arguments(scores.shape, takes, width, each, lifted)
-    _kernel()(values, counts, width, each, index, valid, above)
+    counts, index, valid, lifted_mask = pick_arguments(scores.shape, takes, width, each, lifted)
+    _kernel()(values, counts, width, each, index, valid, lifted_mask)
     return picked(index, valid)
 
 
@@ -74,8 +74,8 @@ def pick_arguments(
     index = np.zeros((rows, heads, width), dtype=np.int64)
     ragged = not each and min(takes) < width
     valid = np.ones((rows, heads, width), dtype=np.bool_) if ragged else None
-    above = None if lifted is None else lifted.detach().to("cpu", torch.bool).expand(rows, heads, n).numpy()
-    return counts, index, valid, above
+    mask = None if lifted is None else lifted.detach().to("cpu", torch.bool).expand(rows, heads, n).numpy()
+    return counts, index, valid, mask
 
 
 def picked(index: np.ndarray, valid: np.ndarray | None) -> tuple[Tensor, Tensor | None]:

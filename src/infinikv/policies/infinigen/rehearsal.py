@@ -142,9 +142,9 @@ def scores_and_pick_on_host(
     batch, heads, _, n = partial_keys.shape
     out = np.empty((batch, heads, n), dtype=np.float32)
     width = max(takes)
-    counts, index, valid, above = pick_arguments(out.shape, takes, width, False, lifted)
+    counts, index, valid, lifted_mask = pick_arguments(out.shape, takes, width, False, lifted)
     inputs = _host_inputs(partial_keys, real_slots, scale)
-    scores_and_pick(_query_values(partial_query), *inputs, out, counts, width, index, valid, above)
+    scores_and_pick(_query_values(partial_query), *inputs, out, counts, width, index, valid, lifted_mask)
     return (torch.from_numpy(out), *picked(index, valid))
 
 

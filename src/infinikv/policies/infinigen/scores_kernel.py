@@ -1,6 +1,9 @@
 """The compiled loop of :func:`.rehearsal.speculative_scores` for int8 partial keys on the host (numba),
 imported at the first such score: module-level functions, the entry point with its signature, so numba
-compiles it once and its disk cache serves every later process.
+compiles it once and its disk cache serves every later process. :func:`scores_and_pick` (the scores and
+``ranked_kernel.pick`` of them in one call) is compiled in each process at its first call (about a second):
+numba's disk cache checks only the file that defines a function, so a cached copy would keep running an
+older ``pick``.
 
 The sums follow one order on every CPU, that of the bfloat16 product as oneDNN computes it with
 AVX512-BF16 (the instruction ``vdpbf16ps``, on a CPU without AMX, as the one this project's figures come
@@ -231,7 +234,7 @@ def speculative_scores(
             _group_max(per_head, best, out[row, head])
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True)
 def scores_and_pick(
     query: np.ndarray,
     keys: np.ndarray,

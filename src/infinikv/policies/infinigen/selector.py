@@ -3,7 +3,9 @@
 :class:`Selector` scores every slot of the layer (``rehearsal.speculative_scores``), counts n' per sequence
 (``rehearsal.count_within``, or on the host where every row counts by its budget over a pool that evicted
 nothing) and takes each head's top n' with ``base.pick_top``, the reserved slots (the first ``n_sink`` real
-tokens and the last ``window``) first. With ``block_size`` above 0 it chooses coarse to fine: blocks ranked
+tokens and the last ``window``) first; where the host loop scores and every count is known on the host, it
+scores and picks in one call of that loop (``rehearsal.scores_and_pick_on_host``, the same entries). With
+``block_size`` above 0 it chooses coarse to fine: blocks ranked
 by the bounds of their partial keys (``blocks.py``), then tokens scored, counted and picked among the best
 blocks alone. Which slots hold real tokens (not a left-padded batch's padding) comes from the policy's base
 (:class:`Rows`), through the positions the slots hold (``LayerState.positions``). The policy
@@ -110,11 +112,18 @@ class Selector:
         reserved = self.reserved(layer)
         most_reserved = self._most_reserved(layer)
         widths = self._budget_counts(layer, real_tokens, budgets, alpha)
-        if widths is not None and max(widths) > 0 and lifts_in_one_pass(widths, most_reserved):
-            host = self._host_choice(layer, query, plan, widths, reserved)
-            if host is not None:  # scored and picked in one call
-                return host
-        scores = self.token_scores(layer, query, plan)
+        keys, scale, real = self._score_inputs(layer)
+        self._count_read(layer, scale)
+        columns = plan.row_columns[layer]
+        if (
+            widths is not None
+            and max(widths) > 0
+            and lifts_in_one_pass(widths, most_reserved)
+            and scores_on_host(query, keys, columns, scale)
+        ):  # every count known on the host: the host loop scores and picks in one call
+            scores, index, valid = scores_and_pick_on_host(query, keys, real, scale, widths, reserved)
+            return Choice(index, valid, scores, None, widths, reserved)
+        scores = speculative_scores(query, keys, columns, real, scale)
         if widths is None:  # an alpha counts: the gather's width is read back (one host sync)
             counts = count_within(scores, alpha, budgets, reserved, whole)
             widths = counts.tolist()
@@ -140,18 +149,6 @@ class Selector:
         keys, scale, real = self._score_inputs(layer)
         self._count_read(layer, scale)
         return speculative_scores(query, keys, plan.row_columns[layer], real, scale)
-
-    def _host_choice(
-        self, layer: int, query: Tensor, plan: DecodePlan, widths: list[int], reserved: Tensor | None
-    ) -> Choice | None:
-        """:meth:`token_scores` and ``pick_top`` of them in one call of the host loop, where it scores them
-        (``rehearsal.scores_on_host``) and the reserved slots are lifted in one pass; None elsewhere."""
-        keys, scale, real = self._score_inputs(layer)
-        if not scores_on_host(query, keys, plan.row_columns[layer], scale):
-            return None
-        self._count_read(layer, scale)
-        scores, index, valid = scores_and_pick_on_host(query, keys, real, scale, widths, reserved)
-        return Choice(index, valid, scores, None, widths, reserved)
 
     def _score_inputs(self, layer: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """``layer``'s partial keys (unpacked), their scales (or None) and which slots are real (None: all,
