@@ -135,3 +135,89 @@ def test_infinigen_rows_stack_their_products_only_where_that_is_exact(monkeypatc
                 forced.step([0, 1, 2], torch.full((3, 1), 7))
         exact = stacks_rows_exactly(torch.empty(0, dtype=dtype))
         assert bool(stacked) == exact and bool(projected) == exact, dtype
+
+
+def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call_takes_its_own(monkeypatch):
+    """``project_beside``: the other rows' results and, at the layer's next call with its own input, that
+    input's, each as alone, from one product; the kept result serves that call once, and only that one."""
+    from infinikv import invariant
+
+    loaded = tiny_model("llama")
+    install(loaded.model)
+    projection = loaded.model.model.layers[1].self_attn.q_proj
+    generator = torch.Generator().manual_seed(2)
+    own, others = (
+        torch.randn(1, 1, projection.in_features, generator=generator),
+        torch.randn(2, 1, projection.in_features, generator=generator),
+    )
+    products: list[int] = []
+
+    def counted(x, weight, bias=None):
+        products.append(x.numel() // x.shape[-1])
+        return linear_rows_alone(x, weight, bias)
+
+    monkeypatch.setattr(invariant, "linear_rows_alone", counted)
+    with torch.inference_mode(), rows_alone():
+        beside = invariant.project_beside(projection, own, others)
+        taken = projection(own)
+        assert products == [3]  # one product of both, none for the layer's own call
+        again = projection(own)
+        assert products == [3, 1]  # taken once
+        invariant.project_beside(projection, own, others)
+        other_input = projection(own.clone())
+        assert products == [3, 1, 3, 1]  # only the very input it was given takes it
+    with torch.inference_mode(), rows_alone():
+        projection(own)  # dropped when the outermost rows_alone ended
+    assert products == [3, 1, 3, 1, 1]
+    for row in range(2):
+        assert torch.equal(beside[row], linear_rows_alone(others[row : row + 1], projection.weight)[0])
+    for result in (taken, again, other_input):
+        assert torch.equal(result, linear_rows_alone(own, projection.weight))
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_look_ahead_put_off_to_the_layer_it_plans_changes_nothing(monkeypatch, policy):
+    """Where nothing runs beside the decode thread (here every step is below the worker's size), an
+    engine step runs a layer's look-ahead at the start of the layer it plans, and InfiniGen's rehearsal
+    projects its query in one product with that layer's own (``SharedQueries.beside``): logits and counted
+    statistics are those of the look-ahead run at once, at every step, for every policy at its defaults."""
+    from infinikv import copiers, spec
+    from infinikv.engine.ragged import RaggedCache
+
+    monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", 2**62)
+    loaded = tiny_model("llama")
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 200, (1, n), generator=generator) for n in (150, 110)]
+    config = make_config(policy)
+    beside: list[int] = []
+    project_beside = spec.project_beside
+
+    def counted(module, own, others):
+        beside.append(1)
+        return project_beside(module, own, others)
+
+    monkeypatch.setattr(spec, "project_beside", counted)
+    puts_off = RaggedCache._puts_off
+
+    def feed(put_off: bool) -> tuple[list[torch.Tensor], dict]:
+        monkeypatch.setattr(RaggedCache, "_puts_off", puts_off if put_off else lambda *_: False)
+        with ForcedRows(loaded, [config] * 2) as forced:
+            for row, prompt in enumerate(prompts):
+                forced.prefill(row, prompt, 32)
+            tokens = torch.full((2, 1), 7)
+            steps = []
+            for _ in range(12):
+                logits = forced.step([0, 1], tokens)
+                tokens = logits.argmax(-1, keepdim=True)
+                steps.append(logits)
+            return steps, forced.stats()
+
+    at_once, at_once_stats = feed(put_off=False)
+    assert not beside
+    put_off, put_off_stats = feed(put_off=True)
+    assert bool(beside) == (policy == "infinigen")
+    assert all(torch.equal(a, b) for a, b in zip(at_once, put_off, strict=True))
+    counted_stats = [
+        {k: v for k, v in s.items() if not k.endswith("_s")} for s in (at_once_stats, put_off_stats)
+    ]
+    assert counted_stats[0] == counted_stats[1]  # everything but times

@@ -214,6 +214,11 @@ class Copier:
         own()
         ahead()
 
+    def overlaps(self) -> bool:
+        """Whether look-aheads and copies started now run beside the decode thread's compute (a worker, a
+        copy stream), so that starting one early gains. Here not: everything runs at once."""
+        return False
+
     def settle(self) -> None:
         """Return once no copy still reads a store (before one is freed)."""
 
@@ -246,6 +251,9 @@ class ThreadCopier(Copier):
     def _uses_worker(self) -> bool:
         """Whether jobs started now go to the worker: open, a core free for it, and a step large enough."""
         return not self._closed and not self._small_step and free_cores() > 0
+
+    def overlaps(self) -> bool:
+        return self._uses_worker()
 
     def _executor_for_job(self) -> ThreadPoolExecutor | None:
         """The executor to queue a job on, or None to run it on the calling thread: closed, no free core, or
@@ -331,6 +339,9 @@ class StreamCopier(Copier):
         super().__init__(counters)
         self.device = device
         self._stream = torch.cuda.Stream(device)
+
+    def overlaps(self) -> bool:
+        return True
 
     def copy(self, job: CopyJob, queue: bool = True, keep: object = None) -> Transfer:
         issued = time.perf_counter()

@@ -16,6 +16,11 @@ the plain one. Rounded to bfloat16, another kernel's sums show in some draws onl
 rule a lone row's kernel in: a lone row is always padded there. float16 products on the CPU differ with
 their number of rows in some draws (subnormal results among them): they run a row at a time.
 
+:func:`project_beside` computes other rows with a layer's own input in one product, ahead of the layer's
+own call, which then takes its rows' result from there: a look-ahead that projects layer i's input to
+layer i+1's query, run at layer i+1 (``engine/ragged.py``), reads those weights once for both. Each row
+still gets what it gets alone.
+
 The cost: a step with more rows than the class holds (16 or more here) makes several products where one
 would do, and the two-row kernel is slower per row than the one for 16 or more; a lone row's padded
 product costs about what one row costs.
@@ -35,7 +40,9 @@ Tensor = torch.Tensor
 PROBE_ROWS = 32  # most rows a probe tries (and so most rows in one product)
 PROBE_OUTPUTS = 1024  # output features a probe computes (the weight's first ones)
 
-_state = threading.local()  # .active: on this thread, linear layers run their rows as alone
+# on this thread: .active, linear layers run their rows as alone; .kept, (module, input, output) a layer's
+# next call takes (project_beside)
+_state = threading.local()
 _classes: dict[tuple, tuple[int, int]] = {}
 _probing = threading.Lock()
 
@@ -49,6 +56,8 @@ def rows_alone() -> Iterator[None]:
         yield
     finally:
         _state.active = previous
+        if not previous:  # what no call took is dropped with the outermost
+            _state.kept = None
 
 
 def install(model: torch.nn.Module) -> None:
@@ -64,8 +73,25 @@ def install(model: torch.nn.Module) -> None:
 
 def _forward(module: torch.nn.Linear, input: Tensor) -> Tensor:  # noqa: A002 (nn.Linear.forward's name)
     if not torch.compiler.is_compiling() and getattr(_state, "active", False):
+        kept = getattr(_state, "kept", None)
+        if kept is not None and kept[0] is module and kept[1] is input:
+            _state.kept = None
+            return kept[2]
         return linear_rows_alone(input, module.weight, module.bias)
     return F.linear(input, module.weight, module.bias)
+
+
+def project_beside(module: torch.nn.Linear, own: Tensor, others: Tensor) -> Tensor:
+    """``module(others)`` [..., out] for ``others`` [..., in], computed in one product with the rows of
+    ``own``, the input ``module``'s next call on this thread takes (inside :func:`rows_alone`): that call
+    returns its rows' result from here, so the weights are read once for both. Every row gets what it gets
+    alone."""
+    width = own.shape[-1]
+    mine = own.numel() // width
+    both = torch.cat([own.reshape(mine, width), others.reshape(-1, width)])
+    out = linear_rows_alone(both, module.weight, module.bias)
+    _state.kept = (module, own, out[:mine].reshape(*own.shape[:-1], -1))
+    return out[mine:].reshape(*others.shape[:-1], -1)
 
 
 def linear_rows_alone(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from .invariant import rows_alone
+from .invariant import project_beside, rows_alone
 
 Tensor = torch.Tensor
 
@@ -60,8 +60,12 @@ class ModelSpec:
 
     def query(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
         """Post-RoPE query of ``layer`` [batch, heads, q, d] for normalised input x [batch, q, hidden]."""
+        return self.rotated_query(layer, self.attention[layer].q_proj(x), x, position_ids)
+
+    def rotated_query(self, layer: int, projected: Tensor, x: Tensor, position_ids: Tensor) -> Tensor:
+        """:meth:`query` from ``x``'s query projection ``projected`` [batch, q, heads * d]."""
         attn = self.attention[layer]
-        return self._rotated(layer, attn.q_proj(x), getattr(attn, "q_norm", None), x, position_ids)
+        return self._rotated(layer, projected, getattr(attn, "q_norm", None), x, position_ids)
 
     def key(self, layer: int, x: Tensor, position_ids: Tensor) -> Tensor:
         """Post-RoPE key of ``layer`` [batch, kv_heads, q, d] for normalised input x [batch, q, hidden]."""
@@ -89,6 +93,13 @@ class SharedQueries:
         self._spec, self._x, self._position_ids = spec, x, position_ids
         self._projected: dict[int, Tensor] = {}
         self._projecting = threading.Lock()
+        self._beside: tuple[int, Tensor] | None = None  # (layer, its own input): see beside()
+
+    def beside(self, layer: int, own: Tensor) -> None:
+        """Project ``layer``'s queries, if asked for, in one product with ``own``, that layer's own input,
+        whose query projection then takes its result from there (``invariant.project_beside``): a look-ahead
+        run at the layer it plans, after the model has that layer's input, reads its query weights once."""
+        self._beside = (layer, own)
 
     def of_row(self, row: int) -> QueryOf:
         """Row ``row``'s queries, as a function of the layer."""
@@ -101,9 +112,16 @@ class SharedQueries:
                 query = self._projected.get(layer)
                 if query is None:
                     with rows_alone():  # each row's as alone (invariant.py), as the step's own projections
-                        query = self._spec.query(layer, self._x, self._position_ids)
+                        query = self._query(layer)
                     self._projected[layer] = query
         return query[row : row + 1]
+
+    def _query(self, layer: int) -> Tensor:
+        spec, x, position_ids = self._spec, self._x, self._position_ids
+        if self._beside is None or self._beside[0] != layer:
+            return spec.query(layer, x, position_ids)
+        projected = project_beside(spec.attention[layer].q_proj, self._beside[1], x)
+        return spec.rotated_query(layer, projected, x, position_ids)
 
 
 def model_spec(model: PreTrainedModel) -> ModelSpec:

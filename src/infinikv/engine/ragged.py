@@ -9,6 +9,8 @@ rules and in the same order. Their inputs come from the batched projections, whi
 it gets in a step alone, bit for bit (``invariant.rows_alone``, inside ``forward.decode_rows``). A look-ahead
 that projects its input to a layer's query (InfiniGen's rehearsal) gets its row of one projection of
 every row (``spec.SharedQueries``), so the layer's query weights are read once a step, not once per row.
+Where nothing would run beside it, a layer's look-ahead waits for the next layer's start, so that such a
+projection shares one product with that layer's own query (``RaggedCache._puts_off``).
 A layer's own work, look-ahead, decode, for rows whose layer waits for its query that query, and the
 attention reach each policy class once for all its rows (``Policy.before_attention_rows``, ``plan_rows``,
 ``decode_rows``, ``take_query_rows``, ``attend_rows``): a class may take its rows together where each
@@ -21,6 +23,8 @@ layer (it attends to what its policy selected) and its own window on a sliding l
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -41,17 +45,21 @@ def decode_step(
     """The engine's decode step: row r feeds ``tokens[r]`` at position ``past[r]`` through ``caches[r]``
     (which holds ``past[r]`` tokens); returns the next-token logits [rows, vocab]. ``compile``:
     ``forward.decode_call``."""
-    cache = RaggedCache(loaded.spec, caches, past)
+    cache = RaggedCache(loaded.spec, caches, past, compile)
     return decode_rows(loaded, cache, tokens, torch.tensor(past), compile)
 
 
 class RaggedCache(PolicyCache):
-    """The caches of one decode step's rows: ``rows[r]`` holds ``past[r]`` tokens before this step."""
+    """The caches of one decode step's rows: ``rows[r]`` holds ``past[r]`` tokens before this step;
+    ``compiled``: the step's model runs as a compiled graph (``forward.decode_call``)."""
 
-    def __init__(self, spec: ModelSpec, rows: list[InfinikvCache], past: list[int]):
+    def __init__(self, spec: ModelSpec, rows: list[InfinikvCache], past: list[int], compiled: bool = False):
         self.spec = spec
         self.rows = rows
         self.past = past
+        self.compiled = compiled
+        # a look-ahead put off to the layer it plans (_puts_off): that layer, its input's queries, the work
+        self._put_off: tuple[int, SharedQueries, Callable[[], None]] | None = None
         self.longest = max(past)
         self._selected: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._windows: dict[int, list[Tensor]] = {}  # sliding window -> each row's mask
@@ -66,6 +74,11 @@ class RaggedCache(PolicyCache):
         return self.longest
 
     def before_attention(self, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor) -> None:
+        if self._put_off is not None:  # the look-ahead for this layer, first, as it would have run
+            target, ahead_queries, planned = self._put_off
+            self._put_off = None
+            ahead_queries.beside(target, x)
+            planned()
         # A row's own mask: every position real (the policy's key_valid, as for an unpadded row alone).
         if self._real is None:
             device = self.rows[0].policy.device
@@ -110,7 +123,27 @@ class RaggedCache(PolicyCache):
 
         if decoding:  # ordered by the first row with a pool (the rows' copiers are of one kind)
             pooled = [self.rows[r].policy for r in decoding if self.rows[r].policy.pool() is not None]
-            in_order((pooled or [self.rows[decoding[0]].policy])[0], layer, own, ahead)
+            first = (pooled or [self.rows[decoding[0]].policy])[0]
+            targets = {target for _, class_targets in classes for target in class_targets}
+            if self._puts_off(layer, first, targets):
+                own()
+                self._put_off = (layer + 1, queries, ahead)
+            else:
+                in_order(first, layer, own, ahead)
+
+    def _puts_off(self, layer: int, policy: Policy, targets: set[int]) -> bool:
+        """Whether ``layer``'s look-ahead, which plans ``targets``, runs at the start of the next layer
+        instead: where it plans that layer alone and nothing would overlap it (``policy``'s copier runs it
+        at once, ``Copier.overlaps``), so it can wait until that layer's input exists and project its query
+        in one product with it (``SharedQueries.beside``: the query weights read once for both). Not from
+        layer 0, which plans itself too, nor in a compiled step, whose projections are the graph's."""
+        pool = policy.pool()
+        return (
+            layer > 0
+            and targets == {layer + 1}
+            and not self.compiled
+            and (pool is None or not pool.copier.overlaps())
+        )
 
     def store_and_select(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # the rows a policy decodes here, a policy class's at once (Policy.decode_rows); the others (those
