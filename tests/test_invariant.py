@@ -175,17 +175,20 @@ def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call
         assert torch.equal(result, linear_rows_alone(own, projection.weight))
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_a_look_ahead_put_off_to_the_layer_it_plans_changes_nothing(monkeypatch, policy):
+@pytest.mark.parametrize(
+    ("kind", "policy"), [("llama", name) for name in POLICIES] + [("gemma3", "infinigen")]
+)
+def test_a_look_ahead_put_off_to_the_layer_it_plans_changes_nothing(monkeypatch, kind, policy):
     """Where nothing runs beside the decode thread (here every step is below the worker's size), an
     engine step runs a layer's look-ahead at the start of the layer it plans, and InfiniGen's rehearsal
     projects its query in one product with that layer's own (``SharedQueries.beside``): logits and counted
-    statistics are those of the look-ahead run at once, at every step, for every policy at its defaults."""
+    statistics are those of the look-ahead run at once, at every step, for every policy at its defaults
+    (and on Gemma-3's sliding and global layers, whose queries are normalised per head)."""
     from infinikv import copiers, spec
     from infinikv.engine.ragged import RaggedCache
 
     monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", 2**62)
-    loaded = tiny_model("llama")
+    loaded = tiny_model(kind)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 200, (1, n), generator=generator) for n in (150, 110)]
     config = make_config(policy)
