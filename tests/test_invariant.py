@@ -137,19 +137,25 @@ def test_infinigen_rows_stack_their_products_only_where_that_is_exact(monkeypatc
         assert bool(stacked) == exact and bool(projected) == exact, dtype
 
 
-def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call_takes_its_own(monkeypatch):
+@pytest.mark.parametrize("split", [False, True])
+def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call_takes_its_own(
+    monkeypatch, split
+):
     """``project_beside``: the other rows' results and, at the layer's next call with its own input, that
-    input's, each as alone, from one product; the kept result serves that call once, and only that one."""
+    input's, each as alone, from one product (``split``: from several, where a product holds fewer rows
+    than both have); the kept result serves that call once, and only that one; a nested ``rows_alone``
+    that ends keeps it for the outer one."""
     from infinikv import invariant
 
     loaded = tiny_model("llama")
     install(loaded.model)
     projection = loaded.model.model.layers[1].self_attn.q_proj
+    if split:  # products of two rows at most: both inputs' three rows take two
+        key = (tuple(projection.weight.shape), projection.weight.device, projection.weight.dtype)
+        monkeypatch.setitem(invariant._classes, key, (2, 2))
     generator = torch.Generator().manual_seed(2)
-    own, others = (
-        torch.randn(1, 1, projection.in_features, generator=generator),
-        torch.randn(2, 1, projection.in_features, generator=generator),
-    )
+    own = torch.randn(1, 1, projection.in_features, generator=generator)
+    others = torch.randn(2, 1, projection.in_features, generator=generator)
     products: list[int] = []
 
     def counted(x, weight, bias=None):
@@ -158,52 +164,79 @@ def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call
 
     monkeypatch.setattr(invariant, "linear_rows_alone", counted)
     with torch.inference_mode(), rows_alone():
-        beside = invariant.project_beside(projection, own, others)
+        with rows_alone():  # as the engine's shared queries project, inside the step's own
+            beside = invariant.project_beside(projection, own, others)
         taken = projection(own)
-        assert products == [3]  # one product of both, none for the layer's own call
+        assert products == [3]  # one call for both, none for the layer's own
         again = projection(own)
         assert products == [3, 1]  # taken once
         invariant.project_beside(projection, own, others)
         other_input = projection(own.clone())
         assert products == [3, 1, 3, 1]  # only the very input it was given takes it
+        invariant.project_beside(projection, own, others)
     with torch.inference_mode(), rows_alone():
         projection(own)  # dropped when the outermost rows_alone ended
-    assert products == [3, 1, 3, 1, 1]
+    assert products == [3, 1, 3, 1, 3, 1]
+    alone = invariant.linear_rows_alone
     for row in range(2):
-        assert torch.equal(beside[row], linear_rows_alone(others[row : row + 1], projection.weight)[0])
+        assert torch.equal(beside[row], alone(others[row : row + 1], projection.weight, projection.bias)[0])
     for result in (taken, again, other_input):
-        assert torch.equal(result, linear_rows_alone(own, projection.weight))
+        assert torch.equal(result, alone(own, projection.weight, projection.bias))
+
+
+INFINIGEN_SCHEDULES = [{}, {"own_query_prefetch": True}, {"select_every": 2}]
 
 
 @pytest.mark.parametrize(
-    ("kind", "policy"), [("llama", name) for name in POLICIES] + [("gemma3", "infinigen")]
+    ("kind", "policy", "knobs"),
+    [("llama", name, {}) for name in POLICIES if name != "infinigen"]
+    + [("llama", "infinigen", knobs) for knobs in INFINIGEN_SCHEDULES]
+    + [("gemma3", "infinigen", {})],
 )
-def test_a_look_ahead_put_off_to_the_layer_it_plans_changes_nothing(monkeypatch, kind, policy):
+def test_a_look_ahead_put_off_to_the_layer_it_plans_changes_nothing(monkeypatch, kind, policy, knobs):
     """Where nothing runs beside the decode thread (here every step is below the worker's size), an
-    engine step runs a layer's look-ahead at the start of the layer it plans, and InfiniGen's rehearsal
-    projects its query in one product with that layer's own (``SharedQueries.beside``): logits and counted
-    statistics are those of the look-ahead run at once, at every step, for every policy at its defaults
-    (and on Gemma-3's sliding and global layers, whose queries are normalised per head)."""
-    from infinikv import copiers, spec
-    from infinikv.engine.ragged import RaggedCache
+    engine step runs a prefetching policy's look-ahead at the start of the layer it plans, and InfiniGen's
+    rehearsal projects its query in one product with that layer's own (``SharedQueries.beside``), which
+    the layer's own query projection then takes: logits and counted statistics are those of the
+    look-ahead run at once, at every step, for every policy at its defaults, InfiniGen also with its
+    own-query layers' prefetch and choices every other step (and on Gemma-3's sliding and global layers,
+    whose queries are normalised per head). Nothing is left over after a step."""
+    from infinikv import copiers, invariant
+    from infinikv.engine import ragged
 
     monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", 2**62)
+    taken: list[int] = []
+    forward = invariant._forward
+
+    def spied(module, input):  # noqa: A002 (nn.Linear.forward's name)
+        kept = getattr(invariant._state, "kept", None)
+        if kept is not None and kept.module is module and kept.input is input:
+            taken.append(1)
+        return forward(module, input)
+
+    monkeypatch.setattr(invariant, "_forward", spied)  # before the model is prepared (install)
     loaded = tiny_model(kind)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 200, (1, n), generator=generator) for n in (150, 110)]
-    config = make_config(policy)
-    beside: list[int] = []
-    project_beside = spec.project_beside
+    config = make_config(policy, **knobs)
+    put_off: list[bool] = []
+    puts_off = ragged.RaggedCache._puts_off
 
-    def counted(module, own, others):
-        beside.append(1)
-        return project_beside(module, own, others)
+    def recorded(self, *args):
+        put_off.append(puts_off(self, *args))
+        return put_off[-1]
 
-    monkeypatch.setattr(spec, "project_beside", counted)
-    puts_off = RaggedCache._puts_off
+    caches: list[ragged.RaggedCache] = []
+    step_cache = ragged.RaggedCache.__init__
 
-    def feed(put_off: bool) -> tuple[list[torch.Tensor], dict]:
-        monkeypatch.setattr(RaggedCache, "_puts_off", puts_off if put_off else lambda *_: False)
+    def kept_cache(self, *args, **kwargs):
+        step_cache(self, *args, **kwargs)
+        caches.append(self)
+
+    monkeypatch.setattr(ragged.RaggedCache, "__init__", kept_cache)
+
+    def feed(at_once: bool) -> tuple[list[torch.Tensor], dict]:
+        monkeypatch.setattr(ragged.RaggedCache, "_puts_off", (lambda *_: False) if at_once else recorded)
         with ForcedRows(loaded, [config] * 2) as forced:
             for row, prompt in enumerate(prompts):
                 forced.prefill(row, prompt, 32)
@@ -211,16 +244,39 @@ def test_a_look_ahead_put_off_to_the_layer_it_plans_changes_nothing(monkeypatch,
             steps = []
             for _ in range(12):
                 logits = forced.step([0, 1], tokens)
+                assert caches[-1]._put_off is None and getattr(invariant._state, "kept", None) is None
                 tokens = logits.argmax(-1, keepdim=True)
                 steps.append(logits)
             return steps, forced.stats()
 
-    at_once, at_once_stats = feed(put_off=False)
-    assert not beside
-    put_off, put_off_stats = feed(put_off=True)
-    assert bool(beside) == (policy == "infinigen")
-    assert all(torch.equal(a, b) for a, b in zip(at_once, put_off, strict=True))
-    counted_stats = [
-        {k: v for k, v in s.items() if not k.endswith("_s")} for s in (at_once_stats, put_off_stats)
-    ]
-    assert counted_stats[0] == counted_stats[1]  # everything but times
+    at_once, at_once_stats = feed(at_once=True)
+    assert not taken
+    later, later_stats = feed(at_once=False)
+    assert any(put_off) == POLICIES[policy].prefetches
+    assert bool(taken) == (policy == "infinigen")
+    assert all(torch.equal(a, b) for a, b in zip(at_once, later, strict=True))
+    counted = [{k: v for k, v in s.items() if not k.endswith("_s")} for s in (at_once_stats, later_stats)]
+    assert counted[0] == counted[1]  # everything but times
+
+
+def test_a_look_ahead_is_put_off_only_where_nothing_would_overlap_it():
+    """Not from layer 0 (it plans itself too), not for a target other than the next layer, not in a
+    compiled step, and not where the copier overlaps its work (a worker, a copy stream)."""
+    from types import SimpleNamespace
+
+    from infinikv.engine.ragged import RaggedCache
+
+    spec = tiny_model("llama").spec
+
+    def policy(overlaps: bool | None) -> SimpleNamespace:
+        pool = (
+            None if overlaps is None else SimpleNamespace(copier=SimpleNamespace(overlaps=lambda: overlaps))
+        )
+        return SimpleNamespace(pool=lambda: pool)
+
+    eager, compiled = RaggedCache(spec, [], [4]), RaggedCache(spec, [], [4], compiled=True)
+    assert eager._puts_off(1, policy(False), {2}) and eager._puts_off(2, policy(None), {3})
+    assert not eager._puts_off(0, policy(False), {0, 1})
+    assert not eager._puts_off(1, policy(False), set())
+    assert not eager._puts_off(1, policy(True), {2})
+    assert not compiled._puts_off(1, policy(False), {2})

@@ -18,8 +18,8 @@ their number of rows in some draws (subnormal results among them): they run a ro
 
 :func:`project_beside` computes other rows with a layer's own input in one product, ahead of the layer's
 own call, which then takes its rows' result from there: a look-ahead that projects layer i's input to
-layer i+1's query, run at layer i+1 (``engine/ragged.py``), reads those weights once for both. Each row
-still gets what it gets alone.
+layer i+1's query, run at layer i+1 (``engine/ragged.py``), reads those weights once for both (where the
+rows of both fit one product). Each row still gets what it gets alone.
 
 The cost: a step with more rows than the class holds (16 or more here) makes several products where one
 would do, and the two-row kernel is slower per row than the one for 16 or more; a lone row's padded
@@ -32,6 +32,7 @@ import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +41,20 @@ Tensor = torch.Tensor
 PROBE_ROWS = 32  # most rows a probe tries (and so most rows in one product)
 PROBE_OUTPUTS = 1024  # output features a probe computes (the weight's first ones)
 
-# on this thread: .active, linear layers run their rows as alone; .kept, (module, input, output) a layer's
-# next call takes (project_beside)
+# on this thread: .active, linear layers run their rows as alone; .kept, what a layer's next call takes
+# (project_beside)
 _state = threading.local()
+
+
+class _Kept(NamedTuple):
+    """A result :func:`project_beside` computed ahead for ``module``'s next call with ``input`` (which the
+    caller leaves as it is: an inference tensor keeps no version to check)."""
+
+    module: torch.nn.Module
+    input: Tensor
+    output: Tensor
+
+
 _classes: dict[tuple, tuple[int, int]] = {}
 _probing = threading.Lock()
 
@@ -74,23 +86,26 @@ def install(model: torch.nn.Module) -> None:
 def _forward(module: torch.nn.Linear, input: Tensor) -> Tensor:  # noqa: A002 (nn.Linear.forward's name)
     if not torch.compiler.is_compiling() and getattr(_state, "active", False):
         kept = getattr(_state, "kept", None)
-        if kept is not None and kept[0] is module and kept[1] is input:
+        if kept is not None and kept.module is module and kept.input is input:
             _state.kept = None
-            return kept[2]
+            return kept.output
         return linear_rows_alone(input, module.weight, module.bias)
     return F.linear(input, module.weight, module.bias)
 
 
-def project_beside(module: torch.nn.Linear, own: Tensor, others: Tensor) -> Tensor:
+def project_beside(module: torch.nn.Module, own: Tensor, others: Tensor) -> Tensor:
     """``module(others)`` [..., out] for ``others`` [..., in], computed in one product with the rows of
-    ``own``, the input ``module``'s next call on this thread takes (inside :func:`rows_alone`): that call
-    returns its rows' result from here, so the weights are read once for both. Every row gets what it gets
-    alone."""
+    ``own``, the input ``module``'s next call on this thread takes: that call returns its rows' result from
+    here, so the weights are read once for both (where both inputs' rows fit one product: else in as many
+    as :func:`linear_rows_alone` makes). Every row gets what it gets alone. Inside :func:`rows_alone`, for a
+    plain ``nn.Linear`` (what :func:`install` prepares); otherwise ``module(others)``, nothing kept."""
+    if type(module) is not torch.nn.Linear or not getattr(_state, "active", False):
+        return module(others)
     width = own.shape[-1]
     mine = own.numel() // width
     both = torch.cat([own.reshape(mine, width), others.reshape(-1, width)])
     out = linear_rows_alone(both, module.weight, module.bias)
-    _state.kept = (module, own, out[:mine].reshape(*own.shape[:-1], -1))
+    _state.kept = _Kept(module, own, out[:mine].reshape(*own.shape[:-1], -1))
     return out[mine:].reshape(*others.shape[:-1], -1)
 
 

@@ -117,6 +117,7 @@ class SharedQueries:
         return query[row : row + 1]
 
     def _query(self, layer: int) -> Tensor:
+        """Every row's post-RoPE query of ``layer``, beside its own input where :meth:`beside` says."""
         spec, x, position_ids = self._spec, self._x, self._position_ids
         if self._beside is None or self._beside[0] != layer:
             return spec.query(layer, x, position_ids)

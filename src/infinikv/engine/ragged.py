@@ -58,8 +58,8 @@ class RaggedCache(PolicyCache):
         self.rows = rows
         self.past = past
         self.compiled = compiled
-        # a look-ahead put off to the layer it plans (_puts_off): that layer, its input's queries, the work
-        self._put_off: tuple[int, SharedQueries, Callable[[], None]] | None = None
+        # a look-ahead put off to the next layer, which it plans (_puts_off): its input's queries, the work
+        self._put_off: tuple[SharedQueries, Callable[[], None]] | None = None
         self.longest = max(past)
         self._selected: dict[int, list[tuple[Tensor, Tensor]]] = {}
         self._windows: dict[int, list[Tensor]] = {}  # sliding window -> each row's mask
@@ -75,9 +75,9 @@ class RaggedCache(PolicyCache):
 
     def before_attention(self, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor) -> None:
         if self._put_off is not None:  # the look-ahead for this layer, first, as it would have run
-            target, ahead_queries, planned = self._put_off
+            ahead_queries, planned = self._put_off
             self._put_off = None
-            ahead_queries.beside(target, x)
+            ahead_queries.beside(layer, x)
             planned()
         # A row's own mask: every position real (the policy's key_valid, as for an unpadded row alone).
         if self._real is None:
@@ -127,7 +127,7 @@ class RaggedCache(PolicyCache):
             targets = {target for _, class_targets in classes for target in class_targets}
             if self._puts_off(layer, first, targets):
                 own()
-                self._put_off = (layer + 1, queries, ahead)
+                self._put_off = (queries, ahead)
             else:
                 in_order(first, layer, own, ahead)
 
@@ -136,7 +136,9 @@ class RaggedCache(PolicyCache):
         instead: where it plans that layer alone and nothing would overlap it (``policy``'s copier runs it
         at once, ``Copier.overlaps``), so it can wait until that layer's input exists and project its query
         in one product with it (``SharedQueries.beside``: the query weights read once for both). Not from
-        layer 0, which plans itself too, nor in a compiled step, whose projections are the graph's."""
+        layer 0, which plans itself too, nor in a compiled step, whose projections are the graph's. The
+        model must leave ``layer``'s input as it is until the next layer's hook (Llama and Gemma-3 do: it is
+        a normalised tensor of its own that nothing writes to)."""
         pool = policy.pool()
         return (
             layer > 0

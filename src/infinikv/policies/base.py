@@ -6,8 +6,10 @@ A policy owns the KV cache of one generation run. The cache (``infinikv.cache``)
   attends to (prefill attention is dense, over everything stored so far);
 * ``plan(layer, x, position_ids, queries)``, only for policies that declare ``prefetches = True``: once per
   decode step, from the previous layer's pre-attention hook (layer 0: its own), decide what ``layer`` will
-  read and start copying it from the host pool, so the copy overlaps the previous layer's compute. ``x`` is
-  the normalised input of the layer whose hook runs (InfiniGen rehearses ``layer``'s attention from it);
+  read and start copying it from the host pool, so the copy overlaps the previous layer's compute (where
+  nothing would overlap it, an engine step runs it at the start of ``layer``'s own hook instead, before
+  that layer's ``before_attention``: ``engine/ragged.py``). ``x`` is the normalised input of the previous
+  layer (layer 0: its own; InfiniGen rehearses ``layer``'s attention from it);
   ``queries``, where not None, gives a layer's query of ``x`` (``spec.QueryOf``), projected once for every
   row of an engine step;
 * ``before_attention(layer, x, position_ids, queries)`` with ``layer``'s own normalised input, before its

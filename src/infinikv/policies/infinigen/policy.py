@@ -2,8 +2,9 @@
 
 The full K/V of every layer live in the host pool. Each layer that InfiniGen manages keeps, on the compute
 device, a *partial key cache*: its post-RoPE keys times the skewing matrix A (``calibration.py``), restricted
-to a few columns. In a decode step, from layer i's pre-attention hook (the cache calls ``plan(i+1)``), the
-policy rehearses layer i+1:
+to a few columns. In a decode step, from layer i's pre-attention hook (the cache calls ``plan(i+1)``; an
+engine step whose copier runs everything at once calls it from layer i+1's hook, before that layer's own
+work, ``engine/ragged.py``), the policy rehearses layer i+1:
 
 1. speculative query q̂ = (RoPE(x W_q,i+1) A)[cols] from layer i's normalised input x;
 2. scores s = q̂ · K̃_i+1[:, cols]ᵀ times the attention scale, per query head, relative to that head's
@@ -18,7 +19,8 @@ policy rehearses layer i+1:
    overlap the rest of layer i; layer i+1 attends with its real query over [selected; newest token]. On a
    CPU the whole look-ahead (steps 1-4) runs on the pool's worker thread (``KVPool.ahead``) where a core is
    free for it and the step copies enough to gain from it (``copiers.ThreadCopier``), else on the decode
-   thread; on CUDA its kernels queue on the compute stream.
+   thread, where it overlaps nothing (an engine step then runs it at the start of layer i+1, projecting
+   step 1's query in one product with that layer's own); on CUDA its kernels queue on the compute stream.
 
 Where it departs from the paper and its artifact (docs/results-infinigen.md measures what each buys):
 
