@@ -151,8 +151,7 @@ def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call
     install(loaded.model)
     projection = loaded.model.model.layers[1].self_attn.q_proj
     if split:  # products of two rows at most: both inputs' three rows take two
-        key = (tuple(projection.weight.shape), projection.weight.device, projection.weight.dtype)
-        monkeypatch.setitem(invariant._classes, key, (2, 2))
+        monkeypatch.setattr(invariant, "invariant_rows", lambda weight: (2, 2))
     generator = torch.Generator().manual_seed(2)
     own = torch.randn(1, 1, projection.in_features, generator=generator)
     others = torch.randn(2, 1, projection.in_features, generator=generator)
@@ -200,43 +199,41 @@ def test_a_look_ahead_put_off_to_the_layer_it_plans_changes_nothing(monkeypatch,
     the layer's own query projection then takes: logits and counted statistics are those of the
     look-ahead run at once, at every step, for every policy at its defaults, InfiniGen also with its
     own-query layers' prefetch and choices every other step (and on Gemma-3's sliding and global layers,
-    whose queries are normalised per head). Nothing is left over after a step."""
-    from infinikv import copiers, invariant
+    whose queries are normalised per head)."""
+    from infinikv import copiers, invariant, spec
     from infinikv.engine import ragged
 
     monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", 2**62)
-    taken: list[int] = []
-    forward = invariant._forward
+    products: list[int] = []
+    product = invariant.linear_rows_alone
 
-    def spied(module, input):  # noqa: A002 (nn.Linear.forward's name)
-        kept = getattr(invariant._state, "kept", None)
-        if kept is not None and kept.module is module and kept.input is input:
-            taken.append(1)
-        return forward(module, input)
+    def counted_product(x, weight, bias=None):
+        products.append(1)
+        return product(x, weight, bias)
 
-    monkeypatch.setattr(invariant, "_forward", spied)  # before the model is prepared (install)
+    monkeypatch.setattr(invariant, "linear_rows_alone", counted_product)
+    beside: list[int] = []
+    project_beside = spec.project_beside
+
+    def counted_beside(module, own, others):
+        beside.append(1)
+        return project_beside(module, own, others)
+
+    monkeypatch.setattr(spec, "project_beside", counted_beside)
     loaded = tiny_model(kind)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 200, (1, n), generator=generator) for n in (150, 110)]
     config = make_config(policy, **knobs)
     put_off: list[bool] = []
-    puts_off = ragged.RaggedCache._puts_off
+    puts_off = ragged.RaggedCache.puts_off
 
     def recorded(self, *args):
         put_off.append(puts_off(self, *args))
         return put_off[-1]
 
-    caches: list[ragged.RaggedCache] = []
-    step_cache = ragged.RaggedCache.__init__
-
-    def kept_cache(self, *args, **kwargs):
-        step_cache(self, *args, **kwargs)
-        caches.append(self)
-
-    monkeypatch.setattr(ragged.RaggedCache, "__init__", kept_cache)
-
     def feed(at_once: bool) -> tuple[list[torch.Tensor], dict]:
-        monkeypatch.setattr(ragged.RaggedCache, "_puts_off", (lambda *_: False) if at_once else recorded)
+        products.clear()
+        monkeypatch.setattr(ragged.RaggedCache, "puts_off", (lambda *_: False) if at_once else recorded)
         with ForcedRows(loaded, [config] * 2) as forced:
             for row, prompt in enumerate(prompts):
                 forced.prefill(row, prompt, 32)
@@ -244,16 +241,17 @@ def test_a_look_ahead_put_off_to_the_layer_it_plans_changes_nothing(monkeypatch,
             steps = []
             for _ in range(12):
                 logits = forced.step([0, 1], tokens)
-                assert caches[-1]._put_off is None and getattr(invariant._state, "kept", None) is None
                 tokens = logits.argmax(-1, keepdim=True)
                 steps.append(logits)
-            return steps, forced.stats()
+            return steps, forced.stats(), len(products)
 
-    at_once, at_once_stats = feed(at_once=True)
-    assert not taken
-    later, later_stats = feed(at_once=False)
+    at_once, at_once_stats, products_at_once = feed(at_once=True)
+    assert not beside
+    later, later_stats, products_later = feed(at_once=False)
     assert any(put_off) == POLICIES[policy].prefetches
-    assert bool(taken) == (policy == "infinigen")
+    # each projection beside a layer's own input is one product, and that layer's own call then makes none
+    assert bool(beside) == (policy == "infinigen")
+    assert products_at_once - products_later == len(beside)
     assert all(torch.equal(a, b) for a, b in zip(at_once, later, strict=True))
     counted = [{k: v for k, v in s.items() if not k.endswith("_s")} for s in (at_once_stats, later_stats)]
     assert counted[0] == counted[1]  # everything but times
@@ -275,8 +273,8 @@ def test_a_look_ahead_is_put_off_only_where_nothing_would_overlap_it():
         return SimpleNamespace(pool=lambda: pool)
 
     eager, compiled = RaggedCache(spec, [], [4]), RaggedCache(spec, [], [4], compiled=True)
-    assert eager._puts_off(1, policy(False), {2}) and eager._puts_off(2, policy(None), {3})
-    assert not eager._puts_off(0, policy(False), {0, 1})
-    assert not eager._puts_off(1, policy(False), set())
-    assert not eager._puts_off(1, policy(True), {2})
-    assert not compiled._puts_off(1, policy(False), {2})
+    assert eager.puts_off(1, policy(False), {2}) and eager.puts_off(2, policy(None), {3})
+    assert not eager.puts_off(0, policy(False), {0, 1})
+    assert not eager.puts_off(1, policy(False), set())
+    assert not eager.puts_off(1, policy(True), {2})
+    assert not compiled.puts_off(1, policy(False), {2})

@@ -10,7 +10,7 @@ The cache is called three times per layer and step (``hooks.py`` installs what c
    so it runs beside the layer's own choice. An engine step hands each policy class a layer's input for all
    its rows at once (``Policy.before_attention_rows``, ``Policy.plan_rows``, from ``engine/ragged.py``),
    and where its copier runs everything at once, runs a layer's look-ahead at the next layer's hook
-   instead (``RaggedCache._puts_off``);
+   instead (``RaggedCache.puts_off``);
 2. ``update`` (called by the attention module after q/k/v and RoPE): prefill chunks go to
    ``policy.prefill``, decode tokens to ``policy.decode``, which returns the K/V the layer attends to;
 3. ``attend``, from the registered attention function: it fits the model's mask to the policy's selection

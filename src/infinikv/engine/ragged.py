@@ -10,7 +10,7 @@ it gets in a step alone, bit for bit (``invariant.rows_alone``, inside ``forward
 that projects its input to a layer's query (InfiniGen's rehearsal) gets its row of one projection of
 every row (``spec.SharedQueries``), so the layer's query weights are read once a step, not once per row.
 Where nothing would run beside it, a layer's look-ahead waits for the next layer's start, so that such a
-projection shares one product with that layer's own query (``RaggedCache._puts_off``).
+projection shares one product with that layer's own query (``RaggedCache.puts_off``).
 A layer's own work, look-ahead, decode, for rows whose layer waits for its query that query, and the
 attention reach each policy class once for all its rows (``Policy.before_attention_rows``, ``plan_rows``,
 ``decode_rows``, ``take_query_rows``, ``attend_rows``): a class may take its rows together where each
@@ -58,7 +58,7 @@ class RaggedCache(PolicyCache):
         self.rows = rows
         self.past = past
         self.compiled = compiled
-        # a look-ahead put off to the next layer, which it plans (_puts_off): its input's queries, the work
+        # a look-ahead put off to the next layer, which it plans (puts_off): its input's queries, the work
         self._put_off: tuple[SharedQueries, Callable[[], None]] | None = None
         self.longest = max(past)
         self._selected: dict[int, list[tuple[Tensor, Tensor]]] = {}
@@ -125,13 +125,13 @@ class RaggedCache(PolicyCache):
             pooled = [self.rows[r].policy for r in decoding if self.rows[r].policy.pool() is not None]
             first = (pooled or [self.rows[decoding[0]].policy])[0]
             targets = {target for _, class_targets in classes for target in class_targets}
-            if self._puts_off(layer, first, targets):
+            if self.puts_off(layer, first, targets):
                 own()
                 self._put_off = (queries, ahead)
             else:
                 in_order(first, layer, own, ahead)
 
-    def _puts_off(self, layer: int, policy: Policy, targets: set[int]) -> bool:
+    def puts_off(self, layer: int, policy: Policy, targets: set[int]) -> bool:
         """Whether ``layer``'s look-ahead, which plans ``targets``, runs at the start of the next layer
         instead: where it plans that layer alone and nothing would overlap it (``policy``'s copier runs it
         at once, ``Copier.overlaps``), so it can wait until that layer's input exists and project its query
