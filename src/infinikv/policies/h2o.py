@@ -291,7 +291,7 @@ class H2OPolicy(HostPoolPolicy):
         share = (time.perf_counter() - start) / len(policies)
         for policy in policies:
             policy.count_selector_time(share)
-        return list(out.split([row.q.shape[0] for row in rows]))
+        return _split(out, [row.q.shape[0] for row in rows])
 
     @staticmethod
     def _store_new(policies: list[H2OPolicy], layer: int, score: Tensor, k: Tensor, v: Tensor) -> None:
@@ -314,9 +314,7 @@ class H2OPolicy(HostPoolPolicy):
         alive = alive.scatter(2, victim, alive.gather(2, victim) & ~over[..., None])  # a row over: dead
         sizes = [token.positions.shape[0] for token in new]  # each policy's rows (one in an engine step)
         if first.slot_pos[layer].shape[2] < capacity:
-            rows = zip(
-                policies, new, candidates.split(sizes), score.split(sizes), alive.split(sizes), strict=True
-            )
+            rows = zip(policies, new, *(_split(t, sizes) for t in (candidates, score, alive)), strict=True)
             for policy, token, *state in rows:
                 policy.host_pool.append(layer, token.keys, token.values)
                 policy.slot_pos[layer], policy.score[layer], policy.alive[layer] = state
@@ -335,9 +333,7 @@ class H2OPolicy(HostPoolPolicy):
             score[..., :newest].scatter(2, slot, score.gather(2, source)),
             alive[..., :newest].scatter(2, slot, alive.gather(2, source)),
         )
-        rows = zip(
-            policies, *(t.split(sizes) for t in written), *(t.split(sizes) for t in state), strict=True
-        )
+        rows = zip(policies, *(_split(t, sizes) for t in (*written, *state)), strict=True)
         for policy, slot_of, keys, values, *kept_state in rows:
             policy.host_pool.write_slots(layer, slot_of, keys, values)
             policy.slot_pos[layer], policy.score[layer], policy.alive[layer] = kept_state
@@ -346,6 +342,11 @@ class H2OPolicy(HostPoolPolicy):
 def _stacked(tensors: list[Tensor]) -> Tensor:
     """Rows' tensors one above the other (a single row's as it is)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _split(tensor: Tensor, sizes: list[int]) -> list[Tensor]:
+    """:func:`_stacked` undone: each policy's ``sizes`` rows (a single policy's tensor as it is)."""
+    return [tensor] if len(sizes) == 1 else list(tensor.split(sizes))
 
 
 def _priority(score: Tensor, positions: Tensor, window_start: Tensor, valid: Tensor | None) -> Tensor:
