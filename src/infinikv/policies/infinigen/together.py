@@ -55,6 +55,8 @@ def chooses_together(policy: InfiniGenPolicy, layer: int, own_query: bool) -> bo
 def groups(policies: list[InfiniGenPolicy], layer: int, own_query: bool) -> tuple[list[int], list[list[int]]]:
     """Which of ``policies`` choose ``layer`` alone, and the groups of two or more that choose it together:
     those that choose plainly (:func:`chooses_together`), by partial-key form, sinks and window."""
+    if len(policies) < 2:  # a group needs two
+        return list(range(len(policies))), []
     forms: dict[tuple, list[int]] = {}
     alone = []
     for r, policy in enumerate(policies):
