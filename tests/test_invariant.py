@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from infinikv import invariant
 from infinikv.engine.forced import ForcedRows
 from infinikv.invariant import install, invariant_rows, linear_rows_alone, rows_alone
 from infinikv.policies import POLICIES, make_config
@@ -28,6 +29,27 @@ def test_each_row_of_a_product_is_what_it_is_alone_whatever_the_rows_beside_it()
             for place in (0, count - 1):
                 batch = torch.cat([rows[1:count][:place], rows[:1], rows[1:count][place:]])
                 assert torch.equal(linear_rows_alone(batch, weight, bias)[place], alone[0]), (dtype, count)
+
+
+def test_rows_on_the_cpu_in_float32_are_each_their_own_matrix_vector_product(monkeypatch):
+    """Where the probe finds a batch of matrix-vector products giving each row the lone one's bits (this
+    project's CPU, float32), a row's result is its plain lone product (its bias added apart), among any
+    number of rows, and a lone row is computed alone: no other row is padded in beside it."""
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(576, 192, generator=generator)
+    bias = torch.randn(576, generator=generator)
+    if not invariant.rows_as_vectors(weight):
+        pytest.skip("this CPU's batched matrix-vector products differ from its lone ones")
+    rows = torch.randn(40, 192, generator=generator)
+    lone = torch.cat([torch.nn.functional.linear(row[None], weight) for row in rows])
+    for count in (1, 2, 3, 8, 33, 40):
+        assert torch.equal(linear_rows_alone(rows[:count], weight), lone[:count]), count
+        assert torch.equal(linear_rows_alone(rows[:count], weight, bias), lone[:count] + bias), count
+    widths = []
+    plain = torch.nn.functional.linear
+    monkeypatch.setattr(invariant.F, "linear", lambda x, *args: widths.append(x.shape[0]) or plain(x, *args))
+    linear_rows_alone(rows[:1], weight)
+    assert widths == [1]
 
 
 def test_rounded_products_give_a_row_its_own_bits_in_every_draw():
@@ -145,7 +167,6 @@ def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call
     input's, each as alone, from one product (``split``: from several, where a product holds fewer rows
     than both have); the kept result serves that call once, and only that one; a nested ``rows_alone``
     that ends keeps it for the outer one."""
-    from infinikv import invariant
 
     loaded = tiny_model("llama")
     install(loaded.model)

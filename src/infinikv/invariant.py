@@ -8,22 +8,36 @@ its decode rows, would give a row other bits than the same request alone (one ro
 selective cache such a bit can change what is kept, and then a token.
 
 Inside :func:`rows_alone` (the engine's decode step, ``forward.decode_rows``, and its rows' shared query
-projections, ``spec.SharedQueries``) each ``nn.Linear`` of a model :func:`install` has prepared runs its
-rows in groups whose size lies in one such class: the class of two rows, found for each weight shape,
-device and dtype by a probe (:func:`invariant_rows`). A lone row is padded to the class's smallest size;
-more rows than its largest go in several products. Outside it, and while compiling, a linear layer is
-the plain one. Rounded to bfloat16, another kernel's sums show in some draws only, so a probe cannot
-rule a lone row's kernel in: a lone row is always padded there. float16 products on the CPU differ with
-their number of rows in some draws (subnormal results among them): they run a row at a time.
+projections, ``spec.SharedQueries``) each ``nn.Linear`` of a model :func:`install` has prepared gives each
+row what it gets alone, in one of two ways:
 
-:func:`project_beside` computes other rows with a layer's own input in one product, ahead of the layer's
-own call, which then takes its rows' result from there: a look-ahead that projects layer i's input to
-layer i+1's query, run at layer i+1 (``engine/ragged.py``), reads those weights once for both (where the
-rows of both fit one product). Each row still gets what it gets alone.
+* **As vectors** (:func:`rows_as_vectors`: on the CPU in float32 or float64, where a probe confirms it):
+  each row is a matrix-vector product, a lone row's own kernel, and the rows of a step are one batched call
+  of such products (``torch.bmm`` with the weight broadcast), which gives each row the lone product's bits.
+  A lone row pays for no other row: on this project's CPU a product of two or three rows costs what as
+  many lone rows cost (MKL's kernels for a few rows read the weights at about half the speed of the
+  matrix-vector kernel), so padding a lone row to two, as below, made every projection of a batch-1 step
+  cost twice its own (the whole step about 1.5×; docs/benchmarks.md).
+* **In a class of rows** (elsewhere: a GPU, and bfloat16 or float16 on the CPU): each product's rows lie in
+  one class of sizes that share a kernel, the class of two rows, found for each weight shape, device and
+  dtype by a probe (:func:`invariant_rows`). A lone row is padded to the class's smallest size; more rows
+  than its largest go in several products. Rounded to bfloat16, another kernel's sums show in some draws
+  only, so a probe cannot rule a lone row's kernel in: a lone row is always padded there. float16 products
+  on the CPU differ with their number of rows in some draws (subnormal results among them): they run a
+  row at a time.
 
-The cost: a step with more rows than the class holds (16 or more here) makes several products where one
-would do, and the two-row kernel is slower per row than the one for 16 or more; a lone row's padded
-product costs about what one row costs.
+Outside it, and while compiling, a linear layer is the plain one.
+
+:func:`project_beside` computes other rows with a layer's own input in one call, ahead of the layer's own
+call, which then takes its rows' result from there: a look-ahead that projects layer i's input to layer
+i+1's query, run at layer i+1 (``engine/ragged.py``), reads those weights right before the layer reads
+them again (once for both, where the rows of both fit one product of a class). Each row still gets what it
+gets alone.
+
+The cost: as vectors, a step's rows each read the weights once, where one product of 16 rows or more would
+read them once for all (at this project's batch sizes, up to 8, a class of two or three rows reads them
+about as often); in a class, a step with more rows than the class holds makes several products where one
+would do.
 """
 
 from __future__ import annotations
@@ -56,6 +70,7 @@ class _Kept(NamedTuple):
 
 
 _classes: dict[tuple, tuple[int, int]] = {}
+_vectors: dict[tuple, bool] = {}
 _probing = threading.Lock()
 
 
@@ -114,8 +129,13 @@ def linear_rows_alone(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
     the rows laid out one after the other, whatever ``x``'s strides)."""
     width = x.shape[-1]
     rows = x.numel() // width
-    low, high = invariant_rows(weight)
     flat = x.reshape(rows, width)
+    if rows_as_vectors(weight):
+        out = _vector_products(flat, weight)
+        if bias is not None:  # added apart, as in every row's own product
+            out = out + bias
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    low, high = invariant_rows(weight)
     if low <= rows <= high or rows == 0:
         out = F.linear(flat, weight, bias)
     else:  # a lone row padded with copies of itself; more rows than a product holds, in several
@@ -124,6 +144,52 @@ def linear_rows_alone(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
         ]
         out = (outs[0] if len(outs) == 1 else torch.cat(outs))[:rows]
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _vector_products(rows: Tensor, weight: Tensor) -> Tensor:
+    """``rows`` [n, in] times ``weight`` [out, in] transposed, each row as a matrix-vector product: a lone
+    row in one, several in one batched call of them (at most :data:`PROBE_ROWS` a call, as probed)."""
+    if rows.shape[0] == 1:
+        return F.linear(rows, weight)
+    transposed = weight.t()
+    outs = [
+        torch.bmm(part[:, None, :], transposed.expand(part.shape[0], -1, -1))[:, 0]
+        for part in rows.split(PROBE_ROWS)
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def rows_as_vectors(weight: Tensor) -> bool:
+    """Whether products with ``weight`` [out, in] run each row as a matrix-vector product
+    (:func:`_vector_products`): on the CPU in full precision, where a batch of such products gives each row
+    what the lone one gives it (probed once per shape and dtype, as :func:`invariant_rows`). A lone row's
+    own kernel is the cheapest for it, and on this project's CPU a product of two or three rows costs what
+    as many lone rows cost, so no step pays for a row it does not have."""
+    key = (tuple(weight.shape), weight.device, weight.dtype)
+    found = _vectors.get(key)
+    if found is None:
+        with _probing:
+            found = _vectors.get(key)
+            if found is None:
+                found = _vectors[key] = _probe_vectors(weight)
+    return found
+
+
+@torch.inference_mode()
+def _probe_vectors(weight: Tensor) -> bool:
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.float64):
+        return False
+    w = weight[:PROBE_OUTPUTS]
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
+    lone = torch.cat([F.linear(x[r : r + 1], w) for r in range(PROBE_ROWS)])
+    for n in (2, 3, PROBE_ROWS):
+        if not (
+            torch.equal(_vector_products(x[:n], w), lone[:n])
+            and torch.equal(_vector_products(x[:n].flip(0), w).flip(0), lone[:n])
+        ):
+            return False
+    return True
 
 
 def _padded(rows: Tensor, low: int) -> Tensor:
