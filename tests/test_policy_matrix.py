@@ -774,9 +774,9 @@ def _padded_batch_tokens(loaded, config: PolicyConfig, compile: bool) -> list[li
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_compiled_decode_steps_give_the_eager_tokens(policy, model, request, dense_runs):
-    """Decode steps under torch.compile (the policy's calls eager between the graphs) give every policy's
-    eager greedy tokens at its tight setting, and dense's at its full one: through the engine (rows of
-    different lengths, each through its own cache) and through a left-padded batch's Driver."""
+    """Decode steps under torch.compile (the policy's calls eager, in or between the graphs) give every
+    policy's eager greedy tokens at its tight setting, and dense's at its full one: through the engine
+    (rows of different lengths, each through its own cache) and through a left-padded batch's Driver."""
     entry, loaded = case(policy), request.getfixturevalue(model)
     for knobs, reference in ((entry.tight, None), (entry.full, _dense(model, loaded, dense_runs))):
         if reference is None:
@@ -814,6 +814,23 @@ def test_a_compiled_decode_step_runs_the_models_own_work_as_graphs(tiny_gemma, m
         results = generator.generate(PROMPTS, GenerationConfig(NEW_TOKENS))
         decoded = max(len(r.token_ids) for r in results) - 1  # the engine's decode steps
         assert len(eager_decode_calls) == (0 if compile else decoded), f"engine, compile={compile}"
+
+
+def test_a_compiled_decode_step_on_the_cpu_is_one_graph(tiny_gemma):
+    """On the CPU the policy's calls are opaque operators inside the step's graph, not graph breaks: a
+    compiled step of the engine and of a left-padded batch's Driver breaks nowhere, InfiniGen's look-ahead
+    and Quest's choice with the layer's query included."""
+    from torch._dynamo.utils import counters
+
+    for policy in ("infinigen", "quest"):
+        torch._dynamo.reset()
+        counters.clear()
+        config = make_config(policy)
+        compiled = _padded_batch_tokens(tiny_gemma, config, compile=True)
+        assert compiled == _padded_batch_tokens(tiny_gemma, config, compile=False), policy
+        Generator(tiny_gemma, config, compile=True).generate(PROMPTS, GenerationConfig(NEW_TOKENS))
+        assert counters["stats"]["unique_graphs"] > 0, policy
+        assert not counters["graph_break"], (policy, dict(counters["graph_break"]))
 
 
 def test_a_shared_engine_decides_whether_its_steps_are_compiled(tiny):

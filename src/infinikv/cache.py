@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import CacheLayerMixin
 
 from .errors import ModelError
-from .hooks import ONE_USE, UNSUPPORTED, PolicyCache, install
+from .hooks import ONE_USE, UNSUPPORTED, PolicyCache, install, store
 from .kvpool import KVPool
 from .paged import BlockStore
 from .policies import Policy, PolicyConfig, Selection, make_policy
@@ -57,9 +57,8 @@ class PolicyLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.is_initialized = True
 
-    @torch.compiler.disable  # the policy runs eagerly in a compiled step (hooks.py)
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        return self.cache.store_and_select(self.layer, key_states, value_states)
+        return store(self.cache, self.layer, key_states, value_states)
 
     def get_seq_length(self) -> int:
         return self.cache.seq_length(self.layer)
@@ -227,6 +226,8 @@ class InfinikvCache(PolicyCache):
             k, v = selection.keys, selection.values
         else:
             selection = self._selections.pop(layer, None)
+            if selection is not None:  # a compiled step hands the new token's K/V, not the selection
+                k, v = selection.keys, selection.values
         if q.shape[2] == 1 and selection is not None:
             if mask is not None:
                 mask = mask[:, :, -1:, :]

@@ -20,10 +20,11 @@ rows of a transformers cache's batch (``repeat``), which is how the benchmark fi
 one prompt.
 
 A decode step can run compiled (``compile=True``, :func:`decode_call`): transformers' forward under
-``torch.compile`` (inductor; on CUDA with CUDA graphs, as ``mode="reduce-overhead"``), with the policy's
-three calls per layer (``hooks.py``: before attention, store and select, attend) left out of the graphs,
-eager. The model's own work (embedding, norms, projections, RoPE, MLPs, the last logits) is fused and, on
-CUDA, replayed from graphs; what a policy does stays Python. The prefill is not compiled (its shapes change).
+``torch.compile`` (inductor; on CUDA with CUDA graphs, as ``mode="reduce-overhead"``), the policy's three
+calls per layer (``hooks.py``: before attention, store and select, attend) run eagerly: on the CPU as
+opaque operators inside the step's one graph, on CUDA as graph breaks between the graphs of the model's
+own work. That work (embedding, norms, projections, RoPE, MLPs, the last logits) is fused and, on CUDA,
+replayed from graphs; what a policy does stays Python. The prefill is not compiled (its shapes change).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from transformers.cache_utils import Cache
 
 from .cache import InfinikvCache
 from .clock import now
+from .hooks import stepping
 from .invariant import install, rows_alone
 from .models import LoadedModel
 
@@ -119,10 +121,12 @@ def _logits(model: torch.nn.Module, **inputs: Any) -> Tensor:
     return model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
-# Every decoder layer's attention is its own module with its own layer_idx: read as a graph input rather
-# than a constant, the layers share their graphs. The code resumed after each call into the policy indexes
-# the cache's layers by it, and is compiled once per layer (and per model and decode path): the limits on
-# recompiles are raised so that no layer falls back to eager.
+# Every model, decode path and batch size compiles the same function (_logits) again: the limits on
+# recompiles are raised so that none falls back to eager. On CUDA, where each call into the policy breaks
+# the step's graph, every decoder layer's attention is its own module with its own layer_idx; read as a
+# graph input rather than a constant, the layers share their graphs, and the code resumed after each call
+# into the policy, which indexes the cache's layers by it, is compiled once per layer. (On the CPU a step
+# is one graph: hooks.py.)
 # Each under its name in this torch and the older one (those this torch lacks are left out).
 _COMPILE_SETTINGS = {
     "allow_unspec_int_on_nn_module": True,
@@ -153,7 +157,7 @@ def decode_call(loaded: LoadedModel, compile: bool) -> Callable[..., Tensor]:
     settings = {name: on for name, on in _COMPILE_SETTINGS.items() if hasattr(torch._dynamo.config, name)}
 
     def compiled(**inputs: Any) -> Tensor:
-        with torch._dynamo.config.patch(settings):  # a fresh patch: older torch keeps state on it
+        with torch._dynamo.config.patch(settings), stepping(inputs["cache"]):
             return graphed(model, **inputs)
 
     return compiled

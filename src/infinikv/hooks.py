@@ -8,14 +8,26 @@
    is plain SDPA, so the model still works without us.
 
 The cache itself (``cache.InfinikvCache``) subclasses :class:`PolicyCache`, so this module needs nothing
-from it. Every call into a policy (these two, and ``cache.PolicyLayer.update``) is left out of a compiled
-decode step's graph (``torch.compiler.disable``): a policy's work is Python over tensors whose shapes and
-state change from step to step, and it runs eagerly between the graphs of the model's own work.
+from it. A policy's work is Python over tensors whose shapes and state change from step to step, so in a
+compiled decode step each call into it (these two, and ``cache.PolicyLayer.update``, through
+:func:`store`) runs eagerly:
+
+* on the CPU, as an opaque operator of the step's one graph (``infinikv::before_attention``, ``::store``
+  and ``::attend``), which the graph calls with its tensors and the step's cache (:func:`stepping`, set
+  by ``forward.decode_call``) and of which it sees only outputs shaped as an input: the pre-attention
+  operator hands the layer's input back (a copy, on which the projections depend, so the graph keeps the
+  operator and orders it), the store hands back the new K/V (the cache keeps its selection for attend);
+* on CUDA, as a graph break (``torch.compiler.disable``), between the graphs of the model's own work: a
+  CUDA graph would replay a capture of an operator's host work instead of running it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -85,29 +97,107 @@ def _infinikv_attention(
     return _attend(infinikv_cache, module.layer_idx, query, key, value, attention_mask, scaling), None
 
 
-@torch.compiler.disable
 def _attend(
     cache: PolicyCache, layer: int, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scaling: float
 ) -> Tensor:
-    return cache.attend(layer, q, k, v, mask, scaling)
+    if _opaque(q):
+        return torch.ops.infinikv.attend(q, k, v, mask, layer, scaling)
+    return _call(cache.attend, layer, q, k, v, mask, scaling)
 
 
-@torch.compiler.disable
-def _before_attention(
-    cache: PolicyCache, layer: int, x: Tensor, mask: Tensor | None, position_ids: Tensor
-) -> None:
-    cache.before_attention(layer, x, mask, position_ids)
+def store(cache: PolicyCache, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``cache.store_and_select`` of a layer's new K/V (``Cache.update``, from ``cache.PolicyLayer``)."""
+    if _opaque(k):
+        return torch.ops.infinikv.store(k, v, layer)
+    return _call(cache.store_and_select, layer, k, v)
 
 
 def _pre_attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, PolicyCache):
         return None
-    hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    named = "hidden_states" in kwargs
+    hidden = kwargs["hidden_states"] if named else args[0]
     mask, position_ids = kwargs.get("attention_mask"), kwargs.get("position_ids")
-    _before_attention(cache, module.layer_idx, hidden, mask, position_ids)
+    if _opaque(hidden):
+        # the layer's input as the operator hands it back: the projections that follow depend on it, so
+        # the graph keeps the operator and runs it first
+        hidden = torch.ops.infinikv.before_attention(hidden, mask, position_ids, module.layer_idx)
+        if named:
+            kwargs["hidden_states"] = hidden
+        else:
+            args = (hidden, *args[1:])
+    else:
+        _call(cache.before_attention, module.layer_idx, hidden, mask, position_ids)
     kwargs["infinikv_cache"] = cache
     return args, kwargs
+
+
+# -- a compiled decode step ----------------------------------------------------------------------------------
+# On the CPU the policy's three calls per layer are opaque operators of the step's one graph: the graph
+# calls them with its tensors and the cache of the step (stepping) and sees only their outputs, each shaped
+# as an input. On CUDA they are graph breaks instead (_call), as a CUDA graph would replay a capture of
+# their host work instead of running it.
+_stepping = threading.local()
+
+
+@contextlib.contextmanager
+def stepping(cache: PolicyCache) -> Iterator[None]:
+    """The cache a compiled decode step's operators call on this thread, for the step."""
+    before = getattr(_stepping, "cache", None)
+    _stepping.cache = cache
+    try:
+        yield
+    finally:
+        _stepping.cache = before
+
+
+def _opaque(tensor: Tensor) -> bool:
+    """Whether the policy's call on ``tensor`` is an opaque operator of a graph being compiled."""
+    return torch.compiler.is_compiling() and tensor.device.type == "cpu"
+
+
+def _call(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, in a compiled step (on CUDA) as a graph break."""
+    return _apart(call, *args) if torch.compiler.is_compiling() else call(*args)
+
+
+@torch.compiler.disable
+def _apart(call: Callable[..., Any], *args: Any) -> Any:
+    return call(*args)
+
+
+@torch.library.custom_op("infinikv::before_attention", mutates_args=())
+def _before_attention_op(x: Tensor, mask: Tensor | None, position_ids: Tensor, layer: int) -> Tensor:
+    _stepping.cache.before_attention(layer, x, mask, position_ids)
+    return x.clone()
+
+
+@_before_attention_op.register_fake
+def _(x: Tensor, mask: Tensor | None, position_ids: Tensor, layer: int) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("infinikv::store", mutates_args=())
+def _store_op(k: Tensor, v: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+    # the cache keeps the selection for attend (which takes the layer's new K/V, not it)
+    _stepping.cache.store_and_select(layer, k, v)
+    return k.clone(), v.clone()
+
+
+@_store_op.register_fake
+def _(k: Tensor, v: Tensor, layer: int) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("infinikv::attend", mutates_args=())
+def _attend_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, scaling: float) -> Tensor:
+    return _stepping.cache.attend(layer, q, k, v, mask, scaling)
+
+
+@_attend_op.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, scaling: float) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])  # [batch, tokens, heads, head_dim]
 
 
 def install(model: PreTrainedModel) -> None:
