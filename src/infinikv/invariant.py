@@ -162,7 +162,8 @@ def _vector_products(rows: Tensor, weight: Tensor) -> Tensor:
 def rows_as_vectors(weight: Tensor) -> bool:
     """Whether products with ``weight`` [out, in] run each row as a matrix-vector product
     (:func:`_vector_products`): on the CPU in full precision, where a batch of such products gives each row
-    what the lone one gives it (probed once per shape and dtype, as :func:`invariant_rows`). A lone row's
+    what the lone one gives it (probed once per shape and dtype on the weight's first outputs, as
+    :func:`invariant_rows`, with 2, 3 and :data:`PROBE_ROWS` rows in either order). A lone row's
     own kernel is the cheapest for it, and on this project's CPU a product of two or three rows costs what
     as many lone rows cost, so no step pays for a row it does not have."""
     key = (tuple(weight.shape), weight.device, weight.dtype)
