@@ -52,6 +52,19 @@ def test_rows_on_the_cpu_in_float32_are_each_their_own_matrix_vector_product(mon
     assert widths == [1]
 
 
+def test_rows_run_as_vectors_only_where_a_pair_costs_more_than_a_lone_row(monkeypatch):
+    """Where this CPU's product of two rows costs about what a lone row's does (its few-row kernel is fast),
+    rows keep to their class of sizes: the vectors' products are not chosen, and each row still gets its
+    lone bits."""
+    monkeypatch.setattr(invariant, "pairs_cost_more", lambda dtype: False)
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(333, 77, generator=generator)  # a shape no other test probes
+    assert not invariant.rows_as_vectors(weight)
+    rows = torch.randn(5, 77, generator=generator)
+    alone = linear_rows_alone(rows[2:3], weight)
+    assert torch.equal(linear_rows_alone(rows, weight)[2], alone[0])
+
+
 def test_rounded_products_give_a_row_its_own_bits_in_every_draw():
     """In bfloat16 and float16 another kernel's sums show only in some rows once rounded (a 1,536-wide
     bfloat16 product's lone row differs from the same row among others in about one draw of 14 on this CPU;

@@ -11,14 +11,16 @@ Inside :func:`rows_alone` (the engine's decode step, ``forward.decode_rows``, an
 projections, ``spec.SharedQueries``) each ``nn.Linear`` of a model :func:`install` has prepared gives each
 row what it gets alone, in one of two ways:
 
-* **As vectors** (:func:`rows_as_vectors`: on the CPU in float32 or float64, where a probe confirms it):
-  each row is a matrix-vector product, a lone row's own kernel, and the rows of a step are one batched call
-  of such products (``torch.bmm`` with the weight broadcast), which gives each row the lone product's bits.
-  A lone row pays for no other row: on this project's CPU a product of two or three rows costs what as
-  many lone rows cost (MKL's kernels for a few rows read the weights at about half the speed of the
-  matrix-vector kernel), so padding a lone row to two, as below, made every projection of a batch-1 step
-  cost twice its own (the whole step about 1.5×; docs/benchmarks.md).
-* **In a class of rows** (elsewhere: a GPU, and bfloat16 or float16 on the CPU): each product's rows lie in
+* **As vectors** (:func:`rows_as_vectors`: on a CPU whose kernel for a few rows is no faster per row than
+  its matrix-vector one, in float32 or float64, where a probe confirms the bits): each row is a
+  matrix-vector product, a lone row's own kernel, and the rows of a step are one batched call of such
+  products (``torch.bmm`` with the weight broadcast), which gives each row the lone product's bits. A lone
+  row then pays for no other row. On an AMD EPYC with MKL a product of two rows takes 1.9 lone rows'
+  time (three rows about three), so padding a lone row to two, as below, made every projection of a
+  batch-1 step cost twice its own (the whole step about 1.45×), and a class of two or three rows reads
+  the weights as often as the vectors do.
+* **In a class of rows** (elsewhere: a GPU, a CPU whose few-row kernel is fast, and bfloat16 or float16
+  on the CPU): each product's rows lie in
   one class of sizes that share a kernel, the class of two rows, found for each weight shape, device and
   dtype by a probe (:func:`invariant_rows`). A lone row is padded to the class's smallest size; more rows
   than its largest go in several products. Rounded to bfloat16, another kernel's sums show in some draws
@@ -34,16 +36,17 @@ i+1's query, run at layer i+1 (``engine/ragged.py``), reads those weights right 
 them again (once for both, where the rows of both fit one product of a class). Each row still gets what it
 gets alone.
 
-The cost: as vectors, a step's rows each read the weights once, where one product of 16 rows or more would
-read them once for all (at this project's batch sizes, up to 8, a class of two or three rows reads them
-about as often); in a class, a step with more rows than the class holds makes several products where one
-would do.
+The cost: as vectors, a step's rows each read the weights once, where one product of four rows or more
+would read them once for all (on that AMD EPYC, four rows take 2.6 lone rows' time and eight about
+3.6); in a class, a step with more rows than the class holds makes several products where one would do.
 """
 
 from __future__ import annotations
 
 import functools
+import statistics
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -54,6 +57,7 @@ import torch.nn.functional as F
 Tensor = torch.Tensor
 PROBE_ROWS = 32  # most rows a probe tries (and so most rows in one product)
 PROBE_OUTPUTS = 1024  # output features a probe computes (the weight's first ones)
+PAIR_COST = 1.5  # a product of two rows taking this many lone rows' time or more: rows run as vectors
 
 # on this thread: .active, linear layers run their rows as alone; .kept, what a layer's next call takes
 # (project_beside)
@@ -161,11 +165,10 @@ def _vector_products(rows: Tensor, weight: Tensor) -> Tensor:
 
 def rows_as_vectors(weight: Tensor) -> bool:
     """Whether products with ``weight`` [out, in] run each row as a matrix-vector product
-    (:func:`_vector_products`): on the CPU in full precision, where a batch of such products gives each row
-    what the lone one gives it (probed once per shape and dtype on the weight's first outputs, as
-    :func:`invariant_rows`, with 2, 3 and :data:`PROBE_ROWS` rows in either order). A lone row's
-    own kernel is the cheapest for it, and on this project's CPU a product of two or three rows costs what
-    as many lone rows cost, so no step pays for a row it does not have."""
+    (:func:`_vector_products`): on a CPU where a product of two rows takes at least
+    :data:`PAIR_COST` lone rows' time (:func:`pairs_cost_more`), in full precision, where a batch of such
+    products gives each row what the lone one gives it (probed once per shape and dtype on the weight's
+    first outputs, as :func:`invariant_rows`, with 2, 3 and :data:`PROBE_ROWS` rows in either order)."""
     key = (tuple(weight.shape), weight.device, weight.dtype)
     found = _vectors.get(key)
     if found is None:
@@ -180,6 +183,8 @@ def rows_as_vectors(weight: Tensor) -> bool:
 def _probe_vectors(weight: Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.float64):
         return False
+    if not pairs_cost_more(weight.dtype):
+        return False
     w = weight[:PROBE_OUTPUTS]
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
@@ -191,6 +196,26 @@ def _probe_vectors(weight: Tensor) -> bool:
         ):
             return False
     return True
+
+
+@functools.cache
+@torch.inference_mode()
+def pairs_cost_more(dtype: torch.dtype) -> bool:
+    """Whether on this CPU a product of two rows in ``dtype`` takes at least :data:`PAIR_COST` times a lone
+    row's (medians of interleaved timings on a 2,048 × 1,024 weight, once per process: about 1.9 on an AMD
+    EPYC with MKL, so far from the bound that a run does not flip it). Its few-row kernel then reads the
+    weights no faster per row than the matrix-vector one, and running rows as vectors costs nothing."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(2048, 1024, generator=generator).to(dtype)
+    rows = torch.randn(2, 1024, generator=generator).to(dtype)
+    lone: list[float] = []
+    pair: list[float] = []
+    for _ in range(9):
+        for times, x in ((lone, rows[:1]), (pair, rows)):
+            start = time.perf_counter()
+            F.linear(x, weight)
+            times.append(time.perf_counter() - start)
+    return statistics.median(pair) >= PAIR_COST * statistics.median(lone)
 
 
 def _padded(rows: Tensor, low: int) -> Tensor:
