@@ -115,8 +115,9 @@ def _forward(module: torch.nn.Linear, input: Tensor) -> Tensor:  # noqa: A002 (n
 def project_beside(module: torch.nn.Module, own: Tensor, others: Tensor) -> Tensor:
     """``module(others)`` [..., out] for ``others`` [..., in], computed in one product with the rows of
     ``own``, the input ``module``'s next call on this thread takes: that call returns its rows' result from
-    here, so the weights are read once for both (where both inputs' rows fit one product: else in as many
-    as :func:`linear_rows_alone` makes). Every row gets what it gets alone. Inside :func:`rows_alone`, for a
+    here, so the weights are read once for both (where both inputs' rows fit one product of a class: else
+    in as many as :func:`linear_rows_alone` makes; as vectors, once per row, back to back). Every row gets
+    what it gets alone. Inside :func:`rows_alone`, for a
     plain ``nn.Linear`` (what :func:`install` prepares); otherwise ``module(others)``, nothing kept."""
     if type(module) is not torch.nn.Linear or not getattr(_state, "active", False):
         return module(others)

@@ -86,7 +86,8 @@ class SharedQueries:
     """The post-RoPE queries of rows' inputs ``x`` [rows, 1, hidden] (``ModelSpec.query``), projected for
     every row at once, per layer asked for, and handed out a row at a time (:meth:`of_row`). An engine
     step's rows each look ahead from their own row of one batched input (``engine/ragged.py``): this way a
-    layer's query projection reads its weights once a step, not once per row. Look-aheads may ask from
+    layer's query is projected in one call a step, not once by each row's look-ahead (its weights read once
+    where the rows fit one product of a class, ``invariant.py``). Look-aheads may ask from
     their pools' worker threads, so a layer is projected under a lock."""
 
     def __init__(self, spec: ModelSpec, x: Tensor, position_ids: Tensor):

@@ -8,7 +8,7 @@ length, and a row's selection, its copies and its attention follow its own seque
 rules and in the same order. Their inputs come from the batched projections, which give each row what
 it gets in a step alone, bit for bit (``invariant.rows_alone``, inside ``forward.decode_rows``). A look-ahead
 that projects its input to a layer's query (InfiniGen's rehearsal) gets its row of one projection of
-every row (``spec.SharedQueries``), so the layer's query weights are read once a step, not once per row.
+every row (``spec.SharedQueries``): one call for all rows, not one by each row's policy.
 Where nothing would run beside it, a layer's look-ahead waits for the next layer's start, so that such a
 projection shares one product with that layer's own query (``RaggedCache.puts_off``).
 A layer's own work, look-ahead, decode, for rows whose layer waits for its query that query, and the
@@ -135,7 +135,8 @@ class RaggedCache(PolicyCache):
         """Whether ``layer``'s look-ahead, which plans ``targets``, runs at the start of the next layer
         instead: where it plans that layer alone and nothing would overlap it (``policy``'s copier runs it
         at once, ``Copier.overlaps``), so it can wait until that layer's input exists and project its query
-        in one product with it (``SharedQueries.beside``: the query weights read once for both). Not from
+        in one call with it (``SharedQueries.beside``: the query weights read once for both, or as vectors
+        back to back). Not from
         layer 0, which plans itself too, nor in a compiled step, whose projections are the graph's. The
         model must leave ``layer``'s input as it is until the next layer's hook (Llama and Gemma-3 do: it is
         a normalised tensor of its own that nothing writes to)."""

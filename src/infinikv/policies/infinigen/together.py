@@ -110,7 +110,7 @@ def rehearsal_queries_together(policies: list[InfiniGenPolicy], layer: int, rows
     spec = policies[0].spec
     query = torch.cat([queries(layer) for queries in rows.queries])  # [rows, heads, 1, d]
     grouped = query.reshape(query.shape[0], spec.num_kv_heads, spec.group_size, spec.head_dim)
-    weight = spec.attention[layer].q_proj.weight  # read once for every row (spec.SharedQueries)
+    weight = spec.attention[layer].q_proj.weight  # projected once for every row (spec.SharedQueries)
     for policy in policies:  # as rehearsal_query counts it, each row its share
         if layer not in policy.decoding.own_query:
             policy.selector_read(weight, shared_by=len(policies))
