@@ -9,7 +9,7 @@ import torch
 from infinikv import invariant
 from infinikv.engine.forced import ForcedRows
 from infinikv.invariant import install, invariant_rows, linear_rows_alone, rows_alone
-from infinikv.policies import POLICIES, make_config
+from infinikv.policies import POLICIES, make_config, prepare
 from infinikv.testing import tiny_model
 
 
@@ -107,16 +107,13 @@ def test_rows_laid_out_any_way_are_computed_as_alone():
     assert linear_rows_alone(rows[:0], weight).shape == (0, 1, 64)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_decode_rows_in_a_rounded_dtype_are_as_alone(dtype, policy):
-    """The engine's decode step in bfloat16 or float16, for every policy at its defaults: each row's logits
-    are those it gets alone, bit for bit, at every step (a one-row kernel's sums differed from the batch's
-    in some steps before)."""
-    loaded = tiny_model("llama", dtype=dtype)
+def _rows_together_are_as_alone(loaded, policy: str) -> None:
+    """Three rows decoded together in the engine's step (30 steps) get, at every step, the logits each gets
+    alone, bit for bit."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (1, n), generator=generator) for n in (150, 150, 90)]
     config = make_config(policy)
+    prepare(config, loaded)
 
     def feed(rows: list[int]) -> list[torch.Tensor]:
         with ForcedRows(loaded, [config] * len(rows)) as forced:
@@ -133,6 +130,23 @@ def test_decode_rows_in_a_rounded_dtype_are_as_alone(dtype, policy):
     together = feed([0, 1, 2])
     for r in range(3):
         assert all(torch.equal(a[r], b[0]) for a, b in zip(together, feed([r]), strict=True)), r
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_decode_rows_in_a_rounded_dtype_are_as_alone(dtype, policy):
+    """The engine's decode step in bfloat16 or float16, for every policy at its defaults: each row's logits
+    are those it gets alone, bit for bit, at every step (a one-row kernel's sums differed from the batch's
+    in some steps before)."""
+    _rows_together_are_as_alone(tiny_model("llama", dtype=dtype), policy)
+
+
+@pytest.mark.parametrize("policy", ["dense", "infinigen", "quest"])
+def test_decode_rows_in_float32_by_the_class_of_rows_are_as_alone(monkeypatch, policy):
+    """In float32 on a CPU whose few-row kernel is fast (rows not run as vectors), the class of rows gives
+    each row its lone logits too."""
+    monkeypatch.setattr(invariant, "rows_as_vectors", lambda weight: False)
+    _rows_together_are_as_alone(tiny_model("llama"), policy)
 
 
 def test_infinigen_rows_stack_their_products_only_where_that_is_exact(monkeypatch):
@@ -163,7 +177,9 @@ def test_infinigen_rows_stack_their_products_only_where_that_is_exact(monkeypatc
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         stacked.clear()
         projected.clear()
-        with ForcedRows(tiny_model("llama", dtype=dtype), [config] * 3) as forced:
+        loaded = tiny_model("llama", dtype=dtype)
+        prepare(config, loaded)
+        with ForcedRows(loaded, [config] * 3) as forced:
             for row, prompt in enumerate(prompts):
                 forced.prefill(row, prompt, 32)
             for _ in range(4):
@@ -185,6 +201,7 @@ def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call
     install(loaded.model)
     projection = loaded.model.model.layers[1].self_attn.q_proj
     if split:  # products of two rows at most: both inputs' three rows take two
+        monkeypatch.setattr(invariant, "rows_as_vectors", lambda weight: False)
         monkeypatch.setattr(invariant, "invariant_rows", lambda weight: (2, 2))
     generator = torch.Generator().manual_seed(2)
     own = torch.randn(1, 1, projection.in_features, generator=generator)

@@ -833,6 +833,31 @@ def test_a_compiled_decode_step_on_the_cpu_is_one_graph(tiny_gemma):
         assert not counters["graph_break"], (policy, dict(counters["graph_break"]))
 
 
+def test_a_compiled_step_hands_the_cache_tensors_the_graph_does_not_reuse(tiny, monkeypatch):
+    """The cache may keep what it is handed past the call (a look-ahead queued on a pool's worker keeps the
+    layer's input; a layer waiting for its query, its new K/V), and the compiled graph reuses its tensors'
+    memory after their last use: after compiled steps, every input and new K/V the cache was handed still
+    holds what it held then."""
+    from infinikv.engine.ragged import RaggedCache
+
+    handed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    before_attention, store_and_select = RaggedCache.before_attention, RaggedCache.store_and_select
+
+    def keeps_input(self, layer, x, mask, position_ids):
+        handed.append((x, x.clone()))
+        return before_attention(self, layer, x, mask, position_ids)
+
+    def keeps_new(self, layer, k, v):
+        handed.extend([(k, k.clone()), (v, v.clone())])
+        return store_and_select(self, layer, k, v)
+
+    monkeypatch.setattr(RaggedCache, "before_attention", keeps_input)
+    monkeypatch.setattr(RaggedCache, "store_and_select", keeps_new)
+    Generator(tiny, "quest", compile=True).generate(PROMPTS, GenerationConfig(NEW_TOKENS))
+    assert handed
+    assert all(torch.equal(kept, then) for kept, then in handed)
+
+
 def test_a_shared_engine_decides_whether_its_steps_are_compiled(tiny):
     from infinikv import Engine, EngineConfig
     from infinikv.errors import InputError

@@ -14,9 +14,11 @@ compiled decode step each call into it (these two, and ``cache.PolicyLayer.updat
 
 * on the CPU, as an opaque operator of the step's one graph (``infinikv::before_attention``, ``::store``
   and ``::attend``), which the graph calls with its tensors and the step's cache (:func:`stepping`, set
-  by ``forward.decode_call``) and of which it sees only outputs shaped as an input: the pre-attention
-  operator hands the layer's input back (a copy, on which the projections depend, so the graph keeps the
-  operator and orders it), the store hands back the new K/V (the cache keeps its selection for attend);
+  by ``forward.decode_call``) and of which it sees only outputs whose shapes follow from its inputs':
+  the pre-attention operator hands the layer's input back (a copy, on which the projections depend, so
+  the graph keeps the operator and orders it), the store hands back the new K/V (the cache keeps its
+  selection for attend), and the cache gets copies of what it may keep, as the graph reuses its tensors'
+  memory; a model compiled by its user, outside a step, breaks its graph there instead;
 * on CUDA, as a graph break (``torch.compiler.disable``), between the graphs of the model's own work: a
   CUDA graph would replay a capture of an operator's host work instead of running it.
 """
@@ -141,20 +143,42 @@ def _pre_attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
 _stepping = threading.local()
 
 
+# whether any thread is in a step (read while tracing, so a guard of the graph: a model compiled by its
+# user, outside decode_call, traces the graph breaks instead)
+_stepping_anywhere = False
+_steps = 0
+_counting_steps = threading.Lock()
+
+
 @contextlib.contextmanager
 def stepping(cache: PolicyCache) -> Iterator[None]:
     """The cache a compiled decode step's operators call on this thread, for the step."""
+    global _stepping_anywhere, _steps
     before = getattr(_stepping, "cache", None)
     _stepping.cache = cache
+    with _counting_steps:
+        _steps += 1
+        _stepping_anywhere = True
     try:
         yield
     finally:
         _stepping.cache = before
+        with _counting_steps:
+            _steps -= 1
+            _stepping_anywhere = _steps > 0
+
+
+def _step_cache() -> PolicyCache:
+    cache = getattr(_stepping, "cache", None)
+    if cache is None:
+        raise ModelError("a compiled infinikv decode step runs through forward.decode_call (hooks.stepping)")
+    return cache
 
 
 def _opaque(tensor: Tensor) -> bool:
-    """Whether the policy's call on ``tensor`` is an opaque operator of a graph being compiled."""
-    return torch.compiler.is_compiling() and tensor.device.type == "cpu"
+    """Whether the policy's call on ``tensor`` is an opaque operator of a graph being compiled: on the CPU,
+    inside :func:`stepping` (elsewhere, as a model compiled by its user, a graph break)."""
+    return torch.compiler.is_compiling() and tensor.device.type == "cpu" and _stepping_anywhere
 
 
 def _call(call: Callable[..., Any], *args: Any) -> Any:
@@ -167,21 +191,24 @@ def _apart(call: Callable[..., Any], *args: Any) -> Any:
     return call(*args)
 
 
+# The graph owns its intermediate tensors and reuses their memory after their last use in it, so the cache,
+# which may keep what it is handed past the call (a look-ahead queued on a pool's worker, a layer's new K/V
+# waiting for its query, the mask's real positions), gets copies of its own.
 @torch.library.custom_op("infinikv::before_attention", mutates_args=())
-def _before_attention_op(x: Tensor, mask: Tensor | None, position_ids: Tensor, layer: int) -> Tensor:
-    _stepping.cache.before_attention(layer, x, mask, position_ids)
+def _before_attention_op(x: Tensor, mask: Tensor | None, position_ids: Tensor | None, layer: int) -> Tensor:
+    _step_cache().before_attention(layer, x.clone(), None if mask is None else mask.clone(), position_ids)
     return x.clone()
 
 
 @_before_attention_op.register_fake
-def _(x: Tensor, mask: Tensor | None, position_ids: Tensor, layer: int) -> Tensor:
+def _(x: Tensor, mask: Tensor | None, position_ids: Tensor | None, layer: int) -> Tensor:
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("infinikv::store", mutates_args=())
 def _store_op(k: Tensor, v: Tensor, layer: int) -> tuple[Tensor, Tensor]:
     # the cache keeps the selection for attend (which takes the layer's new K/V, not it)
-    _stepping.cache.store_and_select(layer, k, v)
+    _step_cache().store_and_select(layer, k.clone(), v.clone())
     return k.clone(), v.clone()
 
 
@@ -192,7 +219,7 @@ def _(k: Tensor, v: Tensor, layer: int) -> tuple[Tensor, Tensor]:
 
 @torch.library.custom_op("infinikv::attend", mutates_args=())
 def _attend_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, layer: int, scaling: float) -> Tensor:
-    return _stepping.cache.attend(layer, q, k, v, mask, scaling)
+    return _step_cache().attend(layer, q, k, v, mask, scaling)
 
 
 @_attend_op.register_fake

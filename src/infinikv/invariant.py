@@ -154,11 +154,11 @@ def linear_rows_alone(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> 
 def _vector_products(rows: Tensor, weight: Tensor) -> Tensor:
     """``rows`` [n, in] times ``weight`` [out, in] transposed, each row as a matrix-vector product: a lone
     row in one, several in one batched call of them (at most :data:`PROBE_ROWS` a call, as probed)."""
-    if rows.shape[0] == 1:
-        return F.linear(rows, weight)
     transposed = weight.t()
     outs = [
-        torch.bmm(part[:, None, :], transposed.expand(part.shape[0], -1, -1))[:, 0]
+        F.linear(part, weight)
+        if part.shape[0] == 1
+        else torch.bmm(part[:, None, :], transposed.expand(part.shape[0], -1, -1))[:, 0]
         for part in rows.split(PROBE_ROWS)
     ]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -169,7 +169,7 @@ def rows_as_vectors(weight: Tensor) -> bool:
     (:func:`_vector_products`): on a CPU where a product of two rows takes at least
     :data:`PAIR_COST` lone rows' time (:func:`pairs_cost_more`), in full precision, where a batch of such
     products gives each row what the lone one gives it (probed once per shape and dtype on the weight's
-    first outputs, as :func:`invariant_rows`, with 2, 3 and :data:`PROBE_ROWS` rows in either order)."""
+    first outputs, as :func:`invariant_rows`, with every number of rows a call takes, in either order)."""
     key = (tuple(weight.shape), weight.device, weight.dtype)
     found = _vectors.get(key)
     if found is None:
@@ -190,7 +190,7 @@ def _probe_vectors(weight: Tensor) -> bool:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator).to(weight.dtype)
     lone = torch.cat([F.linear(x[r : r + 1], w) for r in range(PROBE_ROWS)])
-    for n in (2, 3, PROBE_ROWS):
+    for n in range(2, PROBE_ROWS + 1):
         if not (
             torch.equal(_vector_products(x[:n], w), lone[:n])
             and torch.equal(_vector_products(x[:n].flip(0), w).flip(0), lone[:n])
@@ -203,9 +203,10 @@ def _probe_vectors(weight: Tensor) -> bool:
 @torch.inference_mode()
 def pairs_cost_more(dtype: torch.dtype) -> bool:
     """Whether on this CPU a product of two rows in ``dtype`` takes at least :data:`PAIR_COST` times a lone
-    row's (medians of interleaved timings on a 2,048 × 1,024 weight, once per process: about 1.9 on an AMD
-    EPYC with MKL, so far from the bound that a run does not flip it). Its few-row kernel then reads the
-    weights no faster per row than the matrix-vector one, and running rows as vectors costs nothing."""
+    row's (medians of interleaved timings on a 2,048 × 1,024 weight, once per process: 1.85–1.97 on an
+    AMD EPYC with MKL at one thread; a process that times it under heavy load could decide otherwise, and
+    then computes every row by the class of rows, which gives other last bits). Rows as vectors then save a
+    lone row the padded pair's cost, and cost two rows at most a third more than the pair's product."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(2048, 1024, generator=generator).to(dtype)
     rows = torch.randn(2, 1024, generator=generator).to(dtype)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import transformers
 
+from ..invariant import rows_as_vectors
 from ..models import LoadedModel
 from ..reporting import fmt, write_keeping_notes
 from . import linkmodel
@@ -102,7 +103,14 @@ def bench_environment(loaded: LoadedModel, command: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "infinikv_commit": _git_commit(),
+        # how the engine's decode step computes each row alone (invariant.py): its last bits follow it
+        "rows_alone": _rows_alone(loaded),
     }
+
+
+def _rows_alone(loaded: LoadedModel) -> str:
+    """How the engine's decode step computes each row of ``loaded``'s projections alone here."""
+    return "vectors" if rows_as_vectors(loaded.model.get_output_embeddings().weight) else "classes"
 
 
 def _footer(env: dict[str, Any]) -> str:

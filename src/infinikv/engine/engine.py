@@ -24,9 +24,9 @@ Chunks start at multiples of ``chunk_tokens``, which divides ``block_tokens`` (a
 chunk before it, so no chunk looks like a decode step), whatever else runs, so a restored block holds bit
 for bit what the sequence's own prefill of it computes. A decode step's projections and MLPs run over all
 its rows, each row computed as it is alone (``invariant.py``: a BLAS sums a product's rows in an order
-that depends on how many rows it has, so on the CPU each row is its own matrix-vector product, elsewhere
-each linear layer takes its rows in groups of one kernel's sizes), so batching changes no bit of an eager
-step (a compiled one's kernels are inductor's).
+that depends on how many rows it has, so on a CPU whose two-row product is slow each row is its own
+matrix-vector product, elsewhere each linear layer takes its rows in groups of one kernel's sizes), so
+batching changes no bit of an eager step (a compiled one's kernels are inductor's).
 
 Each sequence has its own cache and policy instance: requests with different policies run in the same
 steps, and nothing a policy chooses for a row depends on the other rows.
