@@ -18,7 +18,8 @@ def say_interrupted() -> None:
 
 COMPILE_HELP = (
     "run decode steps under torch.compile, the policy's calls eager (CUDA: CUDA graphs); off by default, "
-    "slower on a CPU; compiled before the first request (docs/benchmarks.md)"
+    "as its products follow the batch size (a request's tokens could depend on its batchmates); compiled "
+    "before the first request (docs/benchmarks.md)"
 )
 
 # The dtypes a model can be loaded in (models.DTYPES maps them to torch's): float32 is the default and that
