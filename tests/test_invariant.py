@@ -65,6 +65,26 @@ def test_rows_run_as_vectors_only_where_a_pair_costs_more_than_a_lone_row(monkey
     assert torch.equal(linear_rows_alone(rows, weight)[2], alone[0])
 
 
+def test_the_choice_of_vectors_can_be_pinned_instead_of_timed(monkeypatch):
+    """``INFINIKV_ROWS_ALONE`` pins the choice (no timing): ``classes`` keeps every weight to its class of
+    rows, ``vectors`` takes vectors wherever the bits allow it, and any other value is one clear error."""
+    from infinikv.errors import InputError
+
+    monkeypatch.setattr(invariant, "pairs_cost_more", lambda dtype: pytest.fail("timed though pinned"))
+    generator = torch.Generator().manual_seed(5)
+    monkeypatch.setenv(invariant.ROWS_ALONE_ENV, "classes")
+    assert not invariant.rows_as_vectors(torch.randn(211, 53, generator=generator))
+    monkeypatch.setenv(invariant.ROWS_ALONE_ENV, "vectors")
+    weight = torch.randn(212, 53, generator=generator)
+    rows = torch.randn(4, 53, generator=generator)
+    lone = torch.cat([torch.nn.functional.linear(row[None], weight) for row in rows])
+    if invariant.rows_as_vectors(weight):  # this CPU's batched products agree with its lone ones
+        assert torch.equal(linear_rows_alone(rows, weight), lone)
+    monkeypatch.setenv(invariant.ROWS_ALONE_ENV, "fast")
+    with pytest.raises(InputError, match="INFINIKV_ROWS_ALONE"):
+        invariant.rows_as_vectors(torch.randn(213, 53, generator=generator))
+
+
 def test_rounded_products_give_a_row_its_own_bits_in_every_draw():
     """In bfloat16 and float16 another kernel's sums show only in some rows once rounded (a 1,536-wide
     bfloat16 product's lone row differs from the same row among others in about one draw of 14 on this CPU;

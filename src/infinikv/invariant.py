@@ -44,6 +44,7 @@ would read them once for all (on that AMD EPYC, four rows take 2.6 lone rows' ti
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import threading
 import time
@@ -54,10 +55,15 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .errors import InputError
+
 Tensor = torch.Tensor
 PROBE_ROWS = 32  # most rows a probe tries (and so most rows in one product)
 PROBE_OUTPUTS = 1024  # output features a probe computes (the weight's first ones)
 PAIR_COST = 1.5  # a product of two rows taking this many lone rows' time or more: rows run as vectors
+# "vectors" or "classes" pins the choice pairs_cost_more times (same bits from process to process and
+# machine to machine of one CPU model); read at a weight shape's first product
+ROWS_ALONE_ENV = "INFINIKV_ROWS_ALONE"
 
 # on this thread: .active, linear layers run their rows as alone; .kept, what a layer's next call takes
 # (project_beside)
@@ -167,7 +173,8 @@ def _vector_products(rows: Tensor, weight: Tensor) -> Tensor:
 def rows_as_vectors(weight: Tensor) -> bool:
     """Whether products with ``weight`` [out, in] run each row as a matrix-vector product
     (:func:`_vector_products`): on a CPU where a product of two rows takes at least
-    :data:`PAIR_COST` lone rows' time (:func:`pairs_cost_more`), in full precision, where a batch of such
+    :data:`PAIR_COST` lone rows' time (:func:`pairs_cost_more`, or as :data:`ROWS_ALONE_ENV` pins it), in
+    full precision, where a batch of such
     products gives each row what the lone one gives it (probed once per shape and dtype on the weight's
     first outputs, as :func:`invariant_rows`, with every number of rows a call takes, in either order)."""
     key = (tuple(weight.shape), weight.device, weight.dtype)
@@ -184,7 +191,10 @@ def rows_as_vectors(weight: Tensor) -> bool:
 def _probe_vectors(weight: Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.float64):
         return False
-    if not pairs_cost_more(weight.dtype):
+    pinned = os.environ.get(ROWS_ALONE_ENV, "")
+    if pinned not in ("", "vectors", "classes"):
+        raise InputError(f"{ROWS_ALONE_ENV} must be 'vectors' or 'classes', got {pinned!r}")
+    if pinned == "classes" or (not pinned and not pairs_cost_more(weight.dtype)):
         return False
     w = weight[:PROBE_OUTPUTS]
     generator = torch.Generator().manual_seed(0)
