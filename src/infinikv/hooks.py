@@ -137,9 +137,9 @@ def _pre_attention_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
 
 # -- a compiled decode step ----------------------------------------------------------------------------------
 # On the CPU the policy's three calls per layer are opaque operators of the step's one graph: the graph
-# calls them with its tensors and the cache of the step (stepping) and sees only their outputs, each shaped
-# as an input. On CUDA they are graph breaks instead (_call), as a CUDA graph would replay a capture of
-# their host work instead of running it.
+# calls them with its tensors and the cache of the step (stepping) and sees only their outputs, whose shapes
+# follow from their inputs'. On CUDA they are graph breaks instead (_call), as a CUDA graph would replay a
+# capture of their host work instead of running it.
 _stepping = threading.local()
 
 
