@@ -858,6 +858,22 @@ def test_a_compiled_step_hands_the_cache_tensors_the_graph_does_not_reuse(tiny, 
     assert all(torch.equal(kept, then) for kept, then in handed)
 
 
+def test_a_model_compiled_by_its_user_runs_the_policy_between_graphs(tiny, monkeypatch):
+    """Outside the engine's compiled step (``forward.decode_call``), a model its user compiled breaks its
+    graphs at the policy's calls: ``generate`` with an InfinikvCache gives the eager tokens."""
+    config = make_config("quest")
+    ids = torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(3))
+
+    def greedy() -> list[int]:
+        cache = InfinikvCache(tiny.model, config, device=tiny.device)
+        out = tiny.model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        return out[0, ids.shape[1] :].tolist()
+
+    eager = greedy()
+    monkeypatch.setattr(tiny.model, "forward", torch.compile(tiny.model.forward))
+    assert greedy() == eager
+
+
 def test_a_shared_engine_decides_whether_its_steps_are_compiled(tiny):
     from infinikv import Engine, EngineConfig
     from infinikv.errors import InputError
