@@ -52,6 +52,24 @@ def test_rows_on_the_cpu_in_float32_are_each_their_own_matrix_vector_product(mon
     assert widths == [1]
 
 
+def test_rows_as_vectors_read_the_weight_block_by_block_with_the_whole_products_bits(monkeypatch):
+    """Several rows as vectors take the weight a block of outputs at a time (a narrower last block
+    included), and every row still gets its lone product over the whole weight, bit for bit."""
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(1000, 96, generator=generator)  # 1,000 outputs: blocks of 64, the last of 40
+    if not invariant.rows_as_vectors(weight):
+        pytest.skip("this CPU's batched matrix-vector products differ from its lone ones")
+    monkeypatch.setattr(invariant, "BLOCK_BYTES", 64 * 96 * 4)
+    assert invariant.block_outputs(weight) == 64
+    widths = []
+    plain = torch.bmm
+    monkeypatch.setattr(invariant.torch, "bmm", lambda a, b: widths.append(b.shape[2]) or plain(a, b))
+    rows = torch.randn(9, 96, generator=generator)
+    lone = torch.cat([torch.nn.functional.linear(row[None], weight) for row in rows])
+    assert torch.equal(linear_rows_alone(rows, weight), lone)
+    assert widths == [64] * 15 + [40]
+
+
 def test_rows_run_as_vectors_only_where_a_pair_costs_more_than_a_lone_row(monkeypatch):
     """Where this CPU's product of two rows costs about what a lone row's does (its few-row kernel is fast),
     rows keep to their class of sizes: the vectors' products are not chosen, and each row still gets its
