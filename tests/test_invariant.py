@@ -272,6 +272,84 @@ def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call
         assert torch.equal(result, alone(own, projection.weight, projection.bias))
 
 
+def test_a_projection_made_ahead_of_a_layers_own_call_serves_that_call_once():
+    """``project_ahead``: the layer's next call with that very input takes the result (one product for
+    both), once; a result kept beside it already is returned, not computed again; outside ``rows_alone``
+    nothing is kept."""
+    loaded = tiny_model("llama")
+    install(loaded.model)
+    projection = loaded.model.model.layers[1].self_attn.q_proj
+    generator = torch.Generator().manual_seed(3)
+    own = torch.randn(2, 1, projection.in_features, generator=generator)
+    others = torch.randn(1, 1, projection.in_features, generator=generator)
+    products: list[int] = []
+    product = invariant.linear_rows_alone
+
+    def counted(x, weight, bias=None):
+        products.append(x.numel() // x.shape[-1])
+        return product(x, weight, bias)
+
+    alone = product(own, projection.weight, projection.bias)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(invariant, "linear_rows_alone", counted)
+        with torch.inference_mode(), rows_alone():
+            ahead = invariant.project_ahead(projection, own)
+            taken = projection(own)
+            assert products == [2]
+            projection(own)
+            assert products == [2, 2]  # taken once
+            invariant.project_beside(projection, own, others)
+            kept = invariant.project_ahead(projection, own)
+            projection(own)
+            assert products == [2, 2, 3]  # the beside product serves both
+        with torch.inference_mode():
+            invariant.project_ahead(projection, own)
+            projection(own)
+    assert torch.equal(ahead, alone) and torch.equal(taken, alone) and torch.equal(kept, alone)
+
+
+def test_a_choice_by_a_layers_own_query_projects_it_once_for_the_choice_and_the_layer(monkeypatch):
+    """InfiniGen's own-query layers (its first two at the defaults) choose by their own query before the
+    layer projects it; an engine step projects it once for both (``SharedQueries``, ``project_ahead``):
+    the logits are those of projecting it twice, with one product fewer per own-query layer and step."""
+    from infinikv import spec
+
+    loaded = tiny_model("llama")
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 200, (1, n), generator=generator) for n in (150, 110)]
+    config = make_config("infinigen")
+    prepare(config, loaded)
+    products: list[int] = []
+    product = invariant.linear_rows_alone
+
+    def counted(x, weight, bias=None):
+        products.append(1)
+        return product(x, weight, bias)
+
+    monkeypatch.setattr(invariant, "linear_rows_alone", counted)
+
+    def feed() -> tuple[list[torch.Tensor], int]:
+        products.clear()
+        with ForcedRows(loaded, [config] * 2) as forced:
+            for row, prompt in enumerate(prompts):
+                forced.prefill(row, prompt, 32)
+            tokens, steps = torch.full((2, 1), 7), []
+            products.clear()
+            for _ in range(6):
+                logits = forced.step([0, 1], tokens)
+                tokens = logits.argmax(-1, keepdim=True)
+                steps.append(logits)
+            return steps, len(products), len(forced.drivers[0].cache.policy.decoding.own_query)
+
+    once, products_once, own_layers = feed()
+    monkeypatch.setattr(spec, "project_ahead", lambda module, own: module(own))
+    twice, products_twice, _ = feed()
+    assert own_layers >= 2
+    assert products_twice - products_once == 6 * own_layers
+    for a, b in zip(once, twice, strict=True):
+        assert torch.equal(a, b)
+
+
 INFINIGEN_SCHEDULES = [{}, {"own_query_prefetch": True}, {"select_every": 2}]
 
 

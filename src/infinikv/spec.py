@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from .invariant import project_beside, rows_alone
+from .invariant import project_ahead, project_beside, rows_alone
 
 Tensor = torch.Tensor
 
@@ -87,11 +87,11 @@ class SharedQueries:
     every row at once, per layer asked for, and handed out a row at a time (:meth:`of_row`). An engine
     step's rows each look ahead from their own row of one batched input (``engine/ragged.py``): this way a
     layer's query is projected in one call a step, not once by each row's look-ahead (its weights read once
-    where the rows fit one product of a class, ``invariant.py``). Look-aheads may ask from
-    their pools' worker threads, so a layer is projected under a lock."""
+    where the rows fit one product of a class, ``invariant.py``). ``layer``: the one whose input ``x`` is.
+    Look-aheads may ask from their pools' worker threads, so a layer is projected under a lock."""
 
-    def __init__(self, spec: ModelSpec, x: Tensor, position_ids: Tensor):
-        self._spec, self._x, self._position_ids = spec, x, position_ids
+    def __init__(self, spec: ModelSpec, layer: int, x: Tensor, position_ids: Tensor):
+        self._spec, self._layer, self._x, self._position_ids = spec, layer, x, position_ids
         self._projected: dict[int, Tensor] = {}
         self._projecting = threading.Lock()
         self._beside: tuple[int, Tensor] | None = None  # (layer, its own input): see beside()
@@ -118,11 +118,17 @@ class SharedQueries:
         return query[row : row + 1]
 
     def _query(self, layer: int) -> Tensor:
-        """Every row's post-RoPE query of ``layer``, beside its own input where :meth:`beside` says."""
+        """Every row's post-RoPE query of ``layer``, beside its own input where :meth:`beside` says; the
+        layer whose input ``x`` is (a choice by its own query) projects it for itself too
+        (``invariant.project_ahead``)."""
         spec, x, position_ids = self._spec, self._x, self._position_ids
-        if self._beside is None or self._beside[0] != layer:
+        projection = spec.attention[layer].q_proj
+        if self._beside is not None and self._beside[0] == layer:
+            projected = project_beside(projection, self._beside[1], x)
+        elif layer == self._layer:
+            projected = project_ahead(projection, x)
+        else:
             return spec.query(layer, x, position_ids)
-        projected = project_beside(spec.attention[layer].q_proj, self._beside[1], x)
         return spec.rotated_query(layer, projected, x, position_ids)
 
 
