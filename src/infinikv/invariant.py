@@ -67,9 +67,9 @@ Tensor = torch.Tensor
 PROBE_ROWS = 32  # most rows a probe tries (and so most rows in one product)
 PROBE_OUTPUTS = 1024  # output features a probe computes (the weight's first ones)
 PAIR_COST = 1.5  # a product of two rows taking this many lone rows' time or more: rows run as vectors
-# Rows as vectors read the weight a block of outputs at a time, this many bytes of it: a block stays in the
-# core's own cache (1 MiB on the AMD EPYC measured) from one row's product to the next. 128 KiB to 768 KiB
-# measured alike there; a whole 1.3 MiB projection did not stay.
+# Rows as vectors read the weight a block of outputs at a time, this many bytes of it, so that a block stays
+# in the core's own cache (1 MiB on the AMD EPYC measured) from one row's product to the next. Blocks of
+# 128 KiB to 768 KiB gave about the same decode step there, 1 MiB ones a slower one.
 BLOCK_BYTES = 256 * 2**10
 # "vectors" or "classes" pins the choice pairs_cost_more times (same bits from process to process and
 # machine to machine of one CPU model); read at a weight shape's first product
