@@ -13,6 +13,19 @@ from infinikv.policies import POLICIES, make_config, prepare
 from infinikv.testing import tiny_model
 
 
+def counted_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on in the test, each ``invariant.linear_rows_alone`` product's number of rows, in order."""
+    products: list[int] = []
+    product = invariant.linear_rows_alone
+
+    def counted(x, weight, bias=None):
+        products.append(x.numel() // x.shape[-1])
+        return product(x, weight, bias)
+
+    monkeypatch.setattr(invariant, "linear_rows_alone", counted)
+    return products
+
+
 def test_each_row_of_a_product_is_what_it_is_alone_whatever_the_rows_beside_it():
     """A row's result is the same (bit for bit) alone, among a few rows, among more than one product
     holds, and first or last among them. (Plain products fail this on a CPU whose one-row kernel differs
@@ -244,13 +257,7 @@ def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call
     generator = torch.Generator().manual_seed(2)
     own = torch.randn(1, 1, projection.in_features, generator=generator)
     others = torch.randn(2, 1, projection.in_features, generator=generator)
-    products: list[int] = []
-
-    def counted(x, weight, bias=None):
-        products.append(x.numel() // x.shape[-1])
-        return linear_rows_alone(x, weight, bias)
-
-    monkeypatch.setattr(invariant, "linear_rows_alone", counted)
+    products = counted_products(monkeypatch)
     with torch.inference_mode(), rows_alone():
         with rows_alone():  # as the engine's shared queries project, inside the step's own
             beside = invariant.project_beside(projection, own, others)
@@ -272,7 +279,7 @@ def test_rows_projected_beside_a_layers_own_input_are_as_alone_and_its_next_call
         assert torch.equal(result, alone(own, projection.weight, projection.bias))
 
 
-def test_a_projection_made_ahead_of_a_layers_own_call_serves_that_call_once():
+def test_a_projection_made_ahead_of_a_layers_own_call_serves_that_call_once(monkeypatch):
     """``project_ahead``: the layer's next call with that very input takes the result (one product for
     both), once; a result kept beside it already is returned, not computed again; outside ``rows_alone``
     nothing is kept."""
@@ -282,29 +289,23 @@ def test_a_projection_made_ahead_of_a_layers_own_call_serves_that_call_once():
     generator = torch.Generator().manual_seed(3)
     own = torch.randn(2, 1, projection.in_features, generator=generator)
     others = torch.randn(1, 1, projection.in_features, generator=generator)
-    products: list[int] = []
-    product = invariant.linear_rows_alone
-
-    def counted(x, weight, bias=None):
-        products.append(x.numel() // x.shape[-1])
-        return product(x, weight, bias)
-
-    alone = product(own, projection.weight, projection.bias)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(invariant, "linear_rows_alone", counted)
-        with torch.inference_mode(), rows_alone():
-            ahead = invariant.project_ahead(projection, own)
-            taken = projection(own)
-            assert products == [2]
+    alone = linear_rows_alone(own, projection.weight, projection.bias)
+    products = counted_products(monkeypatch)
+    with torch.inference_mode(), rows_alone():
+        ahead = invariant.project_ahead(projection, own)
+        taken = projection(own)
+        assert products == [2]
+        projection(own)
+        assert products == [2, 2]  # taken once
+        invariant.project_beside(projection, own, others)
+        kept = invariant.project_ahead(projection, own)
+        projection(own)
+        assert products == [2, 2, 3]  # the beside product serves both
+    with torch.inference_mode():
+        invariant.project_ahead(projection, own)
+        with rows_alone():
             projection(own)
-            assert products == [2, 2]  # taken once
-            invariant.project_beside(projection, own, others)
-            kept = invariant.project_ahead(projection, own)
-            projection(own)
-            assert products == [2, 2, 3]  # the beside product serves both
-        with torch.inference_mode():
-            invariant.project_ahead(projection, own)
-            projection(own)
+    assert products == [2, 2, 3, 2]  # nothing was kept outside rows_alone
     assert torch.equal(ahead, alone) and torch.equal(taken, alone) and torch.equal(kept, alone)
 
 
@@ -319,14 +320,7 @@ def test_a_choice_by_a_layers_own_query_projects_it_once_for_the_choice_and_the_
     prompts = [torch.randint(3, 200, (1, n), generator=generator) for n in (150, 110)]
     config = make_config("infinigen")
     prepare(config, loaded)
-    products: list[int] = []
-    product = invariant.linear_rows_alone
-
-    def counted(x, weight, bias=None):
-        products.append(1)
-        return product(x, weight, bias)
-
-    monkeypatch.setattr(invariant, "linear_rows_alone", counted)
+    products = counted_products(monkeypatch)
 
     def feed() -> tuple[list[torch.Tensor], int]:
         products.clear()
@@ -367,18 +361,11 @@ def test_a_look_ahead_put_off_to_the_layer_it_plans_changes_nothing(monkeypatch,
     look-ahead run at once, at every step, for every policy at its defaults, InfiniGen also with its
     own-query layers' prefetch and choices every other step (and on Gemma-3's sliding and global layers,
     whose queries are normalised per head)."""
-    from infinikv import copiers, invariant, spec
+    from infinikv import copiers, spec
     from infinikv.engine import ragged
 
     monkeypatch.setattr(copiers, "WORKER_FROM_BYTES", 2**62)
-    products: list[int] = []
-    product = invariant.linear_rows_alone
-
-    def counted_product(x, weight, bias=None):
-        products.append(1)
-        return product(x, weight, bias)
-
-    monkeypatch.setattr(invariant, "linear_rows_alone", counted_product)
+    products = counted_products(monkeypatch)
     beside: list[int] = []
     project_beside = spec.project_beside
 
