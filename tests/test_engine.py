@@ -328,8 +328,12 @@ def test_a_compiled_engine_compiles_its_decode_step_before_the_first_request():
 
 def test_an_engine_step_projects_the_look_ahead_queries_once_for_every_row(tiny, monkeypatch):
     """InfiniGen's look-ahead projects a layer's query from each row's input: a step of three rows projects
-    it once for all of them (and rotates it once), not once per row: each layer's query projection runs
-    at most twice a step (the model's own and the look-ahead's), and the rotary embedding twice."""
+    it once for all of them (and rotates it once), not once per row: each layer's queries are asked for
+    once a step, its query weights are multiplied at most twice (the model's own projection and the
+    look-ahead's, or once where one serves both: ``invariant.project_beside``, ``project_ahead``), and
+    the rotary embedding runs twice."""
+    from infinikv import invariant, spec
+
     engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
     for text in ("one prompt", "another, longer prompt here", "a third"):
         engine.add(ids(tiny, text), make_config("infinigen"), GenerationConfig(max_new_tokens=12))
@@ -337,24 +341,32 @@ def test_an_engine_step_projects_the_look_ahead_queries_once_for_every_row(tiny,
         if len(engine.running) == 3 and all(s.phase.name == "DECODING" for s in engine.running):
             break
         engine.step()
-    calls: Counter = Counter()
+    layer_of = {id(attention.q_proj.weight): layer for layer, attention in enumerate(tiny.spec.attention)}
+    products: Counter = Counter()
+    product = invariant.linear_rows_alone
 
-    def counting(module: torch.nn.Module, name: str) -> None:
-        forward = module.forward
+    def counted_product(x, weight, bias=None):
+        products[layer_of.get(id(weight))] += 1
+        return product(x, weight, bias)
 
-        def counted(*args, **kwargs):
-            calls[name] += 1
-            return forward(*args, **kwargs)
+    monkeypatch.setattr(invariant, "linear_rows_alone", counted_product)
+    queried: Counter = Counter()
+    query = spec.SharedQueries._query
 
-        monkeypatch.setattr(module, "forward", counted)
+    def counted_query(self, layer):
+        queried[layer] += 1
+        return query(self, layer)
 
-    counting(tiny.model.get_decoder().rotary_emb, "rotary")
-    for layer, attention in enumerate(tiny.spec.attention):
-        counting(attention.q_proj, layer)
+    monkeypatch.setattr(spec.SharedQueries, "_query", counted_query)
+    rotary = tiny.model.get_decoder().rotary_emb
+    forward, rotations = rotary.forward, []
+    monkeypatch.setattr(
+        rotary, "forward", lambda *args, **kwargs: rotations.append(1) or forward(*args, **kwargs)
+    )
     assert len(engine.step()) == 3
-    rehearsed = [layer for layer in range(tiny.spec.num_layers) if calls[layer] == 2]
-    assert rehearsed and all(calls[layer] in (1, 2) for layer in range(tiny.spec.num_layers))
-    assert calls["rotary"] == 2
+    assert queried and set(queried.values()) == {1}
+    assert all(products[layer] in (1, 2) for layer in range(tiny.spec.num_layers))
+    assert len(rotations) == 2
 
 
 def test_an_engine_step_sizes_every_row_s_copier_by_all_its_rows(tiny, monkeypatch):

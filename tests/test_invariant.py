@@ -76,7 +76,12 @@ def test_rows_as_vectors_read_the_weight_block_by_block_with_the_whole_products_
     assert invariant.block_outputs(weight) == 64
     widths = []
     plain = torch.bmm
-    monkeypatch.setattr(invariant.torch, "bmm", lambda a, b: widths.append(b.shape[2]) or plain(a, b))
+
+    def noted(rows: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        widths.append(block.shape[2])
+        return plain(rows, block)
+
+    monkeypatch.setattr(invariant.torch, "bmm", noted)
     rows = torch.randn(9, 96, generator=generator)
     lone = torch.cat([torch.nn.functional.linear(row[None], weight) for row in rows])
     assert torch.equal(linear_rows_alone(rows, weight), lone)
@@ -301,11 +306,17 @@ def test_a_projection_made_ahead_of_a_layers_own_call_serves_that_call_once(monk
         kept = invariant.project_ahead(projection, own)
         projection(own)
         assert products == [2, 2, 3]  # the beside product serves both
+        invariant.project_ahead(projection, own)
+        loaded.model.model.layers[1].self_attn.k_proj(own)  # another layer's call with that input
+        projection(own.clone())  # an equal input, not that very one
+        assert products == [2, 2, 3, 2, 2, 2]
+        projection(own)
+        assert products == [2, 2, 3, 2, 2, 2]  # still kept for its own call
     with torch.inference_mode():
         invariant.project_ahead(projection, own)
         with rows_alone():
             projection(own)
-    assert products == [2, 2, 3, 2]  # nothing was kept outside rows_alone
+    assert products == [2, 2, 3, 2, 2, 2, 2]  # nothing was kept outside rows_alone
     assert torch.equal(ahead, alone) and torch.equal(taken, alone) and torch.equal(kept, alone)
 
 
@@ -322,7 +333,7 @@ def test_a_choice_by_a_layers_own_query_projects_it_once_for_the_choice_and_the_
     prepare(config, loaded)
     products = counted_products(monkeypatch)
 
-    def feed() -> tuple[list[torch.Tensor], int]:
+    def feed() -> tuple[list[torch.Tensor], int, int]:
         products.clear()
         with ForcedRows(loaded, [config] * 2) as forced:
             for row, prompt in enumerate(prompts):

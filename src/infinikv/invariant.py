@@ -76,13 +76,13 @@ BLOCK_BYTES = 256 * 2**10
 ROWS_ALONE_ENV = "INFINIKV_ROWS_ALONE"
 
 # on this thread: .active, linear layers run their rows as alone; .kept, what a layer's next call takes
-# (project_beside)
+# (project_beside, project_ahead)
 _state = threading.local()
 
 
 class _Kept(NamedTuple):
-    """A result :func:`project_beside` computed ahead for ``module``'s next call with ``input`` (which the
-    caller leaves as it is: an inference tensor keeps no version to check)."""
+    """A result :func:`project_beside` or :func:`project_ahead` computed ahead for ``module``'s next call
+    with ``input`` (which the caller leaves as it is: an inference tensor keeps no version to check)."""
 
     module: torch.nn.Module
     input: Tensor

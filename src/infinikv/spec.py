@@ -87,10 +87,12 @@ class SharedQueries:
     every row at once, per layer asked for, and handed out a row at a time (:meth:`of_row`). An engine
     step's rows each look ahead from their own row of one batched input (``engine/ragged.py``): this way a
     layer's query is projected in one call a step, not once by each row's look-ahead (its weights read once
-    where the rows fit one product of a class, ``invariant.py``). ``layer``: the one whose input ``x`` is.
+    where the rows fit one product of a class, ``invariant.py``). ``layer``: the one whose input ``x`` is,
+    whose own projection takes its query from here (None: in a compiled step, whose projections are the
+    graph's).
     Look-aheads may ask from their pools' worker threads, so a layer is projected under a lock."""
 
-    def __init__(self, spec: ModelSpec, layer: int, x: Tensor, position_ids: Tensor):
+    def __init__(self, spec: ModelSpec, layer: int | None, x: Tensor, position_ids: Tensor):
         self._spec, self._layer, self._x, self._position_ids = spec, layer, x, position_ids
         self._projected: dict[int, Tensor] = {}
         self._projecting = threading.Lock()

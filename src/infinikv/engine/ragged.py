@@ -86,7 +86,7 @@ class RaggedCache(PolicyCache):
             self._positions = [position_ids[r : r + 1] for r in range(len(self.rows))]
             # every row's copier sizes the step by all its rows (their look-aheads share the step's cores)
             KVPool.size_step([pool for row in self.rows if (pool := row.policy.pool()) is not None])
-        queries = SharedQueries(self.spec, layer, x, position_ids)
+        queries = SharedQueries(self.spec, None if self.compiled else layer, x, position_ids)
         decoding = [
             r
             for r, row in enumerate(self.rows)
