@@ -350,14 +350,14 @@ def test_an_engine_step_projects_the_look_ahead_queries_once_for_every_row(tiny,
         return product(x, weight, bias)
 
     monkeypatch.setattr(invariant, "linear_rows_alone", counted_product)
-    queried: Counter = Counter()
-    query = spec.SharedQueries._query
+    queried: Counter = Counter()  # a layer's queries projected for the policies (SharedQueries)
+    rotated = spec.ModelSpec.rotated_query
 
-    def counted_query(self, layer):
+    def counted_query(self, layer, *args):
         queried[layer] += 1
-        return query(self, layer)
+        return rotated(self, layer, *args)
 
-    monkeypatch.setattr(spec.SharedQueries, "_query", counted_query)
+    monkeypatch.setattr(spec.ModelSpec, "rotated_query", counted_query)
     rotary = tiny.model.get_decoder().rotary_emb
     forward, rotations = rotary.forward, []
     monkeypatch.setattr(
