@@ -128,6 +128,12 @@ def _forward(module: torch.nn.Linear, input: Tensor) -> Tensor:  # noqa: A002 (n
     return F.linear(input, module.weight, module.bias)
 
 
+def _keeps_for(module: torch.nn.Module) -> bool:
+    """Whether a result computed ahead for ``module`` is kept for its next call: inside :func:`rows_alone`,
+    for a plain ``nn.Linear`` (what :func:`install` prepares)."""
+    return type(module) is torch.nn.Linear and getattr(_state, "active", False)
+
+
 def project_beside(module: torch.nn.Module, own: Tensor, others: Tensor) -> Tensor:
     """``module(others)`` [..., out] for ``others`` [..., in], computed in one product with the rows of
     ``own``, the input ``module``'s next call on this thread takes: that call returns its rows' result from
@@ -135,7 +141,7 @@ def project_beside(module: torch.nn.Module, own: Tensor, others: Tensor) -> Tens
     in as many as :func:`linear_rows_alone` makes; as vectors, once per row, back to back). Every row gets
     what it gets alone. Inside :func:`rows_alone`, for a
     plain ``nn.Linear`` (what :func:`install` prepares); otherwise ``module(others)``, nothing kept."""
-    if type(module) is not torch.nn.Linear or not getattr(_state, "active", False):
+    if not _keeps_for(module):
         return module(others)
     width = own.shape[-1]
     mine = own.numel() // width
@@ -150,7 +156,7 @@ def project_ahead(module: torch.nn.Module, own: Tensor) -> Tensor:
     then takes it from here (a choice made by a layer's own query, before the layer projects it: the
     weights read once). Inside :func:`rows_alone`, for a plain ``nn.Linear``; otherwise ``module(own)``,
     nothing kept. A result kept already for that call (:func:`project_beside`) is the one returned."""
-    if type(module) is not torch.nn.Linear or not getattr(_state, "active", False):
+    if not _keeps_for(module):
         return module(own)
     kept = getattr(_state, "kept", None)
     if kept is not None and kept.module is module and kept.input is own:

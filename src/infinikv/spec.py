@@ -89,8 +89,7 @@ class SharedQueries:
     layer's query is projected in one call a step, not once by each row's look-ahead (its weights read once
     where the rows fit one product of a class, ``invariant.py``). ``layer``: the one whose input ``x`` is,
     whose own projection takes its query from here (None: in a compiled step, whose projections are the
-    graph's).
-    Look-aheads may ask from their pools' worker threads, so a layer is projected under a lock."""
+    graph's). Look-aheads may ask from their pools' worker threads, so a layer is projected under a lock."""
 
     def __init__(self, spec: ModelSpec, layer: int | None, x: Tensor, position_ids: Tensor):
         self._spec, self._layer, self._x, self._position_ids = spec, layer, x, position_ids
