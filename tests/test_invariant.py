@@ -121,6 +121,18 @@ def test_the_choice_of_vectors_can_be_pinned_instead_of_timed(monkeypatch):
         invariant.rows_as_vectors(torch.randn(213, 53, generator=generator))
 
 
+def test_the_choice_another_process_is_given_is_the_pin_or_the_timing(monkeypatch):
+    """``rows_alone_choice`` (what a cluster's workers are pinned to): the pin where there is one, untimed;
+    else what timing pairs of rows decides."""
+    monkeypatch.setenv(invariant.ROWS_ALONE_ENV, "classes")
+    monkeypatch.setattr(invariant, "pairs_cost_more", lambda dtype: pytest.fail("timed though pinned"))
+    assert invariant.rows_alone_choice() == "classes"
+    monkeypatch.delenv(invariant.ROWS_ALONE_ENV)
+    for costs_more, choice in ((True, "vectors"), (False, "classes")):
+        monkeypatch.setattr(invariant, "pairs_cost_more", lambda dtype, answer=costs_more: answer)
+        assert invariant.rows_alone_choice() == choice
+
+
 def test_rounded_products_give_a_row_its_own_bits_in_every_draw():
     """In bfloat16 and float16 another kernel's sums show only in some rows once rounded (a 1,536-wide
     bfloat16 product's lone row differs from the same row among others in about one draw of 14 on this CPU;

@@ -24,6 +24,7 @@ from infinikv.errors import InputError, ModelError
 from infinikv.eval import sweep
 from infinikv.gpucheck.cli import run_check
 from infinikv.gpucheck.plan import TINY
+from infinikv.invariant import ROWS_ALONE_ENV, rows_alone_choice
 from infinikv.models import load
 from infinikv.serve.kv_policy import PolicyDefaults
 from infinikv.serve.replicas import ReplicaOptions, application, routing_key, start_serve
@@ -222,6 +223,18 @@ def one_context(tmp_path: Path, out: str) -> sweep.SweepConfig:
     """Two groups (the text and the task) of three cells."""
     config = sweep_config(tmp_path, out)
     return dataclasses.replace(config, models=(sweep.SweepModel(MODEL, (300,)),))
+
+
+def test_workers_compute_rows_alone_as_the_driver_does(cluster):
+    """A worker times nothing to choose how it computes an engine step's rows alone: it is pinned to the
+    driver's choice (two tasks on two busy cores could each time it otherwise, and give other last bits)."""
+    import ray
+
+    @ray.remote
+    def pinned() -> str | None:
+        return os.environ.get(ROWS_ALONE_ENV)
+
+    assert ray.get([pinned.remote(), pinned.remote()]) == [rows_alone_choice()] * 2
 
 
 def test_a_killed_worker_group_is_retried_and_lands_once(cluster, tmp_path):

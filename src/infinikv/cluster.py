@@ -8,7 +8,9 @@ others go on. ray is imported only when a Spread connects, so the rest of infini
 
 Workers run the driver's own infinikv: the package travels to the cluster in the job's runtime
 environment (``py_modules``), so a worker never imports another installed copy. Each task sets torch's
-CPU threads to the CPUs it holds.
+CPU threads to the CPUs it holds. Workers compute an engine step's rows alone as the driver does
+(``invariant.rows_alone_choice``, pinned in their environment), so a spread sweep's cells are the serial
+sweep's bit for bit on a cluster of the driver's CPUs, however loaded a worker is when it starts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InputError
+from .invariant import ROWS_ALONE_ENV, rows_alone_choice
 
 INSTALL_HINT = "ray is not installed; pip install 'infinikv[ray]'"
 _ADDRESS = re.compile(r"^(ray://)?[A-Za-z0-9.\-\[\]:]+:(\d{1,5})$")
@@ -63,7 +66,11 @@ def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: P
     try:
         ray.init(
             address=address,
-            runtime_env={"py_modules": [str(Path(__file__).resolve().parent)]},  # this infinikv
+            runtime_env={
+                "py_modules": [str(Path(__file__).resolve().parent)],  # this infinikv
+                # rows computed alone as here, whatever a worker would time under its neighbours' load
+                "env_vars": {ROWS_ALONE_ENV: rows_alone_choice()},
+            },
             include_dashboard=False,
             logging_level=logging.WARNING,
             **{k: v for k, v in local.items() if v is not None},

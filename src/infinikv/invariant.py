@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -231,9 +230,7 @@ def rows_as_vectors(weight: Tensor) -> bool:
 def _probe_vectors(weight: Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.float64):
         return False
-    pinned = os.environ.get(ROWS_ALONE_ENV, "")
-    if pinned not in ("", "vectors", "classes"):
-        raise InputError(f"{ROWS_ALONE_ENV} must be 'vectors' or 'classes', got {pinned!r}")
+    pinned = _pinned()
     if pinned == "classes" or (not pinned and not pairs_cost_more(weight.dtype)):
         return False
     w = weight[:PROBE_OUTPUTS]
@@ -256,21 +253,38 @@ def _probe_vectors(weight: Tensor) -> bool:
 @torch.inference_mode()
 def pairs_cost_more(dtype: torch.dtype) -> bool:
     """Whether on this CPU a product of two rows in ``dtype`` takes at least :data:`PAIR_COST` times a lone
-    row's (medians of interleaved timings on a 2,048 × 1,024 weight, once per process: 1.85–1.97 on an
-    AMD EPYC with MKL at one thread; a process that times it under heavy load could decide otherwise, and
-    then computes every row by the class of rows, which gives other last bits). Rows as vectors then save a
-    lone row the padded pair's cost, and cost two rows at most a third more than the pair's product."""
+    row's (the fastest of interleaved timings on a 2,048 × 1,024 weight, once per process: 1.89–1.92 on an
+    AMD EPYC with MKL at one thread). Load only adds time, so the fastest timings are the least disturbed:
+    beside two memory-bound processes on that machine's two cores the ratio of medians fell as low as 1.15,
+    the ratio of the fastest to 1.70, and a process that decided otherwise would compute every row by the
+    class of rows, which gives other last bits. Rows as vectors save a lone row the padded pair's cost, and
+    cost two rows at most a third more than the pair's product."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(2048, 1024, generator=generator).to(dtype)
     rows = torch.randn(2, 1024, generator=generator).to(dtype)
     lone: list[float] = []
     pair: list[float] = []
-    for _ in range(9):
+    for _ in range(15):
         for times, x in ((lone, rows[:1]), (pair, rows)):
             start = time.perf_counter()
             F.linear(x, weight)
             times.append(time.perf_counter() - start)
-    return statistics.median(pair) >= PAIR_COST * statistics.median(lone)
+    return min(pair) >= PAIR_COST * min(lone)
+
+
+def rows_alone_choice() -> str:
+    """How this process computes rows alone on a CPU in float32: ``"vectors"`` or ``"classes"``, as
+    :data:`ROWS_ALONE_ENV` pins it or :func:`pairs_cost_more` times it. A process whose results must be this
+    one's bit for bit (a cluster's workers, ``cluster.connect``) gets it as its own pin."""
+    return _pinned() or ("vectors" if pairs_cost_more(torch.float32) else "classes")
+
+
+def _pinned() -> str:
+    """:data:`ROWS_ALONE_ENV`'s pin ("" where it pins nothing)."""
+    pinned = os.environ.get(ROWS_ALONE_ENV, "")
+    if pinned not in ("", "vectors", "classes"):
+        raise InputError(f"{ROWS_ALONE_ENV} must be 'vectors' or 'classes', got {pinned!r}")
+    return pinned
 
 
 def _padded(rows: Tensor, low: int) -> Tensor:
