@@ -3,6 +3,7 @@ tokens they get alone, for every registered policy; the pool's blocks; chunking;
 
 from __future__ import annotations
 
+import gc
 from collections import Counter
 
 import pytest
@@ -14,7 +15,7 @@ from infinikv.engine.forced import ForcedRows
 from infinikv.errors import InputError
 from infinikv.forward import prompt_chunks
 from infinikv.kvpool import KVPool
-from infinikv.policies import POLICIES, make_config
+from infinikv.policies import POLICIES, Policy, make_config
 from infinikv.testing import tiny_model
 
 BLOCK = 16
@@ -114,6 +115,24 @@ def test_a_one_token_prompt_beside_a_longer_one_gets_its_tokens_alone(tiny, poli
     results = run(engine, [(prompt, config, GREEDY) for prompt in prompts], join_at=[0, 3])
     for prompt, result in zip(prompts, results, strict=True):
         assert result.token_ids == alone(tiny, prompt, config)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_finished_request_s_policy_is_freed_at_once(tiny, policy):
+    """Once a request finishes, nothing holds its policy (and so its K/V): it is freed as the engine drops
+    it, not when the interpreter's cycle collector next runs, so a server's memory follows its live
+    requests. (A cache and its layers, and InfiniGen and its selector, used to hold each other.)"""
+    engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
+    prompt = ids(tiny, "The harbour lantern glowed over the copper river.")
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, Policy)}
+    gc.disable()
+    try:
+        run(engine, [(prompt, make_config(policy), GenerationConfig(max_new_tokens=3))])
+        alive = [o for o in gc.get_objects() if isinstance(o, Policy) and id(o) not in before]
+    finally:
+        gc.enable()
+    assert alive == []
 
 
 def test_a_prompt_of_whole_cached_blocks_prefills_nothing(tiny):

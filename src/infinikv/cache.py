@@ -25,6 +25,7 @@ feeds exactly one token per sequence.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -50,9 +51,15 @@ class PolicyLayer(CacheLayerMixin):
 
     def __init__(self, cache: PolicyCache, layer: int, sliding: bool):
         super().__init__()
-        self.cache = cache
+        # by a weak reference: the cache holds its layers, and a cycle would keep a finished sequence's
+        # policy and K/V until the interpreter's cycle collector runs
+        self._cache = weakref.ref(cache)
         self.layer = layer
         self.is_sliding = sliding
+
+    @property
+    def cache(self) -> PolicyCache:
+        return self._cache()
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.is_initialized = True

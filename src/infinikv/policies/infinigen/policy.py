@@ -90,6 +90,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -162,8 +163,11 @@ class InfiniGenPolicy(HostPoolPolicy):
         # columns allocated per layer, per calibration window (empty: uniform), set with the first partial
         # keys
         self._allocations: dict[int, dict[int, float]] | None = None
-        # which slots hold real tokens (left padding aside), and the choice itself (selector.py)
-        self.selector = Selector(config, self.layers, self, self)
+        # which slots hold real tokens (left padding aside), and the choice itself (selector.py); it reaches
+        # this policy by a weak reference, so that a finished sequence's pool is freed as it is dropped, not
+        # when the interpreter's cycle collector runs
+        me = weakref.proxy(self)
+        self.selector = Selector(config, self.layers, me, me)
         self._step = 0
         # (most partial columns within the device budget, head_dim), set by the first prompt chunk's dtype
         self._cap: tuple[int, int] | None = None
