@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import sys
 
 import pytest
 import torch
 
 from infinikv.testing import tiny_model
 
-# The tests build and drop many engines in one process, each reserving arenas of tens of MiB. glibc's malloc
-# serves a block below its mmap threshold from its heap, and raises that threshold to the largest block freed
-# (up to 32 MiB), so freed arenas stayed mapped: 23 GiB after the real-model tests, where this machine has 24,
-# and the kernel then refused the fork that starts Ray's local cluster (test_scale_out). A fixed threshold
-# turns the adjustment off: every block of 1 MiB or more is mapped apart and unmapped when freed.
+# The tests build and drop many engines in one process, each reserving segments of block-store arenas of tens
+# of MiB. glibc's malloc serves a block below its mmap threshold from its heap, and raises that threshold to
+# the largest block freed (up to 32 MiB), so freed segments stayed mapped: 23 GiB after the real-model tests,
+# where this machine has 24, and the kernel then refused the fork that starts Ray's local cluster
+# (test_scale_out). A fixed threshold turns the adjustment off: every block of 1 MiB or more is mapped apart
+# and unmapped when freed.
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-if hasattr(_libc, "mallopt"):  # glibc only
-    _libc.mallopt(_M_MMAP_THRESHOLD, 2**20)
+if sys.platform == "linux":
+    _libc = ctypes.CDLL(None)
+    if hasattr(_libc, "mallopt"):  # glibc (musl has none)
+        _libc.mallopt(_M_MMAP_THRESHOLD, 2**20)
 
 
 @pytest.fixture(scope="session")

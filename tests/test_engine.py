@@ -125,11 +125,12 @@ def test_a_finished_request_s_policy_is_freed_at_once(tiny, policy):
     engine = Engine(tiny, EngineConfig(block_tokens=BLOCK, chunk_tokens=CHUNK, kv_memory=2**28))
     prompt = ids(tiny, "The harbour lantern glowed over the copper river.")
     gc.collect()
-    before = {id(o) for o in gc.get_objects() if isinstance(o, Policy)}
+    # by type: a dead weak proxy among the objects raises on isinstance
+    before = {id(o) for o in gc.get_objects() if issubclass(type(o), Policy)}
     gc.disable()
     try:
         run(engine, [(prompt, make_config(policy), GenerationConfig(max_new_tokens=3))])
-        alive = [o for o in gc.get_objects() if isinstance(o, Policy) and id(o) not in before]
+        alive = [o for o in gc.get_objects() if issubclass(type(o), Policy) and id(o) not in before]
     finally:
         gc.enable()
     assert alive == []

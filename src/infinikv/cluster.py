@@ -8,9 +8,11 @@ others go on. ray is imported only when a Spread connects, so the rest of infini
 
 Workers run the driver's own infinikv: the package travels to the cluster in the job's runtime
 environment (``py_modules``), so a worker never imports another installed copy. Each task sets torch's
-CPU threads to the CPUs it holds. Workers compute an engine step's rows alone as the driver does
-(``invariant.rows_alone_choice``, pinned in their environment), so a spread sweep's cells are the serial
-sweep's bit for bit on a cluster of the driver's CPUs, however loaded a worker is when it starts.
+CPU threads to the CPUs it holds. Where :func:`connect` starts or joins the cluster (``--ray``, and
+``infinikv serve --replicas``), the job's workers and Serve replicas compute an engine step's rows alone as
+the driver does (``invariant.rows_alone_choice``, pinned in their environment, over a pin a node sets), so a
+spread sweep's cells are the serial sweep's bit for bit on nodes of the driver's CPU model, however loaded a
+worker is when it starts; a process that was connected to Ray already pins nothing.
 """
 
 from __future__ import annotations
@@ -63,13 +65,15 @@ def connect(address: str | None = None, num_cpus: int | None = None, temp_dir: P
     local = (
         {"num_cpus": num_cpus, "_temp_dir": str(temp_dir) if temp_dir else None} if address is None else {}
     )
+    # the workers compute rows alone as this process does, whatever they would time under their neighbours'
+    # load (a pin of this process's own is passed on; a bad one is its own error, before ray is reached)
+    rows_alone = rows_alone_choice()
     try:
         ray.init(
             address=address,
             runtime_env={
                 "py_modules": [str(Path(__file__).resolve().parent)],  # this infinikv
-                # rows computed alone as here, whatever a worker would time under its neighbours' load
-                "env_vars": {ROWS_ALONE_ENV: rows_alone_choice()},
+                "env_vars": {ROWS_ALONE_ENV: rows_alone},
             },
             include_dashboard=False,
             logging_level=logging.WARNING,

@@ -275,7 +275,8 @@ def pairs_cost_more(dtype: torch.dtype) -> bool:
 def rows_alone_choice() -> str:
     """How this process computes rows alone on a CPU in float32: ``"vectors"`` or ``"classes"``, as
     :data:`ROWS_ALONE_ENV` pins it or :func:`pairs_cost_more` times it. A process whose results must be this
-    one's bit for bit (a cluster's workers, ``cluster.connect``) gets it as its own pin."""
+    one's bit for bit (a cluster's workers, ``cluster.connect``) gets it as its own pin, which holds for
+    float64 too (this process times float64 apart where nothing pins it)."""
     return _pinned() or ("vectors" if pairs_cost_more(torch.float32) else "classes")
 
 
